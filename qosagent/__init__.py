@@ -1,0 +1,3 @@
+"""qosagent: per-tenant latency SLOs for GPU inference hosts, measured and enforced in the kernel."""
+
+__version__ = "0.1.0"

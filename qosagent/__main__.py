@@ -1,0 +1,3 @@
+from qosagent.cli import main
+
+main()

@@ -1,0 +1,208 @@
+"""qosagent's command line: run, check, status, reload, detach (and capability commands such as topology)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any, Callable
+
+import click
+
+from qosagent import __version__
+from qosagent import config as config_mod
+from qosagent.hostfs import HostFS
+
+EXIT_CONFIG = 2
+EXIT_NO_AGENT = 3
+
+
+def host_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--host-root", default="/", show_default=True, type=click.Path(file_okay=False),
+                     help="Where the host's / is mounted (/host in a DaemonSet); all /sys and /proc reads go there.")(f)
+    f = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                     help="YAML config; without it the embedded default (observe only) is used.")(f)
+    return f
+
+
+def load_config(path: str | None) -> config_mod.Config:
+    try:
+        return config_mod.load(path)
+    except config_mod.ConfigError as e:
+        click.echo(str(e), err=True)
+        sys.exit(EXIT_CONFIG)
+
+
+def sd_notify(state: str) -> None:
+    """systemd's notify protocol (one datagram), a no-op outside a Type=notify unit."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.sendto(state.encode(), addr)
+        except OSError:
+            pass
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qosagent")
+def main() -> None:
+    """Keep inference tenants inside their latency SLOs: eBPF latency per tenant, in-kernel quotas,
+    SLO-driven limits, DVFS and NUMA placement, with Prometheus metrics and an audit of every decision."""
+
+
+@main.command()
+@host_options
+def run(config_path: str | None, host_root: str) -> None:
+    """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config)."""
+    from qosagent import logs
+    from qosagent.daemon import Agent
+    from qosagent.metrics import MetricsServer
+    from qosagent.status import StatusServer
+
+    cfg = load_config(config_path)
+    logs.setup(cfg.log_level)
+    log = logging.getLogger("qosagent.cli")
+    agent = Agent(cfg, HostFS(host_root), config_path)
+    agent.install_signal_handlers()
+    try:
+        status_server = StatusServer(agent, cfg.status.socket)
+    except OSError as e:
+        log.error("status socket: %s", e)
+        sys.exit(1)
+    agent._servers.append(status_server)
+    status_server.start()
+    if cfg.metrics.enabled:
+        try:
+            metrics_server = MetricsServer(agent, cfg.metrics.listen)
+        except OSError as e:
+            log.error("metrics listen %s: %s", cfg.metrics.listen, e)
+            agent.stop()
+            sys.exit(1)
+        agent._servers.append(metrics_server)
+        metrics_server.start()
+        log.info("metrics on http://%s:%s/metrics", *metrics_server.address[:2])
+    try:
+        agent.start()
+        agent.run(notify=sd_notify)
+    finally:
+        sd_notify("STOPPING=1")
+        agent.stop()
+        log.info("stopped; everything attached has been detached")
+
+
+@main.command()
+@host_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--strict", is_flag=True, help="Exit 1 when an enabled capability cannot run.")
+def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) -> None:
+    """Validate the config and report what the host offers and what the agent will use. Changes nothing."""
+    from qosagent.capability import AgentContext, State, Verdict, registry
+    from qosagent.daemon import _gpu_backend
+    from qosagent.features import probe
+
+    cfg = load_config(config_path)
+    fs = HostFS(host_root)
+    gpu = _gpu_backend(cfg)
+    feats = probe(fs, f"{gpu.name}: " + (getattr(gpu, "reason", "") or f"{len(gpu.devices())} GPU(s)"))
+    ctx = AgentContext(config=cfg, hostfs=fs, gpu=gpu)
+    verdicts: dict[str, Verdict] = {}
+    for cls in registry():
+        if not cls.enabled(cfg):
+            verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
+        else:
+            verdicts[cls.name] = cls(ctx).probe(feats)
+    gpu.close()
+    failed = [n for n, v in verdicts.items() if v.state is State.UNAVAILABLE]
+    if as_json:
+        click.echo(json.dumps({
+            "config": config_path or config_mod.DEFAULT_SOURCE,
+            "config_valid": True,
+            "host": feats.as_dict(),
+            "capabilities": {n: v.as_dict() for n, v in verdicts.items()},
+        }, indent=2))
+    else:
+        click.echo(f"config: {config_path or config_mod.DEFAULT_SOURCE}: valid")
+        click.echo(_render_features(feats))
+        click.echo("\nCAPABILITY   STATE        REASON")
+        for n, v in verdicts.items():
+            click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
+    if strict and failed:
+        sys.exit(1)
+
+
+def _render_features(f: Any) -> str:
+    yn = {True: "yes", False: "no"}
+    lines = [
+        f"kernel {f.kernel}: BTF {yn[f.btf]}, headers {yn[f.kernel_headers]}, tracefs {f.tracefs}, "
+        f"bpffs {f.bpffs}, kprobes {yn[f.kprobes]}",
+        "tracepoints: " + ", ".join(f"{k} {yn[v]}" for k, v in f.tracepoints.items()),
+        f"tc: clsact {yn[f.clsact]}, cls_bpf {yn[f.cls_bpf]}, tcx {yn[f.tcx]}",
+        "cpufreq: " + (", ".join(f"{p} {d['driver']}/{d['governor']}" for p, d in f.cpufreq.items()) or "none"),
+        "thermal zones: " + (", ".join(f"{z} ({t})" for z, t in f.thermal_zones.items()) or "none"),
+        "hwmon: " + (", ".join(f"{h} ({n})" for h, n in f.hwmon.items()) or "none"),
+        "NUMA nodes: " + (", ".join(map(str, f.numa_nodes)) or "none"),
+        "GPUs (PCI): " + (", ".join(f.pci_gpus) or "none") + f"; NVML: {f.nvml}",
+    ]
+    return "\n".join(lines)
+
+
+@main.command()
+@host_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--decisions", is_flag=True, help="Every decision kept in the audit ring, not only the last ten.")
+@click.option("--socket", "socket_path", default=None, help="Status socket (default: status.socket of the config).")
+def status(config_path: str | None, host_root: str, as_json: bool, decisions: bool, socket_path: str | None) -> None:
+    """Show the running agent's per-tenant latency, limits, capabilities and recent decisions."""
+    from qosagent.status import NoAgent, render, request
+
+    path = socket_path or load_config(config_path).status.socket
+    try:
+        st = request(path, {"cmd": "status", "decisions": decisions})
+    except NoAgent as e:
+        click.echo(f"qosagent: {e}", err=True)
+        sys.exit(EXIT_NO_AGENT)
+    if as_json:
+        click.echo(json.dumps(st, indent=2, default=str))
+    else:
+        click.echo(render(st))
+
+
+@main.command()
+@host_options
+@click.option("--socket", "socket_path", default=None, help="Status socket (default: status.socket of the config).")
+def reload(config_path: str | None, host_root: str, socket_path: str | None) -> None:
+    """Ask the running agent to re-read its config; a bad config is refused and the old one keeps running."""
+    from qosagent.status import NoAgent, request
+
+    path = socket_path or load_config(config_path).status.socket
+    try:
+        resp = request(path, {"cmd": "reload"})
+    except NoAgent as e:
+        click.echo(f"qosagent: {e}", err=True)
+        sys.exit(EXIT_NO_AGENT)
+    click.echo(resp.get("message") or resp.get("error", ""))
+    sys.exit(0 if resp.get("ok") else 1)
+
+
+@main.command()
+@host_options
+def detach(config_path: str | None, host_root: str) -> None:
+    """Remove everything a qosagent left on this host (filters, pins, frequency limits, affinities)."""
+    from qosagent.capability import AgentContext, registry
+    from qosagent.gpu.backend import NoGpu
+
+    cfg = load_config(config_path)
+    ctx = AgentContext(config=cfg, hostfs=HostFS(host_root), gpu=NoGpu())
+    removed: list[str] = []
+    for cls in reversed(registry()):
+        removed += cls.detach(ctx)
+    for line in removed:
+        click.echo(line)
+    if not removed:
+        click.echo("nothing of qosagent's was found")

@@ -1,0 +1,239 @@
+"""The config schema, its loading from YAML, and errors that name the file and the key path.
+
+Each capability owns its section model (qosagent/<capability>/config.py); this module composes them and checks
+what crosses sections (tiers named by tenants, ports claimed twice).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from importlib import resources
+from typing import Annotated, Any
+
+import yaml
+from pydantic import Field, StringConstraints, ValidationError, field_validator
+
+from qosagent.admission.config import AdmissionConfig
+from qosagent.configbase import Duration, Port, Section
+from qosagent.dvfs.config import DvfsConfig
+from qosagent.gpu.config import GpuConfig
+from qosagent.latency.config import LatencyConfig
+from qosagent.placement.config import PlacementConfig
+from qosagent.quota.config import QuotaConfig
+
+# The name traffic gets when it is on a watched port but matches no tenant.
+UNMATCHED = "unmatched"
+
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")]
+
+
+class QuotaSpec(Section):
+    rps: float | None = Field(default=None, ge=0, description="new requests per second")
+    burst: int | None = Field(default=None, ge=0, description="requests admitted at once above the rate")
+    connections_per_s: float | None = Field(default=None, ge=0, description="new connections (SYN) per second")
+
+
+class TierConfig(Section):
+    slo_p99: Duration
+    weight: int = Field(ge=1, le=1000)
+    quota: QuotaSpec | None = None
+    floor: QuotaSpec | None = None
+
+
+class HeaderMatch(Section):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9-]{1,64}$")]
+    value: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class TenantMatch(Section):
+    ports: list[Port] = Field(default_factory=list)
+    cidrs: list[str] = Field(default_factory=list)
+    header: HeaderMatch | None = None
+
+    @field_validator("cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        out = []
+        for c in v:
+            try:
+                out.append(str(ipaddress.ip_network(c, strict=False)))
+            except ValueError:
+                raise ValueError(f"not an IPv4 or IPv6 network: {c!r}") from None
+        return out
+
+
+class TenantConfig(Section):
+    name: Name
+    tier: str
+    match: TenantMatch
+    quota: QuotaSpec | None = None
+
+
+class MetricsConfig(Section):
+    enabled: bool = True
+    listen: str = "127.0.0.1:9464"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"expected HOST:PORT, got {v!r}")
+        return v
+
+
+class StatusConfig(Section):
+    socket: str = "/run/qosagent/status.sock"
+    decisions_kept: int = Field(default=1000, ge=10, le=100000)
+
+
+class BpfConfig(Section):
+    # Versioned below this path so that an agent of another layout never adopts incompatible pins.
+    pin_root: str = "/sys/fs/bpf/qosagent"
+
+
+def _default_tiers() -> dict[str, TierConfig]:
+    return {
+        "gold": TierConfig(slo_p99="120ms", weight=10),  # type: ignore[arg-type]
+        "silver": TierConfig(slo_p99="350ms", weight=5),  # type: ignore[arg-type]
+        "bronze": TierConfig(slo_p99="1200ms", weight=1),  # type: ignore[arg-type]
+    }
+
+
+class Config(Section):
+    interval: Duration = 0.1
+    log_level: str = Field(default="info", pattern="^(debug|info|warning|error)$")
+    state_dir: str = "/run/qosagent"
+    metrics: MetricsConfig = MetricsConfig()
+    status: StatusConfig = StatusConfig()
+    bpf: BpfConfig = BpfConfig()
+    gpu: GpuConfig = GpuConfig()
+    tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    latency: LatencyConfig = LatencyConfig()
+    quota: QuotaConfig = QuotaConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    dvfs: DvfsConfig = DvfsConfig()
+    placement: PlacementConfig = PlacementConfig()
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, v: float) -> float:
+        if not 0.01 <= v <= 60:
+            raise ValueError("expected between 10ms and 60s")
+        return v
+
+    def tier_of(self, tenant: TenantConfig) -> TierConfig:
+        return self.tiers[tenant.tier]
+
+    def watched_ports(self) -> list[int]:
+        """Local ports whose sockets are measured (and, with quota on, classified): defaults plus tenant ports."""
+        ports = set(self.latency.ports)
+        for t in self.tenants:
+            ports.update(t.match.ports)
+        return sorted(ports)
+
+
+class ConfigError(Exception):
+    """A config that cannot be used: names the source and each offending key path."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return "\n".join(f"{self.source}: {path or '(top level)'}: {msg}" for path, msg in self.problems)
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "missing required key"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if kind not in ("value_error",) and "input" in err and not isinstance(err["input"], (dict, list)):
+        msg += f" (got {err['input']!r})"
+    return msg
+
+
+def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    seen: dict[str, int] = {}
+    port_owner: dict[int, str] = {}
+    for i, t in enumerate(cfg.tenants):
+        here = f"tenants[{i}]"
+        if t.name == UNMATCHED:
+            problems.append((f"{here}.name", f"{UNMATCHED!r} is reserved for traffic that matches no tenant"))
+        if t.name in seen:
+            problems.append((f"{here}.name", f"duplicate tenant name (first at tenants[{seen[t.name]}])"))
+        seen.setdefault(t.name, i)
+        if t.tier not in cfg.tiers:
+            problems.append((f"{here}.tier", f"unknown tier {t.tier!r}; expected one of {sorted(cfg.tiers)}"))
+        m = t.match
+        if not (m.ports or m.cidrs or m.header):
+            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header"))
+        # A port alone claims every connection on it; two tenants cannot both claim one.
+        if m.ports and not m.cidrs and not m.header:
+            for p in m.ports:
+                if p in port_owner:
+                    problems.append((f"{here}.match.ports", f"port {p} is already claimed by {port_owner[p]!r}"))
+                port_owner.setdefault(p, t.name)
+    return problems
+
+
+def parse(data: Any, source: str) -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", "expected a mapping of config keys")])
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, [(_loc_to_path(err["loc"]), _message(err)) for err in e.errors()]) from None
+    problems = _cross_checks(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def parse_text(text: str, source: str) -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(source, [(where, f"invalid YAML: {getattr(e, 'problem', None) or e}")]) from None
+    return parse(data, source)
+
+
+DEFAULT_SOURCE = "<embedded default>"
+
+
+def default_text() -> str:
+    return resources.files("qosagent").joinpath("default.yaml").read_text()
+
+
+def load(path: str | None) -> Config:
+    """The config at path, or the embedded default (observe only) when path is None."""
+    if path is None:
+        return parse_text(default_text(), DEFAULT_SOURCE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(path, [("", f"cannot read: {e.strerror}")]) from None
+    return parse_text(text, path)

@@ -1,0 +1,274 @@
+"""The agent: probe → start → tick (collect, decide, apply, publish) → stop, with signals and a status socket.
+
+The loop knows capabilities only through their common face. A capability that fails at start is reported
+unavailable and the rest run on; one that fails in a tick is counted and degraded, never fatal.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from qosagent import config as config_mod
+from qosagent import features as features_mod
+from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict, registry
+from qosagent.config import Config, ConfigError
+from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu, make_backend
+from qosagent.hostfs import HostFS
+from qosagent.snapshot import Decision, Snapshot
+
+log = logging.getLogger("qosagent.daemon")
+
+
+@dataclass
+class SelfStats:
+    """The agent's own health, exported as self-metrics."""
+
+    ticks: int = 0
+    tick_seconds_last: float = 0.0
+    tick_seconds_max: float = 0.0
+    tick_overruns: int = 0
+    collect_errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    apply_errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+    last_reload_error: str = ""
+    started_monotonic: float = 0.0
+    ready_seconds: float | None = None
+
+
+def _gpu_backend(cfg: Config) -> GpuBackend:
+    try:
+        return make_backend(cfg.gpu.backend, cfg.gpu.fake_file)
+    except GpuError as e:
+        log.warning("GPU backend %s unavailable: %s", cfg.gpu.backend, e)
+        return NoGpu(str(e))
+
+
+class Agent:
+    def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None):
+        self.config = cfg
+        self.config_path = config_path
+        self.hostfs = hostfs
+        self.gpu = gpu if gpu is not None else _gpu_backend(cfg)
+        self.ctx = AgentContext(config=cfg, hostfs=hostfs, gpu=self.gpu)
+        self.capabilities: list[Capability] = []
+        self.verdicts: dict[str, Verdict] = {}
+        self.stats = SelfStats(started_monotonic=time.monotonic())
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=cfg.status.decisions_kept)
+        self.latest: Snapshot = Snapshot.build(0, time.monotonic(), time.time(), {})
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._reload_done = threading.Condition()
+        self._reload_result: tuple[int, tuple[bool, str]] = (0, (True, ""))
+        self.features: features_mod.Features | None = None
+        self._servers: list[Any] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if any(cls.enabled(self.config) for cls in registry() if cls.name in ("latency", "quota")):
+            try:
+                mounted = features_mod.ensure_mounted(self.hostfs)
+                if mounted:
+                    log.info("mounted %s", ", ".join(mounted))
+            except OSError as e:
+                log.warning("could not mount tracefs/bpffs: %s", e)
+        nvml_state = f"{self.gpu.name}: {'no GPU data' if isinstance(self.gpu, NoGpu) else 'open'}"
+        self.features = features_mod.probe(self.hostfs, nvml_state)
+        for cls in registry():
+            if not cls.enabled(self.config):
+                self.verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
+                continue
+            cap = cls(self.ctx)
+            verdict = cap.probe(self.features)
+            if verdict.state is State.UNAVAILABLE:
+                log.warning("%s unavailable: %s", cls.name, verdict.reason)
+                self.verdicts[cls.name] = verdict
+                continue
+            try:
+                cap.start()
+            except CapabilityError as e:
+                log.error("%s could not start: %s", cls.name, e)
+                self.verdicts[cls.name] = Verdict(State.UNAVAILABLE, str(e))
+                cap.stop()
+                continue
+            cap.verdict = verdict
+            self.verdicts[cls.name] = verdict
+            self.capabilities.append(cap)
+            log.info("%s %s%s", cls.name, verdict.state.value, f" ({verdict.reason})" if verdict.reason else "")
+
+    def stop(self) -> None:
+        """Undo every capability in reverse start order; each stop runs even when another fails."""
+        for cap in reversed(self.capabilities):
+            try:
+                cap.stop()
+            except Exception:  # noqa: BLE001 - a failing stop must not keep the others from rolling back
+                log.exception("%s: stop failed", cap.name)
+        self.capabilities = []
+        for srv in self._servers:
+            srv.close()
+        self._servers = []
+        self.gpu.close()
+
+    # ---- one tick ----------------------------------------------------------------------------------------
+    def tick(self) -> Snapshot:
+        t0 = time.monotonic()
+        parts: dict[str, Any] = {"gpu": self._sample_gpu()}
+        for cap in self.capabilities:
+            try:
+                parts[cap.name] = cap.collect()
+            except Exception as e:  # noqa: BLE001 - counted and reported; the loop goes on
+                self.stats.collect_errors[cap.name] += 1
+                self._degrade(cap, f"collect failed: {e}")
+                log.debug("%s collect failed", cap.name, exc_info=True)
+        snap = Snapshot.build(self.latest.seq + 1, t0, time.time(), parts)
+        decided: list[Decision] = []
+        for cap in self.capabilities:
+            try:
+                decisions = cap.decide(snap)
+                cap.apply(decisions)
+            except Exception as e:  # noqa: BLE001
+                self.stats.apply_errors[cap.name] += 1
+                self._degrade(cap, f"decide/apply failed: {e}")
+                log.warning("%s: %s", cap.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
+                continue
+            for d in decisions:
+                log.info("decision %s %s %s: %s -> %s (%s)%s", d.capability, d.target, d.action, d.old, d.new,
+                         d.reason, "" if d.applied else " [dry-run]")
+            decided.extend(decisions)
+        self.decisions.extend(decided)
+        snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, snap.parts, tuple(decided))
+        self.latest = snap
+        elapsed = time.monotonic() - t0
+        self.stats.ticks += 1
+        self.stats.tick_seconds_last = elapsed
+        self.stats.tick_seconds_max = max(self.stats.tick_seconds_max, elapsed)
+        return snap
+
+    def _sample_gpu(self) -> GpuState:
+        try:
+            return self.gpu.sample()
+        except Exception as e:  # noqa: BLE001 - a backend bug must not stop the loop; GPU state is unknown
+            self.stats.collect_errors["gpu"] += 1
+            return GpuState(available=False, reason=f"sample failed: {e}")
+
+    def _degrade(self, cap: Capability, reason: str) -> None:
+        v = Verdict(State.DEGRADED, reason)
+        if self.verdicts.get(cap.name) != v:
+            self.verdicts[cap.name] = v
+
+    # ---- reload ------------------------------------------------------------------------------------------
+    def reload(self) -> tuple[bool, str]:
+        """Re-read the config file; a bad one keeps the old config running and says why."""
+        try:
+            new = config_mod.load(self.config_path)
+        except ConfigError as e:
+            return self._reload_failed(str(e))
+        changed = [cls.name for cls in registry() if cls.enabled(new) != cls.enabled(self.config)]
+        if changed:
+            return self._reload_failed(f"enabling or disabling capabilities needs a restart: {', '.join(changed)}")
+        for cap in self.capabilities:
+            try:
+                cap.reload(new)
+            except CapabilityError as e:
+                return self._reload_failed(f"{cap.name}: {e}")
+        self.config = new
+        self.ctx.config = new
+        self.stats.reloads_ok += 1
+        self.stats.last_reload_error = ""
+        log.info("config reloaded from %s", self.config_path or config_mod.DEFAULT_SOURCE)
+        return True, "reloaded"
+
+    def _reload_failed(self, why: str) -> tuple[bool, str]:
+        self.stats.reloads_failed += 1
+        self.stats.last_reload_error = why
+        log.error("reload refused, old config stays: %s", why)
+        return False, why
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def request_reload(self, *_: Any) -> None:
+        self._reload.set()
+
+    def run(self, notify: Any = None) -> None:
+        """Tick until asked to stop. `notify(state)` receives READY=1 and WATCHDOG=1 for systemd."""
+        interval = self.config.interval
+        next_at = time.monotonic()
+        self.tick()
+        self.ready.set()
+        self.stats.ready_seconds = time.monotonic() - self.stats.started_monotonic
+        log.info("ready in %.2fs: %s", self.stats.ready_seconds,
+                 ", ".join(f"{n}={v.state.value}" for n, v in self.verdicts.items()))
+        if notify:
+            notify("READY=1")
+        while not self._stop.is_set():
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:
+                # Overran: skip the missed ticks rather than bursting to catch up.
+                self.stats.tick_overruns += 1
+                next_at = time.monotonic()
+            elif self._stop.wait(delay):
+                break
+            if self._reload.is_set():
+                self._reload.clear()
+                result = self.reload()
+                interval = self.config.interval
+                with self._reload_done:
+                    self._reload_result = (self._reload_result[0] + 1, result)
+                    self._reload_done.notify_all()
+            self.tick()
+            if notify:
+                notify("WATCHDOG=1")
+
+    def reload_and_wait(self, timeout: float = 10.0) -> tuple[bool, str]:
+        """Ask the loop to reload (it does so between ticks) and wait for its answer."""
+        with self._reload_done:
+            seen = self._reload_result[0]
+            self._reload.set()
+            if not self._reload_done.wait_for(lambda: self._reload_result[0] != seen, timeout):
+                return False, "the control loop did not answer in time"
+            return self._reload_result[1]
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
+
+    # ---- what the status socket serves -------------------------------------------------------------------
+    def status(self, decisions: bool = False) -> dict[str, Any]:
+        snap = self.latest
+        out: dict[str, Any] = {
+            "version": __import__("qosagent").__version__,
+            "seq": snap.seq,
+            "time": snap.wall_time,
+            "config": self.config_path or config_mod.DEFAULT_SOURCE,
+            "interval_s": self.config.interval,
+            "capabilities": {n: v.as_dict() for n, v in self.verdicts.items()},
+            "self": {
+                "ticks": self.stats.ticks,
+                "tick_seconds_last": self.stats.tick_seconds_last,
+                "tick_seconds_max": self.stats.tick_seconds_max,
+                "tick_overruns": self.stats.tick_overruns,
+                "reloads_ok": self.stats.reloads_ok,
+                "reloads_failed": self.stats.reloads_failed,
+                "last_reload_error": self.stats.last_reload_error,
+                "ready_seconds": self.stats.ready_seconds,
+            },
+        }
+        for cap in self.capabilities:
+            try:
+                out[cap.name] = cap.status(snap)
+            except Exception as e:  # noqa: BLE001 - status must answer even when one part is broken
+                out[cap.name] = {"error": str(e)}
+        recent = list(self.decisions)
+        out["decisions"] = [d.as_dict() for d in (recent if decisions else recent[-10:])]
+        return out

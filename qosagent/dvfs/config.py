@@ -1,0 +1,8 @@
+from __future__ import annotations
+
+from qosagent.configbase import Mode, Section
+
+
+class DvfsConfig(Section):
+    enabled: bool = False
+    mode: Mode = "dry-run"

@@ -1,0 +1,152 @@
+"""What this host offers, read once through HostFS; capabilities decide from it what they can use.
+
+Probing never changes the host: a filesystem that is not mounted is reported as mountable, not mounted.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from qosagent.hostfs import HostFS
+
+TRACEFS = "/sys/kernel/tracing"
+BPFFS = "/sys/fs/bpf"
+
+# Tracepoints the agent may use, by tracefs group/name.
+TRACEPOINTS = (
+    "sock/inet_sock_set_state",
+    "sock/sock_recv_length",
+    "sock/sock_send_length",
+    "sched/sched_wakeup",
+    "sched/sched_wakeup_new",
+    "sched/sched_switch",
+)
+
+
+@dataclass
+class Features:
+    kernel: str = ""
+    btf: bool = False
+    kernel_headers: bool = False
+    tracefs: str = "absent"  # mounted | mountable | absent
+    bpffs: str = "absent"
+    tracepoints: dict[str, bool] = field(default_factory=dict)
+    kprobes: bool = False
+    cls_bpf: bool = False
+    clsact: bool = False
+    tcx: bool = False
+    cpufreq: dict[str, dict[str, str]] = field(default_factory=dict)  # policy -> driver, governor
+    thermal_zones: dict[str, str] = field(default_factory=dict)  # zone -> type
+    hwmon: dict[str, str] = field(default_factory=dict)  # hwmonN -> name
+    numa_nodes: list[int] = field(default_factory=list)
+    pci_gpus: list[str] = field(default_factory=list)  # sysfs bus ids
+    nvml: str = "not probed"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def has_tracepoint(self, name: str) -> bool:
+        return self.tracepoints.get(name, False)
+
+
+def _mount_types(fs: HostFS) -> dict[str, str]:
+    text = fs.try_read("/proc/self/mounts") or ""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            out[parts[1]] = parts[2]
+    return out
+
+
+def _kallsyms(fs: HostFS) -> set[str]:
+    # Symbol names only; addresses read as zeros without CAP_SYSLOG, which does not matter here.
+    text = fs.try_read("/proc/kallsyms") or ""
+    names = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            names.add(parts[2])
+    return names
+
+
+def _btf_strings(fs: HostFS) -> bytes:
+    try:
+        with open(fs.path("/sys/kernel/btf/vmlinux"), "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def _filesystems(fs: HostFS) -> set[str]:
+    text = fs.try_read("/proc/filesystems") or ""
+    return {line.split()[-1] for line in text.splitlines() if line.strip()}
+
+
+def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
+    f = Features(kernel=platform.release() if str(fs.root) == "/" else (fs.try_read("/proc/sys/kernel/osrelease") or ""))
+    f.btf = fs.exists("/sys/kernel/btf/vmlinux")
+    # BCC compiles against headers at this real path (a DaemonSet mounts /lib/modules at the same place).
+    f.kernel_headers = os.path.exists(f"/lib/modules/{platform.release()}/build/include")
+    mounts = _mount_types(fs)
+    known = _filesystems(fs)
+    for attr, path, fstype in (("tracefs", TRACEFS, "tracefs"), ("bpffs", BPFFS, "bpf")):
+        if mounts.get(path) == fstype:
+            setattr(f, attr, "mounted")
+        elif fstype in known:
+            setattr(f, attr, "mountable")
+    syms = _kallsyms(fs)
+    btf_names = _btf_strings(fs) if f.btf else b""
+    for tp in TRACEPOINTS:
+        name = tp.split("/", 1)[1]
+        # With tracefs unmounted, BTF still tells: every tracepoint has a btf_trace_<name> typedef.
+        f.tracepoints[tp] = fs.exists(f"{TRACEFS}/events/{tp}") or b"\0btf_trace_" + name.encode() + b"\0" in btf_names
+    f.kprobes = fs.exists("/sys/bus/event_source/devices/kprobe") or "register_kprobe" in syms
+    f.cls_bpf = "cls_bpf_classify" in syms or _module_file(fs, f.kernel, "net/sched/cls_bpf.ko")
+    f.clsact = "clsact_init" in syms or "ingress_init" in syms or _module_file(fs, f.kernel, "net/sched/sch_ingress.ko")
+    f.tcx = "tcx_prog_attach" in syms
+    for pol in fs.glob("/sys/devices/system/cpu/cpufreq", "policy*"):
+        f.cpufreq[pol.rsplit("/", 1)[1]] = {
+            "driver": fs.try_read(f"{pol}/scaling_driver") or "unknown",
+            "governor": fs.try_read(f"{pol}/scaling_governor") or "unknown",
+        }
+    for zone in fs.glob("/sys/class/thermal", "thermal_zone*"):
+        f.thermal_zones[zone.rsplit("/", 1)[1]] = fs.try_read(f"{zone}/type") or "unknown"
+    for chip in fs.glob("/sys/class/hwmon", "hwmon*"):
+        f.hwmon[chip.rsplit("/", 1)[1]] = fs.try_read(f"{chip}/name") or "unknown"
+    f.numa_nodes = sorted(
+        int(n[len("node"):]) for n in fs.listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit()
+    )
+    for dev in fs.glob("/sys/bus/pci/devices", "*"):
+        vendor = (fs.try_read(f"{dev}/vendor") or "").lower()
+        klass = fs.try_read(f"{dev}/class") or ""
+        if vendor == "0x10de" and klass.startswith(("0x03", "0x12")):
+            f.pci_gpus.append(dev.rsplit("/", 1)[1])
+    f.nvml = nvml_state
+    return f
+
+
+def _module_file(fs: HostFS, kernel: str, rel: str) -> bool:
+    base = f"/lib/modules/{kernel}/kernel/{rel}"
+    return any(fs.exists(base + ext) for ext in ("", ".xz", ".zst", ".gz"))
+
+
+def ensure_mounted(fs: HostFS) -> list[str]:
+    """Mount tracefs and bpffs where they are missing; returns what was mounted. Needs CAP_SYS_ADMIN."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    mounts = _mount_types(fs)
+    done = []
+    for path, fstype in ((TRACEFS, "tracefs"), (BPFFS, "bpf")):
+        if mounts.get(path) == fstype:
+            continue
+        target = str(fs.path(path))
+        if libc.mount(fstype.encode(), target.encode(), fstype.encode(), 0, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {fstype} on {target}: {os.strerror(err)}")
+        done.append(path)
+    return done

@@ -1,0 +1,97 @@
+"""The one seam for /sys and /proc: every host file access goes through a HostFS rooted at --host-root.
+
+A DaemonSet mounts the host at /host; tests root it at a fixture tree. Paths passed in are always the host's
+absolute paths ("/sys/devices/system/cpu"), so code reads the same whatever the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import os
+from pathlib import Path
+
+
+class HostFSError(OSError):
+    """A host file could not be read or written; carries the host path and errno."""
+
+    def __init__(self, err: int, message: str, host_path: str):
+        super().__init__(err, message, host_path)
+        self.host_path = host_path
+
+    def __str__(self) -> str:
+        return f"{self.host_path}: {self.strerror}"
+
+
+class HostFS:
+    def __init__(self, root: str | os.PathLike = "/"):
+        self.root = Path(root).resolve()
+
+    def __repr__(self) -> str:
+        return f"HostFS({str(self.root)!r})"
+
+    def path(self, host_path: str) -> Path:
+        if not host_path.startswith("/"):
+            raise ValueError(f"host paths are absolute: {host_path!r}")
+        return self.root / host_path.lstrip("/")
+
+    def _wrap(self, exc: OSError, host_path: str) -> HostFSError:
+        return HostFSError(exc.errno or errno.EIO, exc.strerror or str(exc), host_path)
+
+    def read_text(self, host_path: str) -> str:
+        try:
+            with open(self.path(host_path), encoding="utf-8", errors="replace") as f:
+                return f.read().strip()
+        except OSError as e:
+            raise self._wrap(e, host_path) from e
+
+    def read_int(self, host_path: str) -> int:
+        text = self.read_text(host_path)
+        try:
+            return int(text)
+        except ValueError:
+            raise HostFSError(errno.EINVAL, f"not an integer: {text[:40]!r}", host_path) from None
+
+    def try_read(self, host_path: str) -> str | None:
+        """The file's text, or None when it is absent or unreadable (missing hardware is no data, not an error)."""
+        try:
+            return self.read_text(host_path)
+        except HostFSError:
+            return None
+
+    def write_text(self, host_path: str, value: str) -> None:
+        # sysfs wants one write() of the whole value; no truncation games, no newline needed.
+        try:
+            fd = os.open(self.path(host_path), os.O_WRONLY)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise self._wrap(e, host_path) from e
+
+    def exists(self, host_path: str) -> bool:
+        return self.path(host_path).exists()
+
+    def is_dir(self, host_path: str) -> bool:
+        return self.path(host_path).is_dir()
+
+    def listdir(self, host_path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(host_path)))
+        except OSError:
+            return []
+
+    def glob(self, host_dir: str, pattern: str) -> list[str]:
+        """Host paths of the entries of host_dir whose names match pattern (fnmatch), sorted."""
+        base = host_dir.rstrip("/")
+        return [f"{base}/{n}" for n in self.listdir(host_dir) if fnmatch.fnmatch(n, pattern)]
+
+    def realpath(self, host_path: str) -> str:
+        """Resolve symlinks inside the root (sysfs is full of them) and return the host path."""
+        real = Path(os.path.realpath(self.path(host_path)))
+        try:
+            return "/" + str(real.relative_to(self.root))
+        except ValueError:
+            # An absolute link that points outside a fixture root: keep it as the host path it names.
+            return str(real)

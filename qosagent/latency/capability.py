@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+from qosagent.capability import Capability, State, Verdict
+
+
+class Latency(Capability):
+    name = "latency"
+
+    def probe(self, features: object) -> Verdict:
+        return Verdict(State.UNAVAILABLE, "not built yet")

@@ -1,0 +1,130 @@
+"""Prometheus exposition built at scrape time from the latest Snapshot (a custom collector), plus health routes.
+
+No gauge is mutated from the loop: a scrape reads one Snapshot, so every series in it describes the same tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from qosagent.capability import State
+
+if TYPE_CHECKING:
+    from qosagent.daemon import Agent
+
+log = logging.getLogger("qosagent.metrics")
+
+
+class AgentCollector:
+    def __init__(self, agent: "Agent"):
+        self.agent = agent
+
+    def collect(self) -> Iterable[Metric]:
+        a = self.agent
+        snap = a.latest
+        state = GaugeMetricFamily("qosagent_capability_state", "1 for the state each capability is in",
+                                  labels=["capability", "state"])
+        for name, verdict in a.verdicts.items():
+            for s in State:
+                state.add_metric([name, s.value], 1.0 if verdict.state is s else 0.0)
+        yield state
+        yield CounterMetricFamily("qosagent_ticks", "Control-loop ticks run", value=a.stats.ticks)
+        yield GaugeMetricFamily("qosagent_tick_duration_seconds", "Duration of the last tick",
+                                value=a.stats.tick_seconds_last)
+        yield GaugeMetricFamily("qosagent_tick_duration_max_seconds", "Longest tick since start",
+                                value=a.stats.tick_seconds_max)
+        yield CounterMetricFamily("qosagent_tick_overruns", "Ticks that started late because one ran over interval",
+                                  value=a.stats.tick_overruns)
+        errors = CounterMetricFamily("qosagent_collect_errors", "Failed reads of a capability's sources (maps, "
+                                     "sysfs, NVML) by capability", labels=["capability"])
+        for name, n in sorted(a.stats.collect_errors.items()):
+            errors.add_metric([name], n)
+        yield errors
+        reloads = CounterMetricFamily("qosagent_config_reloads", "Config reloads by result", labels=["result"])
+        reloads.add_metric(["ok"], a.stats.reloads_ok)
+        reloads.add_metric(["failed"], a.stats.reloads_failed)
+        yield reloads
+        gpu = snap.part("gpu")
+        yield GaugeMetricFamily("qosagent_gpu_data_available", "1 when GPU readings are known this tick",
+                                value=1.0 if gpu is not None and gpu.available else 0.0)
+        for cap in a.capabilities:
+            try:
+                yield from cap.metrics(snap)
+            except Exception:  # noqa: BLE001 - one broken capability must not empty the scrape
+                log.exception("%s: metrics failed", cap.name)
+
+
+def make_registry(agent: "Agent") -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))  # type: ignore[arg-type]
+    return reg
+
+
+class MetricsServer:
+    """/metrics, /healthz (the loop is ticking) and /readyz (programs attached, first tick done)."""
+
+    def __init__(self, agent: "Agent", listen: str):
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]") or "0.0.0.0"
+        registry = make_registry(agent)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok, why = agent_health(agent)
+                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
+                elif path == "/readyz":
+                    ready = agent.ready.is_set()
+                    self._send(200 if ready else 503, b"ready\n" if ready else b"starting\n", "text/plain")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        family = __import__("socket").AF_INET6 if ":" in host else __import__("socket").AF_INET
+
+        class Server(ThreadingHTTPServer):
+            address_family = family
+            daemon_threads = True
+
+        self.httpd = Server((host, int(port)), Handler)
+        self.address = self.httpd.server_address
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def agent_health(agent: "Agent") -> tuple[bool, str]:
+    """Healthy while the loop ticks: the last tick is at most 5 intervals (and 2 s) old."""
+    import time
+
+    if not agent.ready.is_set():
+        return True, "starting"
+    age = time.monotonic() - agent.latest.monotonic
+    limit = max(5 * agent.config.interval, 2.0)
+    if age > limit:
+        return False, f"last tick {age:.1f}s ago"
+    return True, "ok"

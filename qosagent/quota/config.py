@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+from qosagent.configbase import Section
+
+
+class QuotaConfig(Section):
+    enabled: bool = False

@@ -1,0 +1,56 @@
+"""One immutable view of the host per tick, and the decisions taken on it.
+
+Everything that reports (metrics, status, audit) and everything that decides reads a Snapshot; nothing else reaches
+into the kernel or the hardware. Each capability contributes one part under its own name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One change a capability decided, with what it saw and why: the unit of the audit ring."""
+
+    capability: str
+    target: str  # the tenant, CPU policy, GPU or process the decision is about
+    action: str  # a short verb: cut, raise, shed, restore, set_freq, pin ...
+    old: Any
+    new: Any
+    reason: str
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    applied: bool = True  # False in dry-run: computed and reported, not written
+    wall_time: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "time": self.wall_time,
+            "capability": self.capability,
+            "target": self.target,
+            "action": self.action,
+            "old": self.old,
+            "new": self.new,
+            "reason": self.reason,
+            "inputs": dict(self.inputs),
+            "applied": self.applied,
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    seq: int
+    monotonic: float
+    wall_time: float
+    parts: Mapping[str, Any]
+    decisions: tuple[Decision, ...] = ()
+
+    @staticmethod
+    def build(seq: int, monotonic: float, wall_time: float, parts: dict[str, Any]) -> "Snapshot":
+        return Snapshot(seq, monotonic, wall_time, MappingProxyType(dict(parts)))
+
+    def part(self, name: str) -> Any:
+        return self.parts.get(name)

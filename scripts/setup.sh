@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Installs what the agent and its tests need and is missing; quick when nothing is.
+# Idempotent: every step checks before it acts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+want_apt=()
+need() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed" || want_apt+=("$1"); }
+
+# Runtime: BCC's Python bindings exist only as the distro package; bpftool and tc for inspection and tests.
+for p in python3-bpfcc python3-venv iproute2 bpftool; do need "$p"; done
+# Test and benchmark tools: real servers, load generators and Prometheus' own tools.
+if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ]; then
+  for p in nginx wrk prometheus; do need "$p"; done
+fi
+
+kver=$(uname -r)
+if [ ! -e "/lib/modules/$kver/build" ]; then
+  # The exact headers are preferred; the distro's generic ones work because our BPF C only uses stable ABIs.
+  if apt-cache show "linux-headers-$kver" >/dev/null 2>&1; then
+    want_apt+=("linux-headers-$kver")
+  else
+    need linux-headers-amd64
+  fi
+fi
+
+if [ ${#want_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${want_apt[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${want_apt[@]}" >/dev/null
+fi
+
+if [ ! -e "/lib/modules/$kver/build" ]; then
+  build=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+  common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1)
+  if [ -z "$build" ] || [ -z "$common" ]; then
+    echo "setup: no kernel headers found under /usr/src; BPF programs cannot compile" >&2
+    exit 1
+  fi
+  echo "setup: WARNING: no headers for kernel $kver; linking $build (generic distro headers)." >&2
+  echo "setup: this is safe for qosagent's BPF C (tracepoint arguments and UAPI structs only)." >&2
+  mkdir -p "/lib/modules/$kver"
+  ln -sfn "$build" "/lib/modules/$kver/build"
+  ln -sfn "$common" "/lib/modules/$kver/source"
+fi
+
+# bcc is only in the distro's Python, so the venv is made from it and sees its site packages.
+if [ ! -x "$VENV/bin/python" ]; then
+  /usr/bin/python3 -m venv --system-site-packages "$VENV"
+fi
+stamp="$VENV/.qosagent-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+  touch "$stamp"
+fi
+"$VENV/bin/python" -c 'import bcc, pyroute2, qosagent' || { echo "setup: imports failed" >&2; exit 1; }

@@ -1,0 +1,84 @@
+"""Shared test plumbing: privileged tests run for real, and under CI=true a missing capability fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require(condition: bool, why: str) -> None:
+    """Skip when a privilege or tool is missing here; under CI=true the same is a failure, never a skip."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true and {why}: privileged tests must run in CI", pytrace=False)
+    pytest.skip(why)
+
+
+@pytest.fixture
+def root() -> None:
+    require(os.geteuid() == 0, "not root")
+
+
+@pytest.fixture
+def bpf(root: None) -> None:
+    from qosagent.ebpf.loader import headers_present
+
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        require(False, "bcc not importable")
+    require(headers_present(), "no kernel headers (run make setup)")
+
+
+def materialize_tree(src: Path, dst: Path) -> Path:
+    """Copy a fixture tree, turning the link files of shared/ back into symlinks.
+
+    shared/ stores each sysfs symlink as a small file holding its relative target ("../../devices/..."); sysfs
+    code must see real links (class/hwmon/hwmonN -> devices/..., node/nodeN/cpuM -> cpu/cpuM)."""
+    shutil.copytree(src, dst, symlinks=True)
+    subprocess.run(["chmod", "-R", "u+w", str(dst)], check=True)
+    for f in sorted(dst.rglob("*")):
+        if f.is_file() and not f.is_symlink() and f.stat().st_size < 256:
+            text = f.read_text(errors="replace").strip()
+            if text.startswith("../") and "\n" not in text and (f.parent / text).exists():
+                f.unlink()
+                f.symlink_to(text)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def node_exporter_sysfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real host snapshot from shared/, with its symlinks restored. Shared by tests: do not write to it."""
+    src = SHARED_FIXTURES / "sysfs" / "node-exporter-host"
+    require(src.is_dir(), f"shared fixture {src} missing")
+    return materialize_tree(src, tmp_path_factory.mktemp("sysfs") / "node-exporter-host")
+
+
+@pytest.fixture
+def copied_sysfs(node_exporter_sysfs: Path, tmp_path: Path) -> Path:
+    """A private, writable copy of the real host snapshot."""
+    dst = tmp_path / "host"
+    shutil.copytree(node_exporter_sysfs, dst, symlinks=True)
+    return dst
+
+
+def agent_argv(*args: str) -> list[str]:
+    """The agent of this checkout (not whatever `qosagent` is on PATH)."""
+    return [sys.executable, "-m", "qosagent", *args]
+
+
+def agent_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

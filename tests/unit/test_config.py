@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from qosagent import config
+from qosagent.config import ConfigError, parse_text
+
+EXAMPLE = textwrap.dedent("""
+    interval: 100ms
+    metrics:
+      listen: 127.0.0.1:9464
+    tiers:
+      gold:   {slo_p99: 120ms, weight: 10}
+      silver: {slo_p99: 350ms, weight: 5}
+      bronze: {slo_p99: 1200ms, weight: 1}
+    tenants:
+      - name: acme
+        tier: gold
+        match: {ports: [18001]}
+      - name: hobby
+        tier: bronze
+        match: {ports: [18002]}
+""")
+
+
+def problems(text: str) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as ei:
+        parse_text(text, "cfg.yaml")
+    assert str(ei.value).startswith("cfg.yaml: ")
+    return ei.value.problems
+
+
+def test_issue_example_loads_as_written() -> None:
+    cfg = parse_text(EXAMPLE, "example.yaml")
+    assert cfg.interval == pytest.approx(0.1)
+    assert cfg.tiers["gold"].slo_p99 == pytest.approx(0.120)
+    assert cfg.tiers["bronze"].weight == 1
+    assert [t.name for t in cfg.tenants] == ["acme", "hobby"]
+    assert cfg.watched_ports() == sorted({8000, 8001, 8080, 3000, 18001, 18002})
+
+
+def test_embedded_default_observes_only() -> None:
+    cfg = config.load(None)
+    assert cfg.latency.enabled
+    assert not (cfg.quota.enabled or cfg.admission.enabled or cfg.dvfs.enabled or cfg.placement.enabled)
+    assert cfg.latency.ports == [8000, 8001, 8080, 3000]
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "fragment"),
+    [
+        ("interval: 100", "interval", "duration"),
+        ("interval: 5ms", "interval", "between"),
+        ("bogus: 1", "bogus", "unknown key"),
+        ("metrics: {listen: nowhere}", "metrics.listen", "HOST:PORT"),
+        ("metrics: {listn: 1.2.3.4:5}", "metrics.listn", "unknown key"),
+        ("tiers: {gold: {weight: 1}}", "tiers.gold.slo_p99", "missing required key"),
+        ("tiers: {gold: {slo_p99: fast, weight: 1}}", "tiers.gold.slo_p99", "duration"),
+        ("tenants: [{name: a, tier: platinum, match: {ports: [1]}}]", "tenants[0].tier", "unknown tier"),
+        ("tenants: [{name: a, tier: gold, match: {ports: [70000]}}]", "tenants[0].match.ports[0]", "65535"),
+        ("tenants: [{name: a, tier: gold, match: {cidrs: [10.0.0.300/8]}}]", "tenants[0].match.cidrs", "network"),
+        ("tenants: [{name: a, tier: gold, match: {}}]", "tenants[0].match", "at least one"),
+        ("tenants: [{name: Bad Name, tier: gold, match: {ports: [1]}}]", "tenants[0].name", "pattern"),
+        ("tenants: [{name: unmatched, tier: gold, match: {ports: [1]}}]", "tenants[0].name", "reserved"),
+        ("tenants: [{name: a, tier: gold, match: {ports: [1]}}, {name: a, tier: gold, match: {ports: [2]}}]",
+         "tenants[1].name", "duplicate"),
+        ("tenants: [{name: a, tier: gold, match: {ports: [1]}}, {name: b, tier: gold, match: {ports: [1]}}]",
+         "tenants[1].match.ports", "already claimed"),
+        ("tenants: [{name: a, tier: gold, match: {ports: [1]}, quota: {rps: -1}}]", "tenants[0].quota.rps", "0"),
+        ("latency: {enabled: maybe}", "latency.enabled", "bool"),
+        ("- just\n- a list", "", "mapping"),
+        ("interval: [", "line", "invalid YAML"),
+    ],
+)
+def test_errors_name_the_key_path(text: str, path: str, fragment: str) -> None:
+    found = problems(text)
+    assert any(p.startswith(path) and fragment.lower() in m.lower() for p, m in found), found
+
+
+def test_missing_file_is_a_config_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(str(tmp_path / "nope.yaml"))
+
+
+def test_cidrs_are_normalized() -> None:
+    cfg = parse_text("tenants: [{name: a, tier: gold, match: {cidrs: [10.1.2.3/8, '2001:db8::1/32']}}]", "x")
+    assert cfg.tenants[0].match.cidrs == ["10.0.0.0/8", "2001:db8::/32"]
