@@ -53,6 +53,8 @@ class AgentContext:
     hostfs: HostFS
     gpu: "GpuBackend"
     clock: Callable[[], float] = time.monotonic
+    # What one capability offers another, by a dotted name (e.g. "quota.limits" -> tenants.LimitsWriter).
+    services: dict[str, Any] = field(default_factory=dict)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qosagent"))
 
 

@@ -1,0 +1,35 @@
+/* Structs shared by qosagent's BPF programs and mirrored in Python (qosagent/tenants.py, qosagent/hist.py).
+ * Only UAPI types: these programs must stay correct when the headers they compile against are not the
+ * running kernel's exact ones. */
+#ifndef QOS_COMMON_H
+#define QOS_COMMON_H
+
+#include <uapi/linux/bpf.h>
+#include <linux/types.h>
+
+#define QOS_UNMATCHED 0
+
+/* tenant_ports: a local port claimed by one tenant alone. */
+struct qos_port_key {
+    __u16 port;
+    __u16 pad;
+};
+
+struct qos_tenant_val {
+    __u32 tenant;
+};
+
+/* tenant_cidrs: LPM trie over (local port, client address); port 0 means any watched port.
+ * IPv4 addresses are stored IPv4-mapped (::ffff:a.b.c.d) so one trie serves both families. */
+struct qos_cidr_key {
+    __u32 prefixlen; /* bits, counted from `port` */
+    __u16 port;      /* network byte order, so the trie matches it as the first 16 bits */
+    __u8 addr[16];
+} __attribute__((packed));
+
+/* watched_ports: every local port whose sockets are measured or classified. */
+struct qos_watch_val {
+    __u8 on;
+};
+
+#endif

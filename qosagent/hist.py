@@ -1,0 +1,124 @@
+"""Log-linear latency histograms: the bucket layout the BPF programs fill, and quantiles estimated from it.
+
+Layout (mirrored in bpf/include/qos_hist.h): values are nanoseconds; 16 linear sub-buckets per power of two, so a
+bucket is at most 1/16 of its lower bound wide and a quantile interpolated inside it is off by at most ~6 %.
+The index is computed from v-1, which makes each bucket (lower, upper] — Prometheus' `le` is inclusive, and so the
+exported cumulative counts are exact at the bucket edges (ebpf_exporter#488 is the off-by-one this avoids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+SUB_BITS = 4
+SUB = 1 << SUB_BITS  # sub-buckets per power of two
+MAX_LOG2 = 40  # 2^40 ns ≈ 18 min: anything longer lands in the last bucket
+NBUCKETS = (MAX_LOG2 - SUB_BITS + 1) * SUB + SUB  # 608
+
+
+def bucket_index(v_ns: int) -> int:
+    """The bucket of a value in ns. Same arithmetic as qos_hist_index() in BPF."""
+    x = v_ns - 1 if v_ns > 0 else 0
+    if x < SUB:
+        return x
+    msb = x.bit_length() - 1
+    if msb > MAX_LOG2:
+        return NBUCKETS - 1
+    shift = msb - SUB_BITS
+    return (shift + 1) * SUB + ((x >> shift) - SUB)
+
+
+def bucket_lower(i: int) -> int:
+    """Exclusive lower edge in ns: the bucket holds lower < v <= upper."""
+    if i < SUB:
+        return i
+    shift = i // SUB - 1
+    return (SUB + i % SUB) << shift
+
+
+def bucket_upper(i: int) -> int:
+    """Inclusive upper edge in ns."""
+    if i < SUB:
+        return i + 1
+    shift = i // SUB - 1
+    return ((SUB + i % SUB) << shift) + (1 << shift)
+
+
+def export_bounds_ns(lo_log2: int = 17, hi_log2: int = 37, per_octave: int = 2) -> list[int]:
+    """Bucket edges exported as Prometheus `le` bounds: a few per power of two, each an exact bucket edge."""
+    step = SUB // per_octave
+    bounds = []
+    for e in range(lo_log2, hi_log2):
+        for k in range(0, SUB, step):
+            bounds.append((SUB + k) << (e - SUB_BITS))
+    bounds.append(1 << hi_log2)
+    return bounds
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts per bucket index (sparse) and the exact sum of the values in ns."""
+
+    counts: Mapping[int, int] = field(default_factory=dict)
+    sum_ns: int = 0
+
+    @staticmethod
+    def of(values_ns: Iterable[int]) -> "Histogram":
+        counts: dict[int, int] = {}
+        total = 0
+        for v in values_ns:
+            i = bucket_index(v)
+            counts[i] = counts.get(i, 0) + 1
+            total += v
+        return Histogram(counts, total)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts.values())
+
+    def __add__(self, other: "Histogram") -> "Histogram":
+        out = dict(self.counts)
+        for i, c in other.counts.items():
+            out[i] = out.get(i, 0) + c
+        return Histogram(out, self.sum_ns + other.sum_ns)
+
+    def __sub__(self, older: "Histogram") -> "Histogram":
+        """What was added since `older` (counters only grow; a reset reads as everything new)."""
+        out = {}
+        for i, c in self.counts.items():
+            d = c - older.counts.get(i, 0)
+            if d > 0:
+                out[i] = d
+        if any(c < older.counts.get(i, 0) for i, c in self.counts.items()):
+            return self
+        return Histogram(out, max(self.sum_ns - older.sum_ns, 0))
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile in seconds, interpolated linearly inside its bucket; None when empty."""
+        n = self.count
+        if n == 0:
+            return None
+        rank = q * n
+        seen = 0
+        for i in sorted(self.counts):
+            c = self.counts[i]
+            if seen + c >= rank:
+                lo, hi = bucket_lower(i), bucket_upper(i)
+                frac = (rank - seen) / c if c else 1.0
+                return (lo + (hi - lo) * min(max(frac, 0.0), 1.0)) / 1e9
+            seen += c
+        return bucket_upper(max(self.counts)) / 1e9
+
+    def cumulative(self, bounds_ns: list[int]) -> list[int]:
+        """Counts of values <= each bound (bounds must be bucket edges, as export_bounds_ns gives)."""
+        out = []
+        items = sorted(self.counts.items())
+        j = 0
+        acc = 0
+        for b in bounds_ns:
+            while j < len(items) and bucket_upper(items[j][0]) <= b:
+                acc += items[j][1]
+                j += 1
+            out.append(acc)
+        return out

@@ -1,0 +1,31 @@
+"""The latency capability's part of the Snapshot: what admission, metrics and status read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from qosagent.hist import Histogram
+
+
+@dataclass(frozen=True)
+class TenantLatency:
+    tenant: str
+    tier: str
+    requests: int  # requests completed since start
+    ttfb: Histogram  # time to first response byte, since start
+    response: Histogram  # time to the last response byte, since start
+    ttfb_window: Histogram  # the same over the last latency.window
+    response_window: Histogram
+    rate_rps: float  # completed requests per second over the window
+    in_flight: int = 0  # requests received and not yet answered
+    unpaired: int = 0  # responses without a request, requests closed without a response
+    overlapped: int = 0  # requests that arrived while one was in progress (pipelining, HTTP/2): not timed
+
+
+@dataclass(frozen=True)
+class LatencyPart:
+    window_s: float
+    tenants: Mapping[str, TenantLatency] = field(default_factory=dict)
+    runqueue: Histogram | None = None  # run-queue latency of watched processes, since start
+    runqueue_window: Histogram | None = None

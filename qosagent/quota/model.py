@@ -1,0 +1,29 @@
+"""The quota capability's part of the Snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from qosagent.tenants import TenantLimit
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    tenant: str
+    tier: str
+    baseline: TenantLimit | None  # configured (tenant, else tier default); None = unlimited
+    limit: TenantLimit | None  # in force now (an adaptive override while the heartbeat is fresh)
+    admitted: int  # request starts admitted since the maps were created
+    dropped: int  # request starts dropped by quota
+    conn_admitted: int = 0
+    conn_dropped: int = 0
+    admitted_rps: float = 0.0  # over the last second
+    dropped_rps: float = 0.0
+    bucket_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class QuotaPart:
+    tenants: Mapping[str, TenantQuota] = field(default_factory=dict)
+    unmatched_packets: int = 0

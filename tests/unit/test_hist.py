@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qosagent.hist import (
+    NBUCKETS,
+    SUB,
+    Histogram,
+    bucket_index,
+    bucket_lower,
+    bucket_upper,
+    export_bounds_ns,
+)
+
+
+def test_small_values_are_exact() -> None:
+    assert [bucket_index(v) for v in range(0, SUB + 1)] == [0, 0] + list(range(1, SUB))
+    assert bucket_upper(bucket_index(7)) == 7
+
+
+@pytest.mark.parametrize("v", [17, 31, 32, 33, 1000, 1023, 1024, 1025, 120_000_000, 2**35, 2**35 + 1])
+def test_value_lies_in_its_bucket(v: int) -> None:
+    i = bucket_index(v)
+    assert bucket_lower(i) < v <= bucket_upper(i)
+
+
+def test_edges_are_inclusive_upper() -> None:
+    # 1024 is the upper edge of one bucket and 1025 starts the next: (lower, upper].
+    i = bucket_index(1024)
+    assert bucket_upper(i) == 1024
+    assert bucket_index(1025) == i + 1
+    assert bucket_lower(i + 1) == 1024
+
+
+def test_buckets_tile_the_line_without_gaps() -> None:
+    for i in range(NBUCKETS - 1):
+        assert bucket_upper(i) == bucket_lower(i + 1), i
+        assert bucket_index(bucket_upper(i)) == i
+        assert bucket_index(bucket_upper(i) + 1) == i + 1
+
+
+def test_bucket_width_bounds_relative_error() -> None:
+    for i in range(SUB, NBUCKETS):
+        lo, hi = bucket_lower(i), bucket_upper(i)
+        assert (hi - lo) / lo <= 1 / SUB + 1e-12
+
+
+def test_huge_values_clamp_to_last_bucket() -> None:
+    assert bucket_index(2**50) == NBUCKETS - 1
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9, 0.95, 0.99])
+def test_quantiles_within_ten_percent_of_truth(q: float) -> None:
+    rng = random.Random(7)
+    values = [int(rng.lognormvariate(17.5, 0.8)) for _ in range(20000)]  # ~40 ms median, long tail
+    h = Histogram.of(values)
+    truth = sorted(values)[int(q * len(values)) - 1] / 1e9
+    est = h.quantile(q)
+    assert est is not None and abs(est - truth) / truth < 0.10
+
+
+def test_quantile_of_constant_is_inside_its_bucket() -> None:
+    h = Histogram.of([20_000_000] * 50)
+    assert 20_000_000 * (1 - 1 / SUB) / 1e9 <= h.quantile(0.99) <= 20_000_000 * (1 + 1 / SUB) / 1e9
+    assert Histogram().quantile(0.5) is None
+
+
+def test_window_is_a_difference() -> None:
+    old = Histogram.of([10, 20, 30])
+    new = old + Histogram.of([5_000_000])
+    w = new - old
+    assert w.count == 1 and w.sum_ns == 5_000_000
+
+
+def test_cumulative_at_export_bounds_is_exact() -> None:
+    bounds = export_bounds_ns()
+    assert bounds == sorted(bounds) and all(bucket_index(b) + 1 == bucket_index(b + 1) for b in bounds)
+    values = [bounds[3], bounds[3] + 1, bounds[10]]
+    cum = Histogram.of(values).cumulative(bounds)
+    assert cum[3] == 1 and cum[4] == 2 and cum[10] == 3 and cum[2] == 0
