@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test run test bench clean
+.PHONY: setup setup-test run test bench clean install install-files install-agent
 
 setup:
 	@scripts/setup.sh
@@ -19,6 +19,32 @@ test: setup-test
 
 bench: setup-test
 	$(PY) -m bench $(ARGS)
+
+# Installing as a service. DESTDIR stages the files for a package (or a test); the agent's venv is built only for a
+# real install, because a venv is not relocatable.
+# The unit's ExecStart and ExecReload name this directory.
+PREFIX := /opt/qosagent
+UNITDIR ?= /etc/systemd/system
+CONFDIR ?= /etc/qosagent
+DATADIR ?= /usr/share/qosagent
+DOCDIR ?= /usr/share/doc/qosagent
+
+install: install-agent install-files
+
+install-files:
+	install -D -m 0644 systemd/qosagent.service $(DESTDIR)$(UNITDIR)/qosagent.service
+	@# An operator's config is never overwritten.
+	@if [ -e $(DESTDIR)$(CONFDIR)/config.yaml ]; then echo "install: keeping $(DESTDIR)$(CONFDIR)/config.yaml"; \
+	 else install -D -m 0644 qosagent/default.yaml $(DESTDIR)$(CONFDIR)/config.yaml; fi
+	install -d $(DESTDIR)$(DATADIR)/bpf/include
+	install -m 0644 bpf/include/*.h $(DESTDIR)$(DATADIR)/bpf/include/
+	$(if $(wildcard bpf/*.c),install -m 0644 $(wildcard bpf/*.c) $(DESTDIR)$(DATADIR)/bpf/)
+	install -D -m 0644 docs/operations.md $(DESTDIR)$(DOCDIR)/operations.md
+
+install-agent:
+	@if [ -n "$(DESTDIR)" ]; then echo "install: DESTDIR set, not building the agent's venv at $(PREFIX)"; else \
+	  scripts/setup.sh && /usr/bin/python3 -m venv --system-site-packages $(PREFIX) && \
+	  $(PREFIX)/bin/pip install -q --disable-pip-version-check . ; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -87,6 +87,10 @@ def run(config_path: str | None, host_root: str) -> None:
         agent._servers.append(metrics_server)
         metrics_server.start()
         log.info("metrics on http://%s:%s/metrics", *metrics_server.address[:2])
+    watchdog_us = os.environ.get("WATCHDOG_USEC", "")
+    if watchdog_us.isdigit() and 3 * cfg.interval * 1e6 > int(watchdog_us):
+        # The loop pings once per tick: a unit's WatchdogSec shorter than three ticks would kill a healthy agent.
+        sd_notify(f"WATCHDOG_USEC={int(3 * cfg.interval * 1e6)}")
     try:
         agent.start()
         agent.run(notify=sd_notify)

@@ -1,0 +1,104 @@
+"""The unit's CapabilityBoundingSet is enough, and each capability in it is needed: checked with setpriv, which
+applies the same bounding set that systemd would (a root service's effective set is its bounding set)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import require
+from tests.integration.test_ship_systemd import unit_settings
+
+PROBE = textwrap.dedent(r'''
+    import os, sys, ctypes
+    from bcc import BPF
+    what = sys.argv[1]
+    if what == "tracepoint":
+        b = BPF(text="BPF_ARRAY(n, u64, 1);"
+                     "TRACEPOINT_PROBE(sock, inet_sock_set_state) { n.increment(0); return 0; }")
+        pin = sys.argv[2]
+        from bcc import libbcc
+        if libbcc.lib.bpf_obj_pin(b["n"].map_fd, pin.encode()) != 0:
+            sys.exit("pin failed: " + os.strerror(ctypes.get_errno()))
+        os.unlink(pin)
+    elif what == "tc":
+        from pyroute2 import IPRoute
+        b = BPF(text="#include <uapi/linux/pkt_cls.h>\nint cls(struct __sk_buff *s) { return TC_ACT_UNSPEC; }")
+        fn = b.load_func("cls", BPF.SCHED_CLS)
+        with IPRoute() as ipr:
+            idx = ipr.link_lookup(ifname="lo")[0]
+            ipr.tc("add", "clsact", idx)
+            ipr.tc("add-filter", "bpf", idx, ":1", fd=fn.fd, name=fn.name, parent="ffff:fff2", classid=1,
+                   direct_action=True, prio=1)
+            ipr.tc("del", "clsact", idx)
+    elif what == "affinity":
+        os.sched_setaffinity(int(sys.argv[2]), os.sched_getaffinity(0))
+    print("ok")
+''')
+
+
+def unit_caps() -> list[str]:
+    return [c.removeprefix("CAP_").lower() for c in unit_settings()["CapabilityBoundingSet"][0].split()]
+
+
+@pytest.fixture
+def netns(bpf: None):
+    require(shutil.which("setpriv") is not None and shutil.which("ip") is not None, "setpriv or ip missing")
+    name = f"qa-ship-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
+def nobody_process():
+    """A process of another user, like an inference server the agent pins."""
+    p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+    try:
+        yield p.pid
+    finally:
+        p.kill()
+        p.wait()
+
+
+def run_with(caps: list[str], netns: str, *args: str) -> subprocess.CompletedProcess[str]:
+    bounding = "-all," + ",".join(f"+{c}" for c in caps)
+    argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", sys.executable, "-c", PROBE, *args]
+    if args[0] == "tc":
+        # Only TC needs the namespace (never the host's interfaces). setpriv runs after `ip netns exec` has entered
+        # it, so the probe holds only `caps`. Not for tracepoints: `ip netns exec` mounts a fresh /sys without tracefs.
+        argv = ["ip", "netns", "exec", netns, *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_unit_capabilities_load_attach_pin_and_pin_cpus(netns: str, nobody_process: int) -> None:
+    caps = unit_caps()
+    pin = f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}"
+    try:
+        for args in (("tracepoint", pin), ("tc",), ("affinity", str(nobody_process))):
+            r = run_with(caps, netns, *args)
+            assert r.returncode == 0 and r.stdout.strip() == "ok", (args, r.stderr[-2000:])
+    finally:
+        if os.path.exists(pin):
+            os.unlink(pin)
+
+
+@pytest.mark.parametrize("dropped,probe", [("perfmon", "tracepoint"), ("bpf", "tc"), ("net_admin", "tc"),
+                                           ("sys_nice", "affinity")])
+def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str, probe: str) -> None:
+    caps = [c for c in unit_caps() if c != dropped]
+    extra = {"tracepoint": (f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}",), "tc": (),
+             "affinity": (str(nobody_process),)}[probe]
+    r = run_with(caps, netns, probe, *extra)
+    assert r.returncode != 0, f"{probe} worked without CAP_{dropped.upper()}"
+    # Refused for want of privilege, not for some other reason.
+    assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
