@@ -79,14 +79,15 @@ def run(config_path: str | None, host_root: str) -> None:
     status_server.start()
     if cfg.metrics.enabled:
         try:
-            metrics_server = MetricsServer(agent, cfg.metrics.listen)
+            metrics_server = MetricsServer(agent, cfg.metrics.listen, cfg.metrics.tls, cfg.metrics.basic_auth)
         except OSError as e:
             log.error("metrics listen %s: %s", cfg.metrics.listen, e)
             agent.stop()
             sys.exit(1)
         agent._servers.append(metrics_server)
         metrics_server.start()
-        log.info("metrics on http://%s:%s/metrics", *metrics_server.address[:2])
+        scheme = "https" if cfg.metrics.tls else "http"
+        log.info("metrics on %s://%s:%s/metrics", scheme, *metrics_server.address[:2])
     watchdog_us = os.environ.get("WATCHDOG_USEC", "")
     if watchdog_us.isdigit() and 3 * cfg.interval * 1e6 > int(watchdog_us):
         # The loop pings once per tick: a unit's WatchdogSec shorter than three ticks would kill a healthy agent.

@@ -7,11 +7,12 @@ what crosses sections (tiers named by tenants, ports claimed twice).
 from __future__ import annotations
 
 import ipaddress
+import re
 from importlib import resources
 from typing import Annotated, Any
 
 import yaml
-from pydantic import Field, StringConstraints, ValidationError, field_validator
+from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from qosagent.admission.config import AdmissionConfig
 from qosagent.configbase import Duration, Port, Section
@@ -69,9 +70,32 @@ class TenantConfig(Section):
     quota: QuotaSpec | None = None
 
 
+class MetricsTls(Section):
+    cert_file: str = Field(description="PEM certificate (chain) served on the metrics listener")
+    key_file: str = Field(description="PEM private key of cert_file")
+
+
+class MetricsBasicAuth(Section):
+    username: Annotated[str, StringConstraints(min_length=1, pattern=r"^[^:]+$")]
+    password_file: str | None = Field(default=None, description="file holding the password (one line)")
+    password_hash: str | None = Field(default=None, description="bcrypt hash of the password ($2b$...)")
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> "MetricsBasicAuth":
+        if (self.password_file is None) == (self.password_hash is None):
+            raise ValueError("expected exactly one of password_file, password_hash")
+        if self.password_hash is not None and not re.fullmatch(r"\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}",
+                                                                self.password_hash):
+            raise ValueError("password_hash is not a bcrypt hash ($2b$<cost>$<53 characters>)")
+        return self
+
+
 class MetricsConfig(Section):
     enabled: bool = True
     listen: str = "127.0.0.1:9464"
+    # /metrics only: kubelet probes and load balancers reach /healthz and /readyz without credentials.
+    tls: MetricsTls | None = None
+    basic_auth: MetricsBasicAuth | None = None
 
     @field_validator("listen")
     @classmethod

@@ -5,10 +5,14 @@ No gauge is mutated from the loop: a scrape reads one Snapshot, so every series 
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import logging
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from qosagent.capability import State
 
 if TYPE_CHECKING:
+    from qosagent.config import MetricsBasicAuth, MetricsTls
     from qosagent.daemon import Agent
 
 log = logging.getLogger("qosagent.metrics")
@@ -70,15 +75,28 @@ def make_registry(agent: "Agent") -> CollectorRegistry:
 class MetricsServer:
     """/metrics, /healthz (the loop is ticking) and /readyz (programs attached, first tick done)."""
 
-    def __init__(self, agent: "Agent", listen: str):
+    def __init__(self, agent: "Agent", listen: str, tls: "MetricsTls | None" = None,
+                 basic_auth: "MetricsBasicAuth | None" = None):
+        """Raises OSError (with the offending file named) when the listener, certificate or password is unusable."""
         host, _, port = listen.rpartition(":")
         host = host.strip("[]") or "0.0.0.0"
         registry = make_registry(agent)
+        ssl_ctx = _tls_context(tls) if tls else None
+        authorized = _basic_auth_checker(basic_auth) if basic_auth else None
 
         class Handler(BaseHTTPRequestHandler):
+            # A client that stalls (or never finishes a TLS handshake) holds only its own thread, and not for long.
+            timeout = 10
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
+                    if authorized and not authorized(self.headers.get("Authorization", "")):
+                        self.send_response(401)
+                        self.send_header("WWW-Authenticate", 'Basic realm="qosagent", charset="UTF-8"')
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
                     self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
                     ok, why = agent_health(agent)
@@ -105,6 +123,18 @@ class MetricsServer:
             address_family = family
             daemon_threads = True
 
+            def finish_request(self, request, client_address):  # type: ignore[no-untyped-def]
+                if ssl_ctx is None:
+                    return super().finish_request(request, client_address)
+                # The handshake runs here, in the request's thread, so a slow client cannot stall accept().
+                request.settimeout(Handler.timeout)
+                with ssl_ctx.wrap_socket(request, server_side=True) as tls_sock:
+                    super().finish_request(tls_sock, client_address)
+
+            def handle_error(self, request, client_address):  # type: ignore[no-untyped-def]
+                # Failed handshakes and dropped clients are the client's problem, not the agent's.
+                log.debug("metrics request from %s failed", client_address, exc_info=True)
+
         self.httpd = Server((host, int(port)), Handler)
         self.address = self.httpd.server_address
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
@@ -128,3 +158,57 @@ def agent_health(agent: "Agent") -> tuple[bool, str]:
     if age > limit:
         return False, f"last tick {age:.1f}s ago"
     return True, "ok"
+
+
+def _tls_context(tls: "MetricsTls") -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    except (OSError, ssl.SSLError) as e:
+        raise OSError(f"metrics.tls: cannot use cert_file {tls.cert_file} with key_file {tls.key_file}: {e}") from e
+    return ctx
+
+
+def _basic_auth_checker(auth: "MetricsBasicAuth") -> Callable[[str], bool]:
+    """A check of an Authorization header against the configured user and password (file or bcrypt hash)."""
+    if auth.password_file is not None:
+        try:
+            with open(auth.password_file, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n").encode()
+        except OSError as e:
+            raise OSError(f"metrics.basic_auth.password_file {auth.password_file}: {e.strerror}") from e
+        if not password:
+            raise OSError(f"metrics.basic_auth.password_file {auth.password_file}: empty")
+        def matches(given: bytes) -> bool:
+            return hmac.compare_digest(given, password)
+    else:
+        import bcrypt
+
+        hashed = auth.password_hash.encode()  # type: ignore[union-attr]
+        # bcrypt costs tens of milliseconds by design; remember the one credential that passed, as a digest.
+        passed: list[bytes] = []
+
+        def matches(given: bytes) -> bool:
+            digest = hashlib.sha256(given).digest()
+            if passed and hmac.compare_digest(passed[0], digest):
+                return True
+            if bcrypt.checkpw(given, hashed):
+                passed[:] = [digest]
+                return True
+            return False
+    user = auth.username.encode()
+
+    def authorized(header: str) -> bool:
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            raw = base64.b64decode(value.strip(), validate=True)
+        except ValueError:
+            return False
+        given_user, sep, given_password = raw.partition(b":")
+        # Both compared every time so a wrong user takes as long as a wrong password.
+        user_ok = hmac.compare_digest(given_user, user)
+        return bool(sep) and matches(given_password) and user_ok
+    return authorized
