@@ -1,0 +1,167 @@
+"""A real Prometheus scrapes a real agent over HTTPS with basic auth, loads the alert rules, and returns the
+agent's series through its HTTP API; promtool lints a live scrape."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from tests.conftest import agent_argv, agent_env, require
+from tests.integration.test_ship_deploy import rules_file
+from tests.integration.test_ship_metrics_tls import self_signed
+
+DEADLINE_S = 90
+PASSWORD = "scrape-me"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, probe: Any, deadline: float) -> Any:
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except OSError as e:
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}: last answer {last!r}")
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read() if proc.stdout else ""
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("agent")
+    cert, key = self_signed(d)
+    (d / "password").write_text(PASSWORD + "\n")
+    port = free_port()
+    conf = d / "config.yaml"
+    conf.write_text(yaml.safe_dump({
+        "interval": "200ms",
+        "metrics": {"listen": f"127.0.0.1:{port}", "tls": {"cert_file": str(cert), "key_file": str(key)},
+                    "basic_auth": {"username": "prometheus", "password_file": str(d / "password")}},
+        "status": {"socket": str(d / "status.sock")},
+    }))
+    proc = subprocess.Popen(agent_argv("run", "--config", str(conf)), env=agent_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    info = {"port": port, "cert": cert, "dir": d, "proc": proc}
+    try:
+        wait_for("the agent's /readyz", lambda: scrape(info, "/readyz")[0] == 200,
+                 time.monotonic() + DEADLINE_S)
+        yield info
+    finally:
+        out = stop(proc)
+        if proc.returncode not in (0, -15):
+            print(out)
+
+
+def scrape(agent: dict[str, Any], path: str = "/metrics") -> tuple[int, str]:
+    ctx = ssl.create_default_context(cafile=str(agent["cert"]))
+    req = urllib.request.Request(f"https://127.0.0.1:{agent['port']}{path}", headers={
+        "Authorization": "Basic " + base64.b64encode(f"prometheus:{PASSWORD}".encode()).decode()})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+@pytest.fixture(scope="module")
+def prometheus(agent: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    require(shutil.which("prometheus") is not None, "prometheus not installed (make setup-test)")
+    d = tmp_path_factory.mktemp("prometheus")
+    rules = rules_file(d)
+    cfg = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [{
+            "job_name": "qosagent",
+            "scheme": "https",
+            "tls_config": {"ca_file": str(agent["cert"])},
+            "basic_auth": {"username": "prometheus", "password_file": str(agent["dir"] / "password")},
+            "static_configs": [{"targets": [f"127.0.0.1:{agent['port']}"]}],
+        }],
+    }
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                             "--storage.tsdb.retention.time=1h", "--log.level=warn"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("Prometheus to be ready", lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=5).status == 200,
+                 time.monotonic() + DEADLINE_S)
+        yield url
+    finally:
+        stop(proc)
+
+
+def api(url: str, path: str, **params: str) -> Any:
+    q = urllib.parse.urlencode(params)
+    with urllib.request.urlopen(f"{url}/api/v1/{path}?{q}", timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def query(url: str, promql: str) -> list[dict[str, Any]]:
+    return api(url, "query", query=promql)["result"]
+
+
+def test_prometheus_scrapes_the_agent(prometheus: str, agent: dict[str, Any]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    up = wait_for("a successful scrape", lambda: query(prometheus, 'up{job="qosagent"} == 1'), deadline)
+    assert up[0]["metric"]["instance"] == f"127.0.0.1:{agent['port']}"
+    # Several scrapes, and the loop ticked between them.
+    ticks = wait_for("ticks over several scrapes",
+                     lambda: query(prometheus, "increase(qosagent_ticks_total[10s]) > 0"), deadline)
+    assert float(ticks[0]["value"][1]) > 0
+    states = query(prometheus, "qosagent_capability_state == 1")
+    assert {s["metric"]["capability"] for s in states} == {"latency", "quota", "admission", "dvfs", "placement"}
+
+
+def test_prometheus_loads_the_alert_rules(prometheus: str) -> None:
+    groups = api(prometheus, "rules")["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert rules and all(r["health"] in ("ok", "unknown") for r in rules), rules
+    wait_for("a rule evaluation", lambda: all(r["health"] == "ok" for g in api(prometheus, "rules")["groups"]
+                                                for r in g["rules"]), time.monotonic() + DEADLINE_S)
+    # The agent is up and nothing it does is failing, so nothing fires.
+    assert query(prometheus, 'ALERTS{alertstate="firing", alertname="QosagentDown"}') == []
+
+
+def test_promtool_lints_a_live_scrape(agent: dict[str, Any]) -> None:
+    require(shutil.which("promtool") is not None, "promtool not installed (make setup-test)")
+    code, body = scrape(agent)
+    assert code == 200 and "qosagent_ticks_total" in body
+    r = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
