@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 import socket
 import ssl
@@ -18,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import REPO, agent_argv, agent_env, require
 from tests.integration.test_ship_deploy import rules_file
 from tests.integration.test_ship_metrics_tls import self_signed
 
@@ -165,3 +166,49 @@ def test_promtool_lints_a_live_scrape(agent: dict[str, Any]) -> None:
     assert code == 200 and "qosagent_ticks_total" in body
     r = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+
+
+DASHBOARD = REPO / "deploy" / "grafana" / "qosagent.json"
+SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created", "_info")
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def rule_exprs() -> list[str]:
+    rule = yaml.safe_load((REPO / "deploy" / "kubernetes" / "prometheusrule.yaml").read_text())
+    return [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def referenced_names() -> set[str]:
+    return {n for e in dashboard_exprs() + rule_exprs() for n in re.findall(r"\b(qosagent_[a-z0-9_]+)", e)}
+
+
+def known_names(scrape_text: str) -> set[str]:
+    """Every family and sample name in a live scrape, and every metric name the docs list."""
+    names = set(re.findall(r"^# TYPE (\w+)", scrape_text, flags=re.M))
+    names |= set(re.findall(r"^(qosagent_\w+)", scrape_text, flags=re.M))
+    for doc in (REPO / "docs").glob("*.md"):
+        names |= set(re.findall(r"`(qosagent_[a-z0-9_]+)", doc.read_text()))
+    return names
+
+
+def test_dashboard_and_rules_use_only_metric_names_that_exist(agent: dict[str, Any]) -> None:
+    code, body = scrape(agent)
+    assert code == 200
+    known = known_names(body)
+    unknown = sorted(n for n in referenced_names()
+                     if n not in known and not any(n.endswith(s) and n[: -len(s)] in known for s in SUFFIXES))
+    assert not unknown, f"referenced by deploy/grafana or the alert rules but neither scraped nor documented: {unknown}"
+
+
+def test_every_dashboard_query_is_valid_promql(prometheus: str) -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for expr in dashboard_exprs():
+        # Grafana substitutes its variables before Prometheus sees the query.
+        concrete = expr.replace("$instance", ".*").replace("$tenant", ".*").replace("$__rate_interval", "1m")
+        api(prometheus, "query", query=concrete)
