@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -128,3 +129,12 @@ def test_agent_speaks_the_notify_protocol(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_hardening_exposure_stays_low(staged: Path) -> None:
+    """systemd's own rating of the sandbox (0 best, 10 worst); 3.4 at the time of writing. A loosened unit fails."""
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={staged}", "--no-pager",
+                        "qosagent.service"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for qosagent.service: (\d+\.\d)", r.stdout)
+    assert m, r.stdout + r.stderr
+    assert float(m[1]) <= 4.0, r.stdout
