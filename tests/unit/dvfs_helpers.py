@@ -19,7 +19,8 @@ CPU = "sys/devices/system/cpu"
 
 
 def put(root: Path, rel: str, text: str) -> None:
-    p = root / rel
+    # Host paths ("/sys/...") are made relative: a leading slash would escape the tree into the real /sys.
+    p = root / rel.lstrip("/")
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text + "\n")
 
@@ -160,7 +161,7 @@ class FaultyFS(HostFS):
             if (host_path.endswith("max_freq") and v < lo) or (host_path.endswith("min_freq") and v > hi):
                 raise HostFSError(errno.EINVAL, os.strerror(errno.EINVAL), host_path)
         if self.round_khz and value.isdigit() and host_path.endswith("_freq"):
-            value = str(int(round(int(value) / self.round_khz)) * self.round_khz)
+            value = str((int(value) + self.round_khz // 2) // self.round_khz * self.round_khz)
         self.written.append((host_path, value))
         super().write_text(host_path, value)
 
