@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -73,7 +74,7 @@ class KnobIO:
         self.fs = fs
         self.gpu = GpuIO(gpu)
 
-    def read(self, key: str) -> str:
+    def read(self, key: str) -> str | None:
         if key.startswith("gpu:"):
             return self.gpu.read(key)
         return self.fs.read_text(key.removeprefix("file:"))
@@ -164,20 +165,27 @@ class Dvfs(Capability):
 
     def _recover(self) -> None:
         """A previous agent died with our values in place: put the host back before starting over."""
+        state_dir = self.ctx.config.state_dir
+        try:
+            os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise CapabilityError(f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write")
+        if not os.access(state_dir, os.W_OK):
+            raise CapabilityError(f"state_dir {state_dir} is not writable; originals must be saved before any write")
         try:
             left = Originals.load(self.ctx.config.state_dir, str(self.ctx.hostfs.root))
         except ValueError as e:
             raise CapabilityError(f"{e}; move it away (or run `qosagent detach`) before enforcing") from None
         if left:
             for line in left.restore(KnobIO(self.ctx.hostfs, self.ctx.gpu)):
-                log.warning("recovering after an unclean stop: %s", line)
+                log.warning("recovering after an unclean stop: %s", line.removeprefix("dvfs: "))
             if left:
                 raise CapabilityError("originals left by a previous agent could not all be restored; "
                                       f"see {left.path}")
 
     def stop(self) -> None:
         for line in self.restore():
-            log.info("%s", line)
+            log.info("%s", line.removeprefix("dvfs: "))
 
     def restore(self) -> list[str]:
         """Originals back in reverse write order; harmless when there is nothing (left) to restore."""

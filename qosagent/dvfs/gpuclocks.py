@@ -46,12 +46,12 @@ class GpuIO:
 
     backend: GpuBackend
 
-    def read(self, key: str) -> str:
+    def read(self, key: str) -> str | None:
         _, index, knob = key.split(":")
         if knob == "power_limit":
             return fmt_watts(self.backend.power_limit(int(index)))
-        # NVML reports no locked range; a reset is always right for a lock that was ours.
-        return "locked"
+        # NVML reports no locked range: a lock we recorded is taken as still ours, and a reset is then right.
+        return None
 
     def write(self, key: str, value: str) -> None:
         _, index, knob = key.split(":")

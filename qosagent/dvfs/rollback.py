@@ -21,9 +21,11 @@ VERSION = 1
 
 
 class KnobIO(Protocol):
-    """Reads and writes a knob by key ("file:/sys/...", "gpu:0:power_limit"); raises OSError or GpuError."""
+    """Reads and writes a knob by key ("file:/sys/...", "gpu:0:power_limit"); raises OSError or GpuError.
 
-    def read(self, key: str) -> str: ...
+    read() returns None for a knob that cannot be read back at all (NVML's locked clocks): it is taken as ours."""
+
+    def read(self, key: str) -> str | None: ...
 
     def write(self, key: str, value: str) -> None: ...
 
@@ -114,9 +116,9 @@ class Originals:
                 lines.append(f"dvfs: {key}: cannot read ({exc}); original {e.original} kept for a later restore")
                 kept[key] = e
                 continue
-            if current == e.original:
+            if current == e.original or (current is None and e.ours == [e.original]):
                 continue
-            if current not in e.ours:
+            if current is not None and current not in e.ours:
                 lines.append(f"dvfs: {key}: left alone, changed by someone else since our write "
                              f"(now {current}, ours {'/'.join(e.ours)}, original {e.original})")
                 continue
@@ -126,7 +128,7 @@ class Originals:
                 lines.append(f"dvfs: {key}: restoring {e.original} failed ({exc}); kept for a later restore")
                 kept[key] = e
                 continue
-            lines.append(f"dvfs: {key}: restored {e.original} (was {current})")
+            lines.append(f"dvfs: {key}: restored {e.original} (was {current or '/'.join(e.ours)})")
         self.entries = dict(reversed(list(kept.items())))
         self._persist()
         return lines
