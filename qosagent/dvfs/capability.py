@@ -145,9 +145,7 @@ class Dvfs(Capability):
         if self.enforce:
             self._recover()
         self.reader = sensors.SensorReader(fs, sensors.discover(fs, self.cfg.thermal_types, self.cfg.hwmon_names))
-        crits = [s.critical_c for s in self.reader.sensors if s.critical_c is not None]
-        if self.cfg.emergency_c is not None:
-            crits.append(self.cfg.emergency_c)
+        crits = [c for c in (*(s.critical_c for s in self.reader.sensors), self.cfg.emergency_c) if c is not None]
         self.critical_c = min(crits) if crits else None
         self.policies = cpufreq.discover(fs, self.cfg.actuator)
         for p in self.policies:
@@ -219,6 +217,9 @@ class Dvfs(Capability):
         new = config.dvfs
         if new.mode != self.cfg.mode:
             raise CapabilityError("changing dvfs.mode needs a restart (originals are saved only in enforce)")
+        for key in ("actuator", "thermal_types", "hwmon_names"):
+            if getattr(new, key) != getattr(self.cfg, key):
+                raise CapabilityError(f"changing dvfs.{key} needs a restart (sensors and knobs are probed at start)")
         params = {}
         for p in self.policies:
             if p.name in self.params:
@@ -226,12 +227,15 @@ class Dvfs(Capability):
                 if pr is None:
                     raise CapabilityError(f"{p.name}: relative points need cpuinfo_max_freq, which is unknown")
                 params[p.name] = pr
+        # A point that is gone or now means another frequency is forgotten: the next tick picks from the new table
+        # without waiting for a dwell, so what is written always matches what status shows.
+        for name, st in self.states.items():
+            if st.point is not None and params[name].khz.get(st.point) != self.params[name].khz[st.point]:
+                self.states[name] = policy.State(transitions=st.transitions)
         self.cfg = new
         self.params = params
-        # A point that no longer exists is forgotten; the next tick picks from the new table without dwell.
-        for name, st in self.states.items():
-            if st.point not in params[name].khz:
-                self.states[name] = policy.State(transitions=st.transitions)
+        crits = [c for c in (*(s.critical_c for s in self.reader.sensors), new.emergency_c) if c is not None]
+        self.critical_c = min(crits) if crits else None
         if self.gpu:
             self.gpu.bands = list(new.gpu.bands)
             self.gpu.hysteresis_c = new.gpu.temp_hysteresis_c

@@ -8,6 +8,7 @@ original back only where the value is still ours, and leaves alone (and reports)
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -113,6 +114,10 @@ class Originals:
             try:
                 current = io.read(key)
             except Exception as exc:  # noqa: BLE001 - OSError or GpuError: report and keep for a later try
+                if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+                    # The knob is gone (CPU unplugged, driver unloaded): its value went with it.
+                    lines.append(f"dvfs: {key}: gone, nothing to restore")
+                    continue
                 lines.append(f"dvfs: {key}: cannot read ({exc}); original {e.original} kept for a later restore")
                 kept[key] = e
                 continue

@@ -92,35 +92,36 @@ def acpi_userspace(root: Path) -> Path:
     return root
 
 
+def two_policies(root: Path, driver: str, governor: str, lo: int, hi: int, **kw: Any) -> None:
+    """Two single-CPU policies of one driver, and an idle /proc/stat for their CPUs."""
+    for n in (0, 1):
+        policy(root, n, str(n), driver, governor, lo, hi, **kw)
+    proc_stat(root, {0: (0, 0), 1: (0, 0)})
+
+
 def intel_passive(root: Path) -> Path:
     """intel_pstate in passive mode (driver intel_cpufreq) under schedutil: no setspeed, per-policy max."""
-    for n in (0, 1):
-        policy(root, n, str(n), "intel_cpufreq", "schedutil", 400000, 4500000)
+    two_policies(root, "intel_cpufreq", "schedutil", 400000, 4500000)
     put(root, f"{CPU}/intel_pstate/status", "passive")
     zone(root, 0, "acpitz", 40000)
     zone(root, 1, "x86_pkg_temp", 50000, critical_milli_c=100000)
-    proc_stat(root, {0: (0, 0), 1: (0, 0)})
     return root
 
 
 def amd_epp(root: Path, governor: str = "powersave") -> Path:
     """amd-pstate-epp (active): scaling_max_freq plus energy_performance_preference."""
-    for n in (0, 1):
-        policy(root, n, str(n), "amd-pstate-epp", governor, 400000, 3800000, epp="balance_performance")
+    two_policies(root, "amd-pstate-epp", governor, 400000, 3800000, epp="balance_performance")
     hwmon(root, 0, "k10temp", {"Tctl": 50000, "Tccd1": 48000}, device="0000:00:18.3")
-    proc_stat(root, {0: (0, 0), 1: (0, 0)})
     return root
 
 
 def intel_active(root: Path) -> Path:
     """intel_pstate active (powersave): scaling_max_freq per policy and the global max_perf_pct."""
-    for n in (0, 1):
-        policy(root, n, str(n), "intel_pstate", "powersave", 800000, 4000000)
+    two_policies(root, "intel_pstate", "powersave", 800000, 4000000)
     put(root, f"{CPU}/intel_pstate/status", "active")
     put(root, f"{CPU}/intel_pstate/max_perf_pct", "100")
     put(root, f"{CPU}/intel_pstate/min_perf_pct", "20")
     zone(root, 0, "x86_pkg_temp", 50000, critical_milli_c=100000)
-    proc_stat(root, {0: (0, 0), 1: (0, 0)})
     return root
 
 

@@ -438,3 +438,36 @@ def test_metrics_and_status_show_what_it_did(tmp_path) -> None:
     assert "policy0" in text and "scaling_setspeed" in text and "capped" in text and "1600" in text
     assert "acpitz/thermal_zone0 50.0" in text
     cap.stop()
+
+
+def test_reload_takes_a_new_table_and_refuses_a_mode_change(tmp_path) -> None:
+    root, fs, clock, cfg = setup(tmp_path, intel_passive)
+    cap = make_dvfs(fs, cfg, clock)
+    tick(cap, clock)
+    with pytest.raises(CapabilityError, match="mode"):
+        cap.reload(make_config(tmp_path, CAPPED | {"mode": "dry-run"}))
+    cap.reload(make_config(tmp_path, {"points": [
+        {"name": "tight", "temp_below_c": 70, "freq": "1200MHz"}, {"name": "full", "freq": "100%"}]}))
+    # The old point is gone from the table: the next tick picks from the new one without waiting for a dwell.
+    clock.advance(0.1)
+    (d, _) = tick(cap, clock, 2)
+    assert (d.old, d.new) == (None, "tight")
+    assert read(root, f"{P0}/scaling_max_freq") == "1200000"
+    cap.stop()
+    assert read(root, f"{P0}/scaling_max_freq") == "4500000"
+
+
+def test_restore_skips_a_knob_that_is_gone_and_keeps_one_that_fails(tmp_path) -> None:
+    root, fs, clock, cfg = setup(tmp_path, intel_passive)
+    cap = make_dvfs(fs, cfg, clock)
+    tick(cap, clock)
+    fs.write_errors["policy0/scaling_max_freq"] = errno.EBUSY
+    (root / P1.lstrip("/") / "scaling_max_freq").unlink()  # policy1's CPU went offline
+    lines = cap.restore()
+    assert any("policy1/scaling_max_freq: gone" in ln for ln in lines)
+    assert any("policy0/scaling_max_freq: restoring 4500000 failed" in ln for ln in lines)
+    assert list(json.loads(state_file(tmp_path).read_text())["entries"][0].values())[0].endswith("policy0/"
+                                                                                              "scaling_max_freq")
+    fs.write_errors.clear()
+    assert any("restored 4500000" in ln for ln in Dvfs.detach(cap.ctx))
+    assert not state_file(tmp_path).exists()
