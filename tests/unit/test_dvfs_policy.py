@@ -156,3 +156,25 @@ def test_embedded_default_observes_only() -> None:
     cfg = config_mod.load(None)
     assert cfg.dvfs.enabled is False and cfg.dvfs.mode == "dry-run"
     assert DvfsConfig().mode == "dry-run"
+
+
+def test_load_step_through_the_smoother_escalates_within_n_ticks_and_releases_after_dwell() -> None:
+    from qosagent.dvfs.sensors import LoadTracker
+
+    p = params(dwell_s=10.0)
+    lt = LoadTracker(tau_s=1.0, groups={"policy0": (0,)})
+    busy = total = 0
+    state = State()
+    moves: list[tuple[int, str]] = []
+    for i in range(400):
+        frac = 0.5 if 100 <= i < 150 else 0.1  # 5 s of 50 % load at 70 C, else 10 %
+        busy += int(10 * frac)
+        total += 10
+        load = lt.update(i * TICK, {0: (busy, total)}).get("policy0")
+        s = step(p, state, Inputs(70, load), i * TICK)
+        state = s.state
+        if s.changed and s.old is not None:
+            moves.append((i, state.point))
+    (up_tick, up), (down_tick, down) = moves
+    assert up == "warm" and 100 < up_tick <= 100 + 15  # N = 15 ticks: the 1 s smoother plus the dead band
+    assert down == "full" and down_tick >= up_tick + p.dwell_s / TICK
