@@ -9,14 +9,11 @@
 from __future__ import annotations
 
 import errno
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from qosagent.dvfs.rollback import Originals
 from qosagent.hostfs import HostFS, HostFSError
-
-log = logging.getLogger("qosagent.dvfs")
 
 CPU = "/sys/devices/system/cpu"
 PSTATE = f"{CPU}/intel_pstate"
@@ -145,12 +142,6 @@ class Writer:
     def __init__(self, fs: HostFS, originals: Originals):
         self.fs = fs
         self.originals = originals
-
-    def read(self, key: str) -> str:
-        return self.fs.read_text(key.removeprefix("file:"))
-
-    def write(self, key: str, value: str) -> None:
-        self.fs.write_text(key.removeprefix("file:"), value)
 
     def set(self, path: str, want: str, same: Callable[[str, str], bool]) -> WriteResult:
         key = f"file:{path}"

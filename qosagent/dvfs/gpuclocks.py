@@ -18,7 +18,6 @@ from qosagent.gpu.backend import GPU_LOST, NO_PERMISSION, NOT_SUPPORTED, GpuBack
 log = logging.getLogger("qosagent.dvfs")
 
 UNLOCKED = "unlocked"
-KNOBS = ("locked_clocks", "power_limit")
 
 
 def fmt_watts(w: float) -> str:
