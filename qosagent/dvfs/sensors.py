@@ -17,6 +17,9 @@ from qosagent.hostfs import HostFS, HostFSError
 SENTINEL_MILLI_C = -32768000
 # Outside this range a reading is a firmware bug, not a temperature.
 PLAUSIBLE_C = (-40.0, 150.0)
+# A critical trip below this is a firmware placeholder (ACPI tables with 0 or 20 C exist); taking it would hold the
+# host in a thermal emergency forever.
+CRITICAL_MIN_C = 40.0
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ def _zone_critical(fs: HostFS, zone: str) -> float | None:
     for t in fs.glob(zone, "trip_point_*_type"):
         if fs.try_read(t) == "critical":
             c = _millic(fs.try_read(t[: -len("_type")] + "_temp") or "")
-            if c is not None and PLAUSIBLE_C[0] < c < PLAUSIBLE_C[1]:
+            if c is not None and CRITICAL_MIN_C <= c < PLAUSIBLE_C[1]:
                 crit = c if crit is None else min(crit, c)
     return crit
 
@@ -60,7 +63,8 @@ def discover(fs: HostFS, thermal_types: list[str], hwmon_names: list[str]) -> li
             stem = inp[: -len("_input")]
             label = fs.try_read(f"{stem}_label") or stem.rsplit("/", 1)[1]
             crit = _millic(fs.try_read(f"{stem}_crit") or "")
-            out.append(Sensor(f"{name}:{owner}/{label}", inp, crit if crit and crit > 0 else None))
+            plausible = crit is not None and CRITICAL_MIN_C <= crit < PLAUSIBLE_C[1]
+            out.append(Sensor(f"{name}:{owner}/{label}", inp, crit if plausible else None))
     return out
 
 

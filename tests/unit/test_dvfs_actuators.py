@@ -471,3 +471,28 @@ def test_restore_skips_a_knob_that_is_gone_and_keeps_one_that_fails(tmp_path) ->
     fs.write_errors.clear()
     assert any("restored 4500000" in ln for ln in Dvfs.detach(cap.ctx))
     assert not state_file(tmp_path).exists()
+
+
+@pytest.mark.parametrize("driver", ["acpi-cpufreq", "intel_cpufreq", "amd-pstate"])
+def test_userspace_governor_gets_setspeed_on_every_passive_driver(tmp_path, driver) -> None:
+    from qosagent.dvfs import cpufreq
+    from tests.unit.dvfs_helpers import policy
+
+    policy(tmp_path, 0, "0", driver, "userspace", 800000, 3000000, setspeed="3000000")
+    policy(tmp_path, 1, "1", driver, "ondemand", 800000, 3000000, setspeed="<unsupported>")
+    got = [(p.name, p.actuator) for p in cpufreq.discover(HostFS(tmp_path))]
+    assert got == [("policy0", "scaling_setspeed"), ("policy1", "scaling_max_freq")]
+
+
+def test_targets_are_clamped_and_snapped() -> None:
+    from qosagent.dvfs.cpufreq import Policy, resolve_khz
+
+    p = Policy("policy0", "/x", (0,), "acpi-cpufreq", "userspace", 800000, 2400000)
+    assert resolve_khz(p, "khz", 400000) == 800000  # the design's 400 MHz below cpuinfo_min_freq
+    assert resolve_khz(p, "khz", 5e6) == 2400000
+    assert resolve_khz(p, "pct", 50) == 1200000
+    table = Policy("policy0", "/x", (0,), "acpi-cpufreq", "userspace", 1000000, 2400000,
+                   available=(1000000, 1700000, 2400000))
+    assert resolve_khz(table, "khz", 2000000) == 1700000 and resolve_khz(table, "khz", 400000) == 1000000
+    unknown = Policy("policy0", "/x", (0,), "x", "y", None, None)
+    assert resolve_khz(unknown, "pct", 50) is None and resolve_khz(unknown, "khz", 1e6) == 1000000

@@ -61,10 +61,12 @@ def test_bad_readings_are_discarded_and_counted_one_never_hides_the_others(tmp_p
     assert reader.read()["x86_pkg_temp/thermal_zone4"] == 55.0
 
 
-def test_absurd_critical_trip_is_ignored(tmp_path) -> None:
+def test_absurd_critical_trips_are_ignored(tmp_path) -> None:
     zone(tmp_path, 0, "acpitz", 40000, critical_milli_c=-273000)
-    (s,) = sensors.discover(HostFS(tmp_path), TYPES, NAMES)
-    assert s.critical_c is None
+    zone(tmp_path, 1, "acpitz", 40000, critical_milli_c=20000)  # a firmware placeholder, not a limit
+    hwmon(tmp_path, 0, "coretemp", {"Core 0": 40000})
+    (tmp_path / "sys/class/hwmon/hwmon0/temp1_crit").write_text("0\n")
+    assert [s.critical_c for s in sensors.discover(HostFS(tmp_path), TYPES, NAMES)] == [None, None, None]
 
 
 PROC_STAT = """cpu  100 0 100 800 0 0 0 0 0 0
