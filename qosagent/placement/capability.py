@@ -207,6 +207,9 @@ class Placement(Capability):
             for g in gpu.gpus:
                 for p in g.processes:
                     gpus_of[p.pid].append(g.index)
+            if self.cfg.gpu_processes and set(gpus_of) != self._gpu_pids:
+                # A new GPU process is found by the next tick, not a whole reconcile interval later.
+                self._next_reconcile = float("-inf")
             self._gpu_pids = set(gpus_of)
         if view is None or not view.reconcile:
             return []

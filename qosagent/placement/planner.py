@@ -136,7 +136,9 @@ def plan(procs: Sequence[ProcInfo], gpus_of: Mapping[int, tuple[int, ...]], topo
             continue
         cpus = _available(topo, node, policy, p) - taken[node]
         if not cpus:
-            if p.cpuset is not None and not (topo.nodes[node].cpus & p.cpuset):
+            if not topo.nodes[node].cpus:
+                why += f"; node {node} has no CPUs (memory only), not pinned"
+            elif p.cpuset is not None and not (topo.nodes[node].cpus & p.cpuset):
                 why += f"; its cpuset {format_cpulist(p.cpuset)} (kubelet) has no CPU on node {node}, left as placed"
             else:
                 why += f"; no CPU left on node {node} after reserved and exclusive CPUs, not pinned"
