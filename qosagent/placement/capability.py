@@ -158,7 +158,7 @@ class Placement(Capability):
                               len(self.store.entries))
             return
         for line in applier.restore_all(self.ctx.hostfs, self.store):
-            self.log.info("%s", line)
+            self.log.info("%s", line.removeprefix("placement: "))
         for rec in self.records.values():
             rec.applied = False
 
@@ -174,7 +174,7 @@ class Placement(Capability):
         if was_enforcing and not self.enforce:
             # A dry run must not leave earlier pins behind as if they were still decided.
             for line in applier.restore_all(self.ctx.hostfs, self.store):
-                self.log.info("%s", line)
+                self.log.info("%s", line.removeprefix("placement: "))
             self.records = {}
         self._next_reconcile = float("-inf")
 
