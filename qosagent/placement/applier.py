@@ -35,6 +35,7 @@ class Exited(Exception):
 class AffinityResult:
     threads: int = 0  # threads set
     vanished: int = 0  # threads that exited while we set them
+    kept: int = 0  # threads already bound inside the target, left as they were
 
 
 def _tids(fs: HostFS, pid: int) -> list[int]:
@@ -42,8 +43,10 @@ def _tids(fs: HostFS, pid: int) -> list[int]:
 
 
 def set_affinity(fs: HostFS, pid: int, cpus: frozenset[int] | dict[int, frozenset[int]],
-                 default: frozenset[int] | None = None) -> AffinityResult:
-    """Give every thread of pid its CPUs: one set for all, or a per-thread map with `default` for the others."""
+                 default: frozenset[int] | None = None, keep_subsets: bool = False) -> AffinityResult:
+    """Give every thread of pid its CPUs: one set for all, or a per-thread map with `default` for the others.
+
+    keep_subsets: a thread already bound inside its target (an OpenMP worker on one CPU) keeps its binding."""
     res = AffinityResult()
     done: set[int] = set()
     for _ in range(_LISTING_PASSES):
@@ -56,6 +59,9 @@ def set_affinity(fs: HostFS, pid: int, cpus: frozenset[int] | dict[int, frozense
             if not want:
                 continue
             try:
+                if keep_subsets and os.sched_getaffinity(tid) <= want:
+                    res.kept += 1
+                    continue
                 os.sched_setaffinity(tid, want)
                 res.threads += 1
             except ProcessLookupError:

@@ -76,6 +76,7 @@ class PlacementView:
     reconcile: bool  # procs were discovered this tick
     procs: tuple[ProcInfo, ...]
     records: tuple[dict[str, Any], ...]
+    gone: frozenset[int] = frozenset()  # tracked pids whose process exited (reconcile ticks only)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -183,6 +184,7 @@ class Placement(Capability):
         assert self.topology is not None
         now = self.ctx.clock()
         procs: tuple[ProcInfo, ...] = ()
+        gone: frozenset[int] = frozenset()
         reconcile = now >= self._next_reconcile
         if reconcile:
             self._next_reconcile = now + self.cfg.reconcile_interval
@@ -193,8 +195,11 @@ class Placement(Capability):
                 if rec is not None and rec.start == p.start and now - rec.locality_at >= self.cfg.locality_interval:
                     rec.pages = numa_pages(self.ctx.hostfs, p.pid)
                     rec.locality_at = now
+            seen = {p.pid for p in procs}
+            gone = frozenset(pid for pid, rec in self.records.items()
+                             if pid not in seen and proc_start(self.ctx.hostfs, pid) != rec.start)
         return PlacementView(
-            mode=self.cfg.mode, topology=self.topology, reconcile=reconcile, procs=procs,
+            mode=self.cfg.mode, topology=self.topology, reconcile=reconcile, procs=procs, gone=gone,
             records=tuple(r.as_dict() for r in sorted(self.records.values(), key=lambda r: r.pid)),
             counters={k: dict(v) for k, v in self.counters.items()},
         )
@@ -224,8 +229,12 @@ class Placement(Capability):
                 out.append(d)
         for pid, rec in sorted(self.records.items()):
             p = self._procs.get(pid)
-            if p is None or p.start != rec.start:
+            if pid in view.gone or (p is not None and p.start != rec.start):
                 out.append(self._decision(pid, rec.name, "forget", rec.cpus, None, "exited", rec.gpus, applied=True))
+            elif p is None:
+                # Still running but no selector names it now (a reload): it gets its original affinity back.
+                out.append(self._decision(pid, rec.name, "release", rec.cpus, None, "no longer selected", rec.gpus,
+                                          applied=pid in self.store.entries))
         return out
 
     def _decision(self, pid: int, name: str, action: str, old: frozenset[int] | None, new: frozenset[int] | None,
@@ -248,7 +257,8 @@ class Placement(Capability):
         if t.pinned:
             if rec is None or rec.cpus != t.cpus or rec.node != t.node or (self.enforce and not rec.applied):
                 return self._decision(p.pid, p.name, "pin", current, t.cpus, t.reason, t.gpus, **inputs)
-            off = {tid: c for tid, c in threads.items() if c != t.cpus}
+            # A thread the application bound inside the target (one CPU of it, say) is placed, not drifted.
+            off = {tid: c for tid, c in threads.items() if not c <= t.cpus}
             if self.enforce and off:
                 tid, c = sorted(off.items())[0]
                 why = f"drift: {len(off)} of {len(threads)} threads off target (tid {tid} on {format_cpulist(c)})"
@@ -295,9 +305,11 @@ class Placement(Capability):
 
     def _apply_one(self, d: Decision, pid: int) -> None:
         fs = self.ctx.hostfs
-        if d.action == "forget":
+        if d.action in ("forget", "release"):
             self.records.pop(pid, None)
-            self.store.entries.pop(pid, None)
+            orig = self.store.entries.pop(pid, None)
+            if d.action == "release" and orig is not None:
+                applier.restore(fs, pid, orig)
             return
         p, t = self._procs[pid], self._targets[pid]
         rec = self.records.get(pid)
@@ -321,8 +333,8 @@ class Placement(Capability):
             before = applier.get_affinity(fs, pid)
             self.store.entries[pid] = applier.Original(p.start, before, before.get(pid, next(iter(before.values()))))
             self._save_store()  # before the first write: a crash right after it must still be undoable
-        res = applier.set_affinity(fs, pid, t.cpus)
-        rec.threads, rec.applied = res.threads, True
+        res = applier.set_affinity(fs, pid, t.cpus, keep_subsets=True)
+        rec.threads, rec.applied = res.threads + res.kept, True
         if d.action == "pin" and self.cfg.migrate_memory and t.node is not None and self.topology.numa:
             try:
                 m = applier.migrate(fs, pid, t.node, self.topology.memory_nodes())
@@ -337,7 +349,7 @@ class Placement(Capability):
         back = thread_cpus(fs, pid)
         if not back:
             raise applier.Exited(f"pid {pid} exited")
-        rec.verified = all(c == t.cpus for c in back.values())
+        rec.verified = all(c <= t.cpus for c in back.values())
         if not rec.verified:
             self.counters["drift"]["unverified"] += 1
 

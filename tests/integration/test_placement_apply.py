@@ -280,3 +280,38 @@ def test_qosagent_run_with_the_issue_example(tmp_path, children) -> None:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
     assert cpus_of(served.pid) == before
+
+
+def test_reload_that_unselects_a_process_restores_it(tmp_path, children) -> None:
+    p = children.spawn("vllm", "serve", "f")
+    before = cpus_of(p.pid)
+    agent, clock = make_agent(tmp_path, issue_example(children.token))
+    try:
+        agent.tick()
+        assert all(v == {1} for v in cpus_of(p.pid).values())
+        text = f"latency: {{enabled: false}}\nstate_dir: {tmp_path}/state\n" + issue_example("no-such-" + children.token)
+        placement(agent).reload(config_mod.parse_text(text, "reloaded"))
+        agent.tick()
+        assert agent.decisions[-1].action == "release" and agent.decisions[-1].reason == "no longer selected"
+        assert cpus_of(p.pid) == before
+        assert p.pid not in placement(agent).store.entries
+    finally:
+        agent.stop()
+
+
+def test_thread_bound_inside_the_target_keeps_its_binding(tmp_path, children) -> None:
+    p = children.spawn("vllm", "serve", "g")
+    tid = max(cpus_of(p.pid))
+    os.sched_setaffinity(tid, {0})  # as an OpenMP runtime binds a worker to one CPU
+    agent, clock = make_agent(tmp_path, issue_example(children.token).replace('reserved_cpus: "0"', 'reserved_cpus: ""'))
+    try:
+        agent.tick()
+        (d,) = agent.decisions
+        assert d.action == "pin" and d.new == "0-1"
+        assert cpus_of(p.pid)[tid] == {0}
+        clock.t += 10
+        agent.tick()
+        assert len(agent.decisions) == 1, "inside the target is not drift"
+    finally:
+        agent.stop()
+    assert cpus_of(p.pid)[tid] == {0}
