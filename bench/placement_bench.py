@@ -30,15 +30,21 @@ from qosagent.placement.topology import read_topology  # noqa: E402
 from tests.placement_trees import two_socket_8gpu  # noqa: E402
 
 
-def best(fn, rounds: int) -> float:
-    """Median seconds of fn over rounds (after one warm-up): the machine is shared and noisy."""
-    fn()
-    times = []
+def paired(fn, base, rounds: int) -> tuple[float, float, float]:
+    """(median seconds of fn, of base, median of the per-round ratios): the two alternate in each round, so a noisy
+    neighbour on this shared machine slows both sides of a ratio alike."""
+    fn(), base()
+    a, b, r = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        t1 = time.perf_counter()
+        base()
+        t2 = time.perf_counter()
+        a.append(t1 - t0)
+        b.append(t2 - t1)
+        r.append((t1 - t0) / (t2 - t1))
+    return statistics.median(a), statistics.median(b), statistics.median(r)
 
 
 def cmdline_floor(fs: HostFS) -> None:
@@ -54,16 +60,16 @@ def main() -> None:
     fs = HostFS("/")
     nproc = sum(1 for e in os.listdir("/proc") if e.isdigit())
     matcher = Matcher([Selector(cmdline="vllm serve|text-generation-launcher|tritonserver")])
-    t_disc = best(lambda: discover(fs, matcher, own_pid=os.getpid()), args.rounds)
-    t_floor = best(lambda: cmdline_floor(fs), args.rounds)
+    t_disc, t_floor, r_disc = paired(lambda: discover(fs, matcher, own_pid=os.getpid()), lambda: cmdline_floor(fs),
+                                     args.rounds)
 
     child = subprocess.Popen([sys.executable, "-c", "import sys\nb = bytearray(256 << 20)\n"
                               "for i in range(0, len(b), 4096): b[i] = 1\nprint('r', flush=True)\nsys.stdin.read()"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline()
-        t_maps = best(lambda: numa_pages(fs, child.pid), args.rounds)
-        t_status = best(lambda: fs.try_read(f"/proc/{child.pid}/status"), args.rounds)
+        t_maps, t_status, r_maps = paired(lambda: numa_pages(fs, child.pid),
+                                          lambda: fs.try_read(f"/proc/{child.pid}/status"), args.rounds)
     finally:
         child.kill()
         child.wait()
@@ -73,17 +79,18 @@ def main() -> None:
     procs = [ProcInfo(1000 + i, 1, "vllm", "vllm serve", "/", None, "selectors[0]") for i in range(64)]
     gpus = {1000 + i: (i % 8,) for i in range(64)}
     policy = Policy(reserved=frozenset({0, 48}))
-    t_plan = best(lambda: plan(procs, gpus, topo, policy), args.rounds)
+    t_plan, t_disc2, r_plan = paired(lambda: plan(procs, gpus, topo, policy),
+                                     lambda: discover(fs, matcher, own_pid=os.getpid()), args.rounds)
 
     print(f"host: {os.cpu_count()} CPUs, {nproc} processes; median of {args.rounds} rounds\n")
     print("| measurement | time | baseline | ratio |")
     print("|---|---|---|---|")
     print(f"| discovery pass over /proc ({nproc} processes) | {t_disc * 1e3:.2f} ms | cmdline of each: "
-          f"{t_floor * 1e3:.2f} ms | {t_disc / t_floor:.2f} |")
+          f"{t_floor * 1e3:.2f} ms | {r_disc:.2f} |")
     print(f"| numa_maps of a process with 256 MiB touched | {t_maps * 1e3:.2f} ms | its status file: "
-          f"{t_status * 1e3:.3f} ms | {t_maps / t_status:.0f} |")
+          f"{t_status * 1e3:.3f} ms | {r_maps:.0f} |")
     print(f"| plan 64 processes on 8 GPUs / 2 nodes | {t_plan * 1e3:.2f} ms | one discovery pass: "
-          f"{t_disc * 1e3:.2f} ms | {t_plan / t_disc:.2f} |")
+          f"{t_disc2 * 1e3:.2f} ms | {r_plan:.2f} |")
     print(f"\nreconcile every 5 s: discovery + planning ~{(t_disc + t_plan) / 5 * 100:.3f} % of one CPU")
 
 

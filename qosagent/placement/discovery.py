@@ -6,9 +6,10 @@ agent never restores or re-pins a stranger that inherited an old pid.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from qosagent.hostfs import HostFS
 from qosagent.placement.config import Selector
@@ -122,15 +123,18 @@ class Matcher:
             for s in selectors
         ]
 
-    def match(self, name: str, cmdline: str, cgroup: str) -> tuple[int, Selector] | None:
+    def match(self, name: Callable[[], str], cmdline: Callable[[], str],
+              cgroup: Callable[[], str]) -> tuple[int, Selector] | None:
+        """The first selector all of whose keys match; each field is read (called) only when a key needs it, so
+        the usual cmdline-only selector costs one read per process on the host."""
         for i, (s, name_re, cmd_re) in enumerate(self.selectors):
-            if name_re and not name_re.search(name):
+            if name_re and not name_re.search(name()):
                 continue
-            if cmd_re and not cmd_re.search(cmdline):
+            if cmd_re and not cmd_re.search(cmdline()):
                 continue
-            if s.cgroup and not (cgroup == s.cgroup or cgroup.startswith(s.cgroup.rstrip("/") + "/")):
+            if s.cgroup and not (cgroup() == s.cgroup or cgroup().startswith(s.cgroup.rstrip("/") + "/")):
                 continue
-            if s.unit and s.unit not in cgroup.split("/"):
+            if s.unit and s.unit not in cgroup().split("/"):
                 continue
             return i, s
         return None
@@ -151,17 +155,18 @@ def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid
         if not cmd_raw:
             continue
         cmdline = cmd_raw.replace("\0", " ").strip()
-        name = fs.try_read(f"/proc/{pid}/comm") or ""
-        v2, v1 = _cgroup_path(fs.try_read(f"/proc/{pid}/cgroup") or "")
-        hit = matcher.match(name, cmdline, v2 or v1)
+        name = functools.cache(lambda pid=pid: fs.try_read(f"/proc/{pid}/comm") or "")
+        cgroups = functools.cache(lambda pid=pid: _cgroup_path(fs.try_read(f"/proc/{pid}/cgroup") or ""))
+        hit = matcher.match(name, lambda: cmdline, lambda: cgroups()[0] or cgroups()[1])
         if hit is None and pid not in wanted_gpu:
             continue
+        v2, v1 = cgroups()
         start = proc_start(fs, pid)
         if start is None:
             continue  # exited while we looked
         i, sel = hit if hit else (None, None)
         out.append(ProcInfo(
-            pid=pid, start=start, name=name, cmdline=cmdline[:200], cgroup=v2 or v1,
+            pid=pid, start=start, name=name(), cmdline=cmdline[:200], cgroup=v2 or v1,
             cpuset=read_cpuset(fs, v2, v1),
             selector=f"selectors[{i}]" if sel is not None else "gpu",
             node_pref=sel.node if sel is not None else None,
