@@ -315,3 +315,45 @@ def test_thread_bound_inside_the_target_keeps_its_binding(tmp_path, children) ->
     finally:
         agent.stop()
     assert cpus_of(p.pid)[tid] == {0}
+
+
+def test_reload_to_dry_run_restores_first(tmp_path, children) -> None:
+    p = children.spawn("vllm", "serve", "h")
+    before = cpus_of(p.pid)
+    agent, clock = make_agent(tmp_path, issue_example(children.token))
+    try:
+        agent.tick()
+        assert all(v == {1} for v in cpus_of(p.pid).values())
+        text = f"latency: {{enabled: false}}\nstate_dir: {tmp_path}/state\n" + issue_example(children.token)
+        placement(agent).reload(config_mod.parse_text(text.replace("mode: enforce", "mode: dry-run"), "reloaded"))
+        assert cpus_of(p.pid) == before
+        agent.tick()
+        (d,) = [d for d in agent.decisions if d.action == "pin" and not d.applied]
+        assert d.inputs["pid"] == p.pid and cpus_of(p.pid) == before
+    finally:
+        agent.stop()
+
+
+def test_refused_write_is_counted_and_retried(tmp_path, children, monkeypatch) -> None:
+    p = children.spawn("vllm", "serve", "i")
+    agent, clock = make_agent(tmp_path, issue_example(children.token))
+    real = os.sched_setaffinity
+
+    def refuse(tid: int, cpus: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    try:
+        monkeypatch.setattr(applier.os, "sched_setaffinity", refuse)
+        agent.tick()
+        cap = placement(agent)
+        assert cap.counters["errors"]["permission"] == 1
+        assert cap.records[p.pid].last_action == "error" and "not permitted" in cap.records[p.pid].reason
+        monkeypatch.setattr(applier.os, "sched_setaffinity", real)
+        clock.t += 10
+        agent.tick()
+        assert [d.action for d in agent.decisions] == ["pin", "pin"]
+        assert all(v == {1} for v in cpus_of(p.pid).values())
+    finally:
+        monkeypatch.setattr(applier.os, "sched_setaffinity", real)
+        agent.stop()
+    assert all(v == {0, 1} for v in cpus_of(p.pid).values())
