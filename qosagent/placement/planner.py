@@ -25,6 +25,10 @@ class Policy:
     tiers: Mapping[str, str] | None = None  # tenant -> tier
 
 
+# (home node, why, CPUs NVML names when the node itself is unknown)
+Home = tuple[int | None, str, frozenset[int] | None]
+
+
 @dataclass(frozen=True)
 class Target:
     pid: int
@@ -44,8 +48,7 @@ def _available(topo: Topology, node: int, policy: Policy, proc: ProcInfo) -> fro
     return cpus & proc.cpuset if proc.cpuset is not None else cpus
 
 
-def _gpu_node(proc: ProcInfo, gpus: tuple[int, ...], topo: Topology, policy: Policy) -> tuple[int | None, str, frozenset[int] | None]:
-    """(node, why, CPUs NVML names when the node itself is unknown) for a process on these GPUs."""
+def _gpu_node(proc: ProcInfo, gpus: tuple[int, ...], topo: Topology, policy: Policy) -> Home:
     nodes: list[int] = []
     unknown: list[str] = []
     for g in gpus:
@@ -74,7 +77,7 @@ def _gpu_node(proc: ProcInfo, gpus: tuple[int, ...], topo: Topology, policy: Pol
     return best[0], f"GPUs span nodes ({spread}); majority on node {best[0]}", None
 
 
-def _home(proc: ProcInfo, gpus: tuple[int, ...], topo: Topology, policy: Policy) -> tuple[int | None, str, frozenset[int] | None]:
+def _home(proc: ProcInfo, gpus: tuple[int, ...], topo: Topology, policy: Policy) -> Home:
     if gpus:
         return _gpu_node(proc, gpus, topo, policy)
     pref = proc.node_pref if proc.node_pref is not None else policy.cpu_node
@@ -87,10 +90,11 @@ def _home(proc: ProcInfo, gpus: tuple[int, ...], topo: Topology, policy: Policy)
     return best.id, f"no GPU; node {best.id} has the most usable CPUs", None
 
 
-def plan(procs: Sequence[ProcInfo], gpus_of: Mapping[int, tuple[int, ...]], topo: Topology, policy: Policy) -> dict[int, Target]:
+def plan(procs: Sequence[ProcInfo], gpus_of: Mapping[int, tuple[int, ...]], topo: Topology,
+         policy: Policy) -> dict[int, Target]:
     """One Target per process. Exclusive CPUs (tier guarantees) are handed out first, in pid order, and then taken
     away from every other process on that node."""
-    homes: dict[int, tuple[int | None, str, frozenset[int] | None]] = {}
+    homes: dict[int, Home] = {}
     for p in procs:
         homes[p.pid] = _home(p, gpus_of.get(p.pid, ()), topo, policy)
 

@@ -129,7 +129,9 @@ def read_nodes(fs: HostFS, online: frozenset[int]) -> dict[int, Node]:
         cpus = _cpus(fs, f"{NODE_DIR}/node{i}/cpulist") or frozenset()
         # sysfs lists each node's distances in the order of the node ids, one per node.
         raw = (fs.try_read(f"{NODE_DIR}/node{i}/distance") or "").split()
-        dist = tuple((o, d) for o, d in zip(ids, (_int(x) for x in raw)) if d is not None) if len(raw) == len(ids) else ()
+        dist: tuple[tuple[int, int], ...] = ()
+        if len(raw) == len(ids):
+            dist = tuple((o, d) for o, d in zip(ids, (_int(x) for x in raw)) if d is not None)
         nodes[i] = Node(i, cpus & online if online else cpus, _memory_kb(fs, i), dist)
     return nodes
 
@@ -196,7 +198,8 @@ def read_topology(fs: HostFS, gpus: Iterable[GpuDevice] = ()) -> Topology:
             accs[bus] = Accelerator(**{**accs[bus].__dict__, **nvml})
         else:
             # NVML sees a GPU sysfs does not show (a container without the PCI tree, a fake backend): keep NVML's word.
-            accs[bus or f"nvml:{dev.index}"] = Accelerator(bus or f"nvml:{dev.index}", NVIDIA, "gpu", None, None, **nvml)
+            key = bus or f"nvml:{dev.index}"
+            accs[key] = Accelerator(key, NVIDIA, "gpu", None, None, **nvml)
     located = [locate(a, nodes) for a in sorted(accs.values(), key=lambda a: a.bus_id)]
     for a in located:
         if a.warning:

@@ -282,15 +282,22 @@ def test_qosagent_run_with_the_issue_example(tmp_path, children) -> None:
     assert cpus_of(served.pid) == before
 
 
-def test_reload_that_unselects_a_process_restores_it(tmp_path, children) -> None:
-    p = children.spawn("vllm", "serve", "f")
+def pin_then_reload(tmp_path: Path, children: Children, word: str,
+                    reloaded: str) -> tuple[subprocess.Popen[str], dict[int, frozenset[int]], Agent]:
+    """A child pinned by an enforcing agent, whose placement section is then reloaded to `reloaded`."""
+    p = children.spawn("vllm", "serve", word)
     before = cpus_of(p.pid)
-    agent, clock = make_agent(tmp_path, issue_example(children.token))
+    agent, _ = make_agent(tmp_path, issue_example(children.token))
+    agent.tick()
+    assert all(v == {1} for v in cpus_of(p.pid).values())
+    text = f"latency: {{enabled: false}}\nstate_dir: {tmp_path}/state\n" + reloaded
+    placement(agent).reload(config_mod.parse_text(text, "reloaded"))
+    return p, before, agent
+
+
+def test_reload_that_unselects_a_process_restores_it(tmp_path, children) -> None:
+    p, before, agent = pin_then_reload(tmp_path, children, "f", issue_example("no-such-" + children.token))
     try:
-        agent.tick()
-        assert all(v == {1} for v in cpus_of(p.pid).values())
-        text = f"latency: {{enabled: false}}\nstate_dir: {tmp_path}/state\n" + issue_example("no-such-" + children.token)
-        placement(agent).reload(config_mod.parse_text(text, "reloaded"))
         agent.tick()
         assert agent.decisions[-1].action == "release" and agent.decisions[-1].reason == "no longer selected"
         assert cpus_of(p.pid) == before
@@ -303,7 +310,8 @@ def test_thread_bound_inside_the_target_keeps_its_binding(tmp_path, children) ->
     p = children.spawn("vllm", "serve", "g")
     tid = max(cpus_of(p.pid))
     os.sched_setaffinity(tid, {0})  # as an OpenMP runtime binds a worker to one CPU
-    agent, clock = make_agent(tmp_path, issue_example(children.token).replace('reserved_cpus: "0"', 'reserved_cpus: ""'))
+    unreserved = issue_example(children.token).replace('reserved_cpus: "0"', 'reserved_cpus: ""')
+    agent, clock = make_agent(tmp_path, unreserved)
     try:
         agent.tick()
         (d,) = agent.decisions
@@ -318,14 +326,9 @@ def test_thread_bound_inside_the_target_keeps_its_binding(tmp_path, children) ->
 
 
 def test_reload_to_dry_run_restores_first(tmp_path, children) -> None:
-    p = children.spawn("vllm", "serve", "h")
-    before = cpus_of(p.pid)
-    agent, clock = make_agent(tmp_path, issue_example(children.token))
+    dry = issue_example(children.token).replace("mode: enforce", "mode: dry-run")
+    p, before, agent = pin_then_reload(tmp_path, children, "h", dry)
     try:
-        agent.tick()
-        assert all(v == {1} for v in cpus_of(p.pid).values())
-        text = f"latency: {{enabled: false}}\nstate_dir: {tmp_path}/state\n" + issue_example(children.token)
-        placement(agent).reload(config_mod.parse_text(text.replace("mode: enforce", "mode: dry-run"), "reloaded"))
         assert cpus_of(p.pid) == before
         agent.tick()
         (d,) = [d for d in agent.decisions if d.action == "pin" and not d.applied]

@@ -14,7 +14,7 @@ from qosagent.placement.capability import Placement
 from qosagent.placement.config import Selector
 from qosagent.placement.discovery import Matcher, discover, parse_numa_maps, proc_start, read_cpuset
 from qosagent.status import render
-from tests.placement_trees import cpuset, numa_tree, proc_entry, two_socket_8gpu
+from tests.placement_trees import cpuset, proc_entry, two_socket_8gpu
 
 ISSUE_EXAMPLE = """
 placement:
@@ -225,4 +225,24 @@ def test_unknown_gpu_node_is_left_with_a_warning_decision(tmp_path) -> None:
     assert d.action == "leave" and "GPU 2 unknown" in d.reason
     agent.tick()
     assert len(agent.decisions) == 1, "an unchanged reason is not repeated"
+    agent.stop()
+
+
+def test_tier_guarantee_reaches_the_plan_through_config(tmp_path) -> None:
+    fake = FakeBackend.preset("h200x8")
+    fake.open()
+    fake.gpus[6].processes = [GpuProcess(400, None)]
+    fake.gpus[2].processes = [GpuProcess(200, None)]
+    extra = """  exclusive_cpus: {gold: 2}
+  selectors:
+    - {name: tritonserver, tenant: acme}
+    - {unit: vllm.service}
+tenants:
+  - {name: acme, tier: gold, match: {ports: [8000]}}
+"""
+    agent, _ = _agent(tmp_path, extra, fake)
+    agent.tick()
+    pins = {d.inputs["pid"]: d for d in agent.decisions}
+    assert pins[400].new == "60-61" and "tier gold: 2 exclusive CPUs" in pins[400].reason
+    assert pins[200].new == "0-47", "exclusive CPUs are taken only on the gold process's node"
     agent.stop()
