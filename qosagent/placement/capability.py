@@ -172,6 +172,8 @@ class Placement(Capability):
     def reload(self, config: "Config") -> None:
         was_enforcing = self.enforce
         self._configure(config)
+        # CPUs come and go (hotplug); a reload is when the operator expects the agent to look again.
+        self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
         if was_enforcing and not self.enforce:
             # A dry run must not leave earlier pins behind as if they were still decided.
             for line in applier.restore_all(self.ctx.hostfs, self.store):
@@ -219,6 +221,11 @@ class Placement(Capability):
         if view is None or not view.reconcile:
             return []
         assert self.topology is not None
+        if self._gpu_data_unknown(gpu):
+            # A process whose GPU list is missing this tick would look GPU-less and be moved off its GPU's node.
+            self.counters["errors"]["gpu_data_unknown"] += 1
+            self.log.debug("reconcile skipped: GPU process lists unknown this tick")
+            return []
         targets = plan(view.procs, {p: tuple(sorted(g)) for p, g in gpus_of.items()}, self.topology, self.policy)
         self._targets = targets
         self._procs = {p.pid: p for p in view.procs}
@@ -236,6 +243,14 @@ class Placement(Capability):
                 out.append(self._decision(pid, rec.name, "release", rec.cpus, None, "no longer selected", rec.gpus,
                                           applied=pid in self.store.entries))
         return out
+
+    def _gpu_data_unknown(self, gpu: Any) -> bool:
+        assert self.topology is not None
+        if not any(a.gpu_index is not None for a in self.topology.accelerators):
+            return False  # no GPU known to NVML: every process is GPU-less, truly
+        if gpu is None or not gpu.available:
+            return True
+        return any(g.lost or any(f in ("processes", "sample") for f, _ in g.errors) for g in gpu.gpus)
 
     def _decision(self, pid: int, name: str, action: str, old: frozenset[int] | None, new: frozenset[int] | None,
                   reason: str, gpus: tuple[int, ...], applied: bool | None = None, **inputs: Any) -> Decision:

@@ -246,3 +246,27 @@ tenants:
     assert pins[400].new == "60-61" and "tier gold: 2 exclusive CPUs" in pins[400].reason
     assert pins[200].new == "0-47", "exclusive CPUs are taken only on the gold process's node"
     agent.stop()
+
+
+def test_unknown_gpu_process_list_postpones_the_reconcile(tmp_path) -> None:
+    fake = FakeBackend.preset("h200x8")
+    fake.open()
+    fake.gpus[5].processes = [GpuProcess(200, None)]
+    fake.fail("processes", "gpu_lost", 3)
+    agent, clock = _agent(tmp_path, "  selectors: [{unit: vllm.service}]", fake)
+    agent.tick()
+    # vllm.service on GPU 5 would look GPU-less with GPU 3's list missing, and be moved to the wrong node.
+    assert list(agent.decisions) == []
+    assert placement_counters(agent)["errors"] == {"gpu_data_unknown": 1}
+    fake.clear("processes", 3)
+    clock.t += 10
+    agent.tick()
+    ((d),) = agent.decisions
+    assert d.inputs["pid"] == 200 and d.new == "48-95"
+    agent.stop()
+
+
+def placement_counters(agent: Agent) -> dict:
+    (cap,) = [c for c in agent.capabilities if c.name == "placement"]
+    assert isinstance(cap, Placement)
+    return {k: dict(v) for k, v in cap.counters.items()}
