@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -231,6 +232,10 @@ def test_migrate_pages_on_one_memory_node_is_a_counted_noop(children) -> None:
     assert res.noop and res.moved == 0 and res.pages and sum(res.pages.values()) > 2000
     # The raw syscall works here: moving from the one node to itself leaves nothing unmoved.
     assert applier.migrate_pages_syscall(p.pid, nodes, nodes) == 0
+    # A node without memory as the target is the kernel's EINVAL, raised with the pid in the message.
+    with pytest.raises(OSError) as ei:
+        applier.migrate_pages_syscall(p.pid, nodes, [max(nodes) + 1])
+    assert ei.value.errno == errno.EINVAL and str(p.pid) in str(ei.value)
 
 
 def test_dry_run_writes_nothing(tmp_path, children) -> None:
