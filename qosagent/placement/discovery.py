@@ -44,17 +44,19 @@ def proc_start(fs: HostFS, pid: int) -> int | None:
     return _stat_start(text) if text else None
 
 
-def _cgroup_path(text: str) -> tuple[str, str]:
-    """(v2 path, v1 cpuset path) from /proc/PID/cgroup."""
-    v2 = v1 = ""
+def _cgroup_path(text: str) -> tuple[str, str, str]:
+    """(v2 path, v1 cpuset path, v1 systemd path) from /proc/PID/cgroup."""
+    v2 = cpuset = systemd = ""
     for line in text.splitlines():
         hid, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hid == "0" and controllers == "":
             v2 = path
         elif "cpuset" in controllers.split(","):
-            v1 = path
-    return v2, v1
+            cpuset = path
+        elif controllers == "name=systemd":
+            systemd = path
+    return v2, cpuset, systemd
 
 
 def read_cpuset(fs: HostFS, v2: str, v1: str) -> frozenset[int] | None:
@@ -157,16 +159,17 @@ def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid
         cmdline = cmd_raw.replace("\0", " ").strip()
         name = functools.cache(lambda pid=pid: fs.try_read(f"/proc/{pid}/comm") or "")
         cgroups = functools.cache(lambda pid=pid: _cgroup_path(fs.try_read(f"/proc/{pid}/cgroup") or ""))
-        hit = matcher.match(name, lambda: cmdline, lambda: cgroups()[0] or cgroups()[1])
+        # Selectors name cgroups as systemd and kubelet lay them out: the v2 tree, else v1's systemd hierarchy.
+        hit = matcher.match(name, lambda: cmdline, lambda: cgroups()[0] or cgroups()[2] or cgroups()[1])
         if hit is None and pid not in wanted_gpu:
             continue
-        v2, v1 = cgroups()
+        v2, v1, systemd = cgroups()
         start = proc_start(fs, pid)
         if start is None:
             continue  # exited while we looked
         i, sel = hit if hit else (None, None)
         out.append(ProcInfo(
-            pid=pid, start=start, name=name(), cmdline=cmdline[:200], cgroup=v2 or v1,
+            pid=pid, start=start, name=name(), cmdline=cmdline[:200], cgroup=v2 or systemd or v1,
             cpuset=read_cpuset(fs, v2, v1),
             selector=f"selectors[{i}]" if sel is not None else "gpu",
             node_pref=sel.node if sel is not None else None,

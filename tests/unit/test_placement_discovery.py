@@ -98,6 +98,15 @@ def test_stat_with_parentheses_in_comm(tmp_path) -> None:
     assert proc_start(HostFS(tmp_path), 6) is None
 
 
+def test_cgroup_v1_host(tmp_path) -> None:
+    proc_entry(tmp_path, 7, ["vllm", "serve"], "vllm")
+    (tmp_path / "proc/7/cgroup").write_text("9:name=systemd:/system.slice/vllm.service\n3:cpuset:/\n")
+    (tmp_path / "sys/fs/cgroup/cpuset").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/cpuset/cpuset.effective_cpus").write_text("0-7\n")
+    (p,) = discover(HostFS(tmp_path), Matcher([Selector(unit="vllm.service")]))
+    assert p.cgroup == "/system.slice/vllm.service" and p.cpuset == frozenset(range(8))
+
+
 def test_cgroup_v1_cpuset(tmp_path) -> None:
     (tmp_path / "sys/fs/cgroup/cpuset/docker").mkdir(parents=True)
     (tmp_path / "sys/fs/cgroup/cpuset/docker/cpuset.effective_cpus").write_text("2-3\n")
