@@ -230,10 +230,8 @@ class Placement(Capability):
         self._targets = targets
         self._procs = {p.pid: p for p in view.procs}
         out: list[Decision] = []
-        for p in view.procs:
-            d = self._compare(p, targets[p.pid], self.records.get(p.pid))
-            if d is not None:
-                out.append(d)
+        # Forgetting comes first: a pid reused by a new process must lose the old one's record and originals
+        # before the new one is pinned and its own originals are saved.
         for pid, rec in sorted(self.records.items()):
             p = self._procs.get(pid)
             if pid in view.gone or (p is not None and p.start != rec.start):
@@ -242,6 +240,10 @@ class Placement(Capability):
                 # Still running but no selector names it now (a reload): it gets its original affinity back.
                 out.append(self._decision(pid, rec.name, "release", rec.cpus, None, "no longer selected", rec.gpus,
                                           applied=pid in self.store.entries))
+        for p in view.procs:
+            d = self._compare(p, targets[p.pid], self.records.get(p.pid))
+            if d is not None:
+                out.append(d)
         return out
 
     def _gpu_data_unknown(self, gpu: Any) -> bool:

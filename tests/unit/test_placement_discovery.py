@@ -279,3 +279,21 @@ def placement_counters(agent: Agent) -> dict:
     (cap,) = [c for c in agent.capabilities if c.name == "placement"]
     assert isinstance(cap, Placement)
     return {k: dict(v) for k, v in cap.counters.items()}
+
+
+def test_reused_pid_is_a_new_process(tmp_path) -> None:
+    fake = FakeBackend.preset("h200x8")
+    fake.open()
+    agent, clock = _agent(tmp_path, "  selectors: [{unit: vllm.service}]", fake)
+    agent.tick()
+    assert [(d.action, d.inputs["pid"]) for d in agent.decisions] == [("pin", 200)]
+    # pid 200 exits and the kernel hands the number to a new vllm.service process.
+    proc_entry(tmp_path / "host", 200, ["vllm", "serve", "other"], "vllm", cgroup="/system.slice/vllm.service",
+               start=5000)
+    clock.t += 10
+    agent.tick()
+    assert [d.action for d in agent.decisions][1:] == ["forget", "pin"]
+    agent.tick()
+    (row,) = [r for r in agent.status()["placement"]["processes"] if r["pid"] == 200]
+    assert row["last_action"] == "pin" and row["time"] == agent.decisions[-1].wall_time
+    agent.stop()
