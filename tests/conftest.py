@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# A worktree under /work/wt/<name> finds shared/ two levels up, the main checkout one level up.
-SHARED_FIXTURES = next((p / "shared" / "fixtures" for p in (REPO.parent, REPO.parents[1])
-                        if (p / "shared" / "fixtures").is_dir()), REPO.parent / "shared" / "fixtures")
+# ../shared from the main checkout; a worktree under wt/ finds it one level further up.
+SHARED_FIXTURES = next((p / "shared" / "fixtures" for p in REPO.parents if (p / "shared" / "fixtures").is_dir()),
+                       REPO.parent / "shared" / "fixtures")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
