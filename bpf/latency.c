@@ -1,0 +1,311 @@
+/* Per-tenant request latency from socket events, and run-queue latency of the processes serving those sockets.
+ *
+ * A server-side socket on a watched port is learned when it reaches ESTABLISHED (its tenant resolved once, then),
+ * and forgotten at CLOSE. Each tracked socket runs a request/response state machine driven by the sizes the
+ * application reads and writes: the first bytes read start a request, the first bytes written back give the time
+ * to first byte, the last bytes written before the next read (or the close) end the response. See docs/latency.md
+ * for what this can and cannot see.
+ *
+ * The socket read/write hooks are the sock_recv_length / sock_send_length tracepoints (>= 6.4) or, built with
+ * QOS_KPROBE, kretprobes on tcp_recvmsg / tcp_sendmsg; both feed lat_recv() / lat_send(). Only tracepoint arguments
+ * and UAPI types are used: `sk` is an opaque key, never dereferenced. */
+#include <uapi/linux/ptrace.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/bpf.h>
+#include "qos_common.h"
+#include "qos_hist.h"
+#include "qos_tenant.h"
+
+#define LAT_IDLE 0       /* no request in progress */
+#define LAT_WAITING 1    /* request bytes read, nothing written back yet */
+#define LAT_RESPONDING 2 /* response bytes written */
+#define LAT_PUSHING 3    /* bytes written with no request read first (server-first protocols) */
+
+/* Histogram kinds (mirrored in qosagent/latency/bpfmaps.py). */
+#define LAT_KIND_TTFB 0
+#define LAT_KIND_RESPONSE 1
+#define LAT_KIND_RUNQ 2
+
+/* Counters (mirrored in qosagent/latency/bpfmaps.py). */
+#define LAT_C_REQUESTS 0       /* responses completed */
+#define LAT_C_STARTED 1        /* requests started (first bytes read) */
+#define LAT_C_ANSWERED 2       /* requests that got a first response byte */
+#define LAT_C_UNPAIRED_SEND 3  /* write bursts with no request before them */
+#define LAT_C_UNPAIRED_CLOSE 4 /* requests closed without any response byte */
+#define LAT_C_EXTRA_READS 5    /* reads of more request bytes after the first, before any response byte */
+#define LAT_C_CONNS 6          /* server-side connections tracked */
+
+#define MSG_PEEK_FLAG 2
+
+struct lat_sock_key {
+    __u64 sk;
+};
+
+struct lat_sock {
+    __u64 start_ns;     /* first bytes of the current request read */
+    __u64 last_send_ns; /* last bytes of the current response written */
+    __u32 tenant;
+    __u32 state;
+};
+
+struct lat_hist_key {
+    __u32 tenant;
+    __u16 kind;
+    __u16 bucket;
+};
+
+struct lat_hist_val {
+    __u64 count;
+    __u64 sum_ns;
+};
+
+struct lat_counter_key {
+    __u32 tenant;
+    __u32 what;
+};
+
+struct lat_counter_val {
+    __u64 n;
+};
+
+struct lat_pid_key {
+    __u32 pid;
+};
+
+struct lat_pid_val {
+    __u64 v;
+};
+
+#ifndef LAT_MAX_SOCKS
+#define LAT_MAX_SOCKS 65536
+#endif
+
+BPF_F_TABLE("lru_hash", struct lat_sock_key, struct lat_sock, lat_socks, LAT_MAX_SOCKS, 0);
+BPF_F_TABLE("percpu_hash", struct lat_hist_key, struct lat_hist_val, lat_hist, 16384, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("percpu_hash", struct lat_counter_key, struct lat_counter_val, lat_counters, 4096, BPF_F_NO_PREALLOC);
+/* Processes seen serving tracked sockets (by tgid); the agent expands them to their threads in runq_pids. */
+BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
+BPF_HASH(runq_pids, struct lat_pid_key, struct lat_pid_val, 65536);
+/* Wake-up time of a watched thread not yet on a CPU. */
+BPF_HASH(runq_start, struct lat_pid_key, struct lat_pid_val, 65536);
+
+static __always_inline void lat_count(__u32 tenant, __u32 what)
+{
+    struct lat_counter_key k = {.tenant = tenant, .what = what};
+    struct lat_counter_val zero = {};
+    struct lat_counter_val *v = lat_counters.lookup_or_try_init(&k, &zero);
+    if (v)
+        v->n += 1;
+}
+
+static __always_inline void lat_observe(__u32 tenant, __u16 kind, __u64 delta_ns)
+{
+    struct lat_hist_key k = {.tenant = tenant, .kind = kind, .bucket = (__u16)qos_hist_index(delta_ns)};
+    struct lat_hist_val zero = {};
+    struct lat_hist_val *v = lat_hist.lookup_or_try_init(&k, &zero);
+    if (v) {
+        v->count += 1;
+        v->sum_ns += delta_ns;
+    }
+}
+
+/* The tenant a request is counted under. Today the one resolved when the connection was established; a tenant
+ * matched on request headers (learned per flow by quota's classifier) is to be looked up here, at request start. */
+static __always_inline __u32 lat_request_tenant(struct lat_sock *s)
+{
+    return s->tenant;
+}
+
+static __always_inline void lat_note_process(void)
+{
+    struct lat_pid_key k = {.pid = bpf_get_current_pid_tgid() >> 32};
+    if (runq_tgids.lookup(&k))
+        return;
+    struct lat_pid_val one = {.v = 1};
+    runq_tgids.update(&k, &one);
+}
+
+static __always_inline void lat_finish_response(struct lat_sock *s)
+{
+    lat_observe(s->tenant, LAT_KIND_RESPONSE, s->last_send_ns - s->start_ns);
+    lat_count(s->tenant, LAT_C_REQUESTS);
+}
+
+static __always_inline void lat_recv(__u64 sk, int ret, int flags)
+{
+    if (ret <= 0 || (flags & MSG_PEEK_FLAG))
+        return;
+    struct lat_sock_key k = {.sk = sk};
+    struct lat_sock *s = lat_socks.lookup(&k);
+    if (!s)
+        return;
+    __u64 now = bpf_ktime_get_ns();
+    if (s->state == LAT_WAITING) {
+        lat_count(s->tenant, LAT_C_EXTRA_READS);
+        return;
+    }
+    if (s->state == LAT_RESPONDING)
+        lat_finish_response(s);
+    s->tenant = lat_request_tenant(s);
+    s->start_ns = now;
+    s->state = LAT_WAITING;
+    lat_count(s->tenant, LAT_C_STARTED);
+    lat_note_process();
+}
+
+static __always_inline void lat_send(__u64 sk, int ret)
+{
+    if (ret <= 0)
+        return;
+    struct lat_sock_key k = {.sk = sk};
+    struct lat_sock *s = lat_socks.lookup(&k);
+    if (!s)
+        return;
+    __u64 now = bpf_ktime_get_ns();
+    if (s->state == LAT_WAITING) {
+        lat_observe(s->tenant, LAT_KIND_TTFB, now - s->start_ns);
+        lat_count(s->tenant, LAT_C_ANSWERED);
+        s->state = LAT_RESPONDING;
+    } else if (s->state == LAT_IDLE) {
+        lat_count(s->tenant, LAT_C_UNPAIRED_SEND);
+        s->state = LAT_PUSHING;
+    }
+    s->last_send_ns = now;
+}
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+    if (args->protocol != IPPROTO_TCP)
+        return 0;
+    struct lat_sock_key k = {.sk = (__u64)args->skaddr};
+    if (args->newstate == BPF_TCP_ESTABLISHED) {
+        /* Server side only: a child socket goes SYN_RECV -> ESTABLISHED; `sport` is then the listening port. */
+        if (args->oldstate != BPF_TCP_SYN_RECV || !qos_port_watched(args->sport))
+            return 0;
+        struct lat_sock s = {};
+        /* the kernel stores IPv4 peers IPv4-mapped in daddr_v6 */
+        s.tenant = qos_tenant_resolve(args->sport, args->daddr_v6);
+        s.state = LAT_IDLE;
+        lat_socks.update(&k, &s);
+        lat_count(s.tenant, LAT_C_CONNS);
+        return 0;
+    }
+    if (args->newstate != BPF_TCP_CLOSE)
+        return 0;
+    struct lat_sock *s = lat_socks.lookup(&k);
+    if (!s)
+        return 0;
+    if (s->state == LAT_RESPONDING)
+        lat_finish_response(s);
+    else if (s->state == LAT_WAITING)
+        lat_count(s->tenant, LAT_C_UNPAIRED_CLOSE);
+    lat_socks.delete(&k);
+    return 0;
+}
+
+#ifdef QOS_KPROBE
+/* Kernels without the sock_*_length tracepoints: the same hooks from tcp_recvmsg / tcp_sendmsg, whose first
+ * argument is the socket and whose return value is the byte count. The flags of tcp_recvmsg moved between kernel
+ * versions, so MSG_PEEK reads are not filtered here (rare on servers; documented). */
+BPF_HASH(kp_recv_sk, struct lat_pid_key, struct lat_sock_key, 16384);
+
+int kp_tcp_recvmsg(struct pt_regs *ctx)
+{
+    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
+    struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
+    if (!lat_socks.lookup(&k))
+        return 0;
+    kp_recv_sk.update(&t, &k);
+    return 0;
+}
+
+int kp_tcp_recvmsg_ret(struct pt_regs *ctx)
+{
+    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
+    struct lat_sock_key *k = kp_recv_sk.lookup(&t);
+    if (!k)
+        return 0;
+    __u64 sk = k->sk;
+    kp_recv_sk.delete(&t);
+    lat_recv(sk, (int)PT_REGS_RC(ctx), 0);
+    return 0;
+}
+
+int kp_tcp_sendmsg(struct pt_regs *ctx)
+{
+    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
+    struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
+    if (!lat_socks.lookup(&k))
+        return 0;
+    kp_recv_sk.update(&t, &k);
+    return 0;
+}
+
+int kp_tcp_sendmsg_ret(struct pt_regs *ctx)
+{
+    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
+    struct lat_sock_key *k = kp_recv_sk.lookup(&t);
+    if (!k)
+        return 0;
+    __u64 sk = k->sk;
+    kp_recv_sk.delete(&t);
+    lat_send(sk, (int)PT_REGS_RC(ctx));
+    return 0;
+}
+#else
+TRACEPOINT_PROBE(sock, sock_recv_length)
+{
+    if (args->protocol != IPPROTO_TCP)
+        return 0;
+    lat_recv((__u64)args->sk, args->ret, args->flags);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_send_length)
+{
+    if (args->protocol != IPPROTO_TCP)
+        return 0;
+    lat_send((__u64)args->sk, args->ret);
+    return 0;
+}
+#endif
+
+#ifdef QOS_RUNQ
+static __always_inline void runq_enqueued(__u32 pid)
+{
+    struct lat_pid_key k = {.pid = pid};
+    if (!runq_pids.lookup(&k))
+        return;
+    struct lat_pid_val ts = {.v = bpf_ktime_get_ns()};
+    runq_start.update(&k, &ts);
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    runq_enqueued(args->pid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+    runq_enqueued(args->pid);
+    return 0;
+}
+
+/* A task switched out while still runnable (preempted) waits in the run queue again. */
+#define RUNQ_TASK_REPORT_MASK 0xff
+
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    if ((args->prev_state & RUNQ_TASK_REPORT_MASK) == 0)
+        runq_enqueued(args->prev_pid);
+    struct lat_pid_key k = {.pid = args->next_pid};
+    struct lat_pid_val *ts = runq_start.lookup(&k);
+    if (!ts)
+        return 0;
+    __u64 delta = bpf_ktime_get_ns() - ts->v;
+    runq_start.delete(&k);
+    lat_observe(QOS_UNMATCHED, LAT_KIND_RUNQ, delta);
+    return 0;
+}
+#endif
