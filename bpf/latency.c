@@ -20,6 +20,7 @@
 #define LAT_WAITING 1    /* request bytes read, nothing written back yet */
 #define LAT_RESPONDING 2 /* response bytes written */
 #define LAT_PUSHING 3    /* bytes written with no request read first (server-first protocols) */
+#define LAT_MUX 4        /* on a multiplexed port: requests overlap, the connection is counted and never timed */
 
 /* Histogram kinds (mirrored in qosagent/latency/bpfmaps.py). */
 #define LAT_KIND_TTFB 0
@@ -34,6 +35,7 @@
 #define LAT_C_UNPAIRED_CLOSE 4 /* requests closed without any response byte */
 #define LAT_C_EXTRA_READS 5    /* reads of more request bytes after the first, before any response byte */
 #define LAT_C_CONNS 6          /* server-side connections tracked */
+#define LAT_C_MUX_CONNS 7      /* of those, on multiplexed ports (HTTP/2, gRPC): requests overlap, not timed */
 
 #define MSG_PEEK_FLAG 2
 
@@ -83,6 +85,9 @@ struct lat_pid_val {
 BPF_F_TABLE("lru_hash", struct lat_sock_key, struct lat_sock, lat_socks, LAT_MAX_SOCKS, 0);
 BPF_F_TABLE("percpu_hash", struct lat_hist_key, struct lat_hist_val, lat_hist, 16384, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("percpu_hash", struct lat_counter_key, struct lat_counter_val, lat_counters, 4096, BPF_F_NO_PREALLOC);
+/* Ports whose protocol runs requests concurrently on one connection (latency.multiplexed_ports). Without the
+ * payload, overlapping requests cannot be told from one another, so these connections are counted, not timed. */
+BPF_HASH(lat_mux_ports, struct qos_port_key, struct qos_watch_val, 1024);
 /* Processes seen serving tracked sockets (by tgid); the agent expands them to their threads in runq_pids. */
 BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
 BPF_HASH(runq_pids, struct lat_pid_key, struct lat_pid_val, 65536);
@@ -137,7 +142,7 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
         return;
     struct lat_sock_key k = {.sk = sk};
     struct lat_sock *s = lat_socks.lookup(&k);
-    if (!s)
+    if (!s || s->state == LAT_MUX)
         return;
     __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_WAITING) {
@@ -159,7 +164,7 @@ static __always_inline void lat_send(__u64 sk, int ret)
         return;
     struct lat_sock_key k = {.sk = sk};
     struct lat_sock *s = lat_socks.lookup(&k);
-    if (!s)
+    if (!s || s->state == LAT_MUX)
         return;
     __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_WAITING) {
@@ -185,9 +190,12 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         struct lat_sock s = {};
         /* the kernel stores IPv4 peers IPv4-mapped in daddr_v6 */
         s.tenant = qos_tenant_resolve(args->sport, args->daddr_v6);
-        s.state = LAT_IDLE;
+        struct qos_port_key pk = {.port = args->sport};
+        s.state = lat_mux_ports.lookup(&pk) ? LAT_MUX : LAT_IDLE;
         lat_socks.update(&k, &s);
         lat_count(s.tenant, LAT_C_CONNS);
+        if (s.state == LAT_MUX)
+            lat_count(s.tenant, LAT_C_MUX_CONNS);
         return 0;
     }
     if (args->newstate != BPF_TCP_CLOSE)
