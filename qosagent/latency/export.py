@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.samples import Sample
 
 from qosagent.hist import Histogram, export_bounds_ns
 from qosagent.latency.model import LatencyPart
@@ -49,8 +56,10 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
     mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
                               "(overlapping requests: counted, not timed)", labels=labels)
     inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests read and not yet answered", labels=labels)
-    window = GaugeMetricFamily("qosagent_window_quantile_seconds", "Latency quantiles over the last latency.window "
-                               "(absent while the window has no requests)", labels=labels + ["metric", "quantile"])
+    ttfb_w = SummaryMetricFamily("qosagent_ttfb_window_seconds", "TTFB over the last latency.window: quantiles "
+                                 "(absent while the window is empty), count and sum", labels=labels)
+    resp_w = SummaryMetricFamily("qosagent_response_window_seconds", "Response time over the last latency.window: "
+                                 "quantiles (absent while the window is empty), count and sum", labels=labels)
     for t in part.tenants.values():
         lv = [t.tenant, t.tier]
         ttfb.add_metric(lv, _buckets(t.ttfb), t.ttfb.sum_ns / 1e9)
@@ -62,12 +71,13 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
         conns.add_metric(lv, t.connections)
         mux.add_metric(lv, t.overlapped)
         inflight.add_metric(lv, t.in_flight)
-        for metric, h in (("ttfb", t.ttfb_window), ("response", t.response_window)):
+        for fam, h in ((ttfb_w, t.ttfb_window), (resp_w, t.response_window)):
             for q in QUANTILES:
                 v = h.quantile(q)
                 if v is not None:
-                    window.add_metric(lv + [metric, str(q)], v)
-    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, inflight, window)
+                    fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
+            fam.add_metric(lv, h.count, h.sum_ns / 1e9)
+    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, inflight, ttfb_w, resp_w)
     if part.runqueue is not None:
         rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
                                    "watched ports waited runnable for a CPU, since start")
