@@ -76,8 +76,8 @@ class Latency(Capability):
             self.bpf = compile_program("latency", defines)
             if self.mode == "kprobe":
                 for fn, entry, ret in KPROBES:
-                    self.bpf.attach_kprobe(event=fn, fn_name=entry)
-                    self.bpf.attach_kretprobe(event=fn, fn_name=ret)
+                    self.bpf.attach_kprobe(event=fn.encode(), fn_name=entry.encode())
+                    self.bpf.attach_kretprobe(event=fn.encode(), fn_name=ret.encode())
         except BpfError as e:
             raise CapabilityError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching
@@ -85,8 +85,8 @@ class Latency(Capability):
         from bcc.utils import get_possible_cpus
 
         ncpus = len(get_possible_cpus())
-        self._hist_reader = self._reader("lat_hist", bm.HistKey, bm.per_cpu_value_size(bm.HIST_VALUE.size, ncpus))
-        self._counter_reader = self._reader("lat_counters", bm.CounterKey,
+        self._hist_reader = self._reader(b"lat_hist", bm.HistKey, bm.per_cpu_value_size(bm.HIST_VALUE.size, ncpus))
+        self._counter_reader = self._reader(b"lat_counters", bm.CounterKey,
                                             bm.per_cpu_value_size(bm.COUNTER_VALUE.size, ncpus))
         self._fill_maps(self.ctx.config)
         self.programs = self._program_ids()
@@ -94,7 +94,7 @@ class Latency(Capability):
         log.info("latency probes attached (%s mode, %d programs, run-queue %s) on ports %s", self.mode,
                  self.attached(), "on" if self.runq else "off", bm.watched(self.ctx.config))
 
-    def _reader(self, table: str, key_type: type, value_size: int) -> Any:
+    def _reader(self, table: bytes, key_type: type, value_size: int) -> Any:
         from qosagent.ebpf.batch import BatchReader
 
         return BatchReader(self.bpf[table].map_fd, key_type, value_size)
@@ -124,13 +124,13 @@ class Latency(Capability):
             raise CapabilityError(str(e)) from None
         ports, cidrs = bm.tenant_entries(cfg)
         b = self.bpf
-        self._sync(b["watched_ports"], {(p,): 1 for p in bm.watched(cfg)},
+        self._sync(b[b"watched_ports"], {(p,): 1 for p in bm.watched(cfg)},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
-        self._sync(b["lat_mux_ports"], {(p,): 1 for p in cfg.latency.multiplexed_ports},
+        self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in cfg.latency.multiplexed_ports},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
-        self._sync(b["tenant_ports"], {(p,): tid for p, tid in ports.items()},
+        self._sync(b[b"tenant_ports"], {(p,): tid for p, tid in ports.items()},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(tenant=v))
-        self._sync(b["tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in cidrs},
+        self._sync(b[b"tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in cidrs},
                    self._cidr_key, lambda t, v: t.Leaf(tenant=v))
         self._known.update(table)
 
@@ -226,7 +226,7 @@ class Latency(Capability):
         """Expand the processes seen serving watched sockets into their threads (the sched tracepoints name threads);
         forget processes that are gone and threads that ended."""
         b = self.bpf
-        tgids, pids = b["runq_tgids"], b["runq_pids"]
+        tgids, pids = b[b"runq_tgids"], b[b"runq_pids"]
         want: dict[int, int] = {}
         for k in list(tgids.keys()):
             tasks = self.ctx.hostfs.listdir(f"/proc/{k.pid}/task")
