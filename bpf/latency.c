@@ -91,8 +91,8 @@ BPF_HASH(lat_mux_ports, struct qos_port_key, struct qos_watch_val, 1024);
 /* Processes seen serving tracked sockets (by tgid); the agent expands them to their threads in runq_pids. */
 BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
 BPF_HASH(runq_pids, struct lat_pid_key, struct lat_pid_val, 65536);
-/* Wake-up time of a watched thread not yet on a CPU. */
-BPF_HASH(runq_start, struct lat_pid_key, struct lat_pid_val, 65536);
+/* Wake-up time of a watched thread not yet on a CPU (LRU: a thread that exits while waiting leaves its entry). */
+BPF_F_TABLE("lru_hash", struct lat_pid_key, struct lat_pid_val, runq_start, 65536, 0);
 
 static __always_inline void lat_count(__u32 tenant, __u32 what)
 {
@@ -215,7 +215,8 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 /* Kernels without the sock_*_length tracepoints: the same hooks from tcp_recvmsg / tcp_sendmsg, whose first
  * argument is the socket and whose return value is the byte count. The flags of tcp_recvmsg moved between kernel
  * versions, so MSG_PEEK reads are not filtered here (rare on servers; documented). */
-BPF_HASH(kp_recv_sk, struct lat_pid_key, struct lat_sock_key, 16384);
+/* The socket of each thread's tcp_recvmsg/tcp_sendmsg call in progress, for its return probe. */
+BPF_F_TABLE("lru_hash", struct lat_pid_key, struct lat_sock_key, kp_sk, 16384, 0);
 
 int kp_tcp_recvmsg(struct pt_regs *ctx)
 {
@@ -223,18 +224,18 @@ int kp_tcp_recvmsg(struct pt_regs *ctx)
     struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
     if (!lat_socks.lookup(&k))
         return 0;
-    kp_recv_sk.update(&t, &k);
+    kp_sk.update(&t, &k);
     return 0;
 }
 
 int kp_tcp_recvmsg_ret(struct pt_regs *ctx)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key *k = kp_recv_sk.lookup(&t);
+    struct lat_sock_key *k = kp_sk.lookup(&t);
     if (!k)
         return 0;
     __u64 sk = k->sk;
-    kp_recv_sk.delete(&t);
+    kp_sk.delete(&t);
     lat_recv(sk, (int)PT_REGS_RC(ctx), 0);
     return 0;
 }
@@ -245,18 +246,18 @@ int kp_tcp_sendmsg(struct pt_regs *ctx)
     struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
     if (!lat_socks.lookup(&k))
         return 0;
-    kp_recv_sk.update(&t, &k);
+    kp_sk.update(&t, &k);
     return 0;
 }
 
 int kp_tcp_sendmsg_ret(struct pt_regs *ctx)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key *k = kp_recv_sk.lookup(&t);
+    struct lat_sock_key *k = kp_sk.lookup(&t);
     if (!k)
         return 0;
     __u64 sk = k->sk;
-    kp_recv_sk.delete(&t);
+    kp_sk.delete(&t);
     lat_send(sk, (int)PT_REGS_RC(ctx));
     return 0;
 }

@@ -70,6 +70,6 @@ def compile_program(name: str, defines: dict[str, Any] | None = None, extra_cfla
     cflags += list(extra_cflags)
     src = d / f"{name}.c"
     try:
-        return BPF(text=inline_includes(src, d / "include"), cflags=cflags)
+        return BPF(text=inline_includes(src, d / "include").encode(), cflags=cflags)
     except Exception as e:  # bcc raises plain Exception for compile and load failures
         raise BpfError(f"loading {src.name} failed: {e}") from e
