@@ -27,10 +27,9 @@
 #define LAT_KIND_RESPONSE 1
 #define LAT_KIND_RUNQ 2
 
-/* Counters (mirrored in qosagent/latency/bpfmaps.py). */
-#define LAT_C_REQUESTS 0       /* responses completed */
+/* Counters (mirrored in qosagent/latency/bpfmaps.py). Answered and completed requests are the TTFB and response
+ * histogram counts: no counter of their own, one map update less per request. */
 #define LAT_C_STARTED 1        /* requests started (first bytes read) */
-#define LAT_C_ANSWERED 2       /* requests that got a first response byte */
 #define LAT_C_UNPAIRED_SEND 3  /* write bursts with no request before them */
 #define LAT_C_UNPAIRED_CLOSE 4 /* requests closed without any response byte */
 #define LAT_C_EXTRA_READS 5    /* reads of more request bytes after the first, before any response byte */
@@ -133,7 +132,6 @@ static __always_inline void lat_note_process(void)
 static __always_inline void lat_finish_response(struct lat_sock *s)
 {
     lat_observe(s->tenant, LAT_KIND_RESPONSE, s->last_send_ns - s->start_ns);
-    lat_count(s->tenant, LAT_C_REQUESTS);
 }
 
 static __always_inline void lat_recv(__u64 sk, int ret, int flags)
@@ -169,7 +167,6 @@ static __always_inline void lat_send(__u64 sk, int ret)
     __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_WAITING) {
         lat_observe(s->tenant, LAT_KIND_TTFB, now - s->start_ns);
-        lat_count(s->tenant, LAT_C_ANSWERED);
         s->state = LAT_RESPONDING;
     } else if (s->state == LAT_IDLE) {
         lat_count(s->tenant, LAT_C_UNPAIRED_SEND);

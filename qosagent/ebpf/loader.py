@@ -70,6 +70,18 @@ def compile_program(name: str, defines: dict[str, Any] | None = None, extra_cfla
     cflags += list(extra_cflags)
     src = d / f"{name}.c"
     try:
-        return BPF(text=inline_includes(src, d / "include").encode(), cflags=cflags)
+        b = BPF(text=inline_includes(src, d / "include").encode(), cflags=cflags)
     except Exception as e:  # bcc raises plain Exception for compile and load failures
         raise BpfError(f"loading {src.name} failed: {e}") from e
+    _return_compiler_heap()
+    return b
+
+
+def _return_compiler_heap() -> None:
+    """Clang runs inside the agent; its freed heap (~35 MB per compile) stays mapped until glibc is asked to trim."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

@@ -19,9 +19,8 @@ KIND_TTFB = 0
 KIND_RESPONSE = 1
 KIND_RUNQ = 2
 
-C_REQUESTS = 0
+# Completed and answered requests are the response and TTFB histogram counts (no counters in the kernel).
 C_STARTED = 1
-C_ANSWERED = 2
 C_UNPAIRED_SEND = 3
 C_UNPAIRED_CLOSE = 4
 C_EXTRA_READS = 5

@@ -203,17 +203,17 @@ class Latency(Capability):
 
         ttfb = self._hist(raw, tid, bm.KIND_TTFB)
         resp = self._hist(raw, tid, bm.KIND_RESPONSE)
-        window_requests = c(raw, bm.C_REQUESTS) - c(base, bm.C_REQUESTS)
+        resp_window = resp - self._hist(base, tid, bm.KIND_RESPONSE)
         return TenantLatency(
             tenant=info.name,
             tier=info.tier,
-            requests=c(raw, bm.C_REQUESTS),
+            requests=resp.count,
             ttfb=ttfb,
             response=resp,
             ttfb_window=ttfb - self._hist(base, tid, bm.KIND_TTFB),
-            response_window=resp - self._hist(base, tid, bm.KIND_RESPONSE),
-            rate_rps=window_requests / elapsed if elapsed > 0 else 0.0,
-            in_flight=max(c(raw, bm.C_STARTED) - c(raw, bm.C_ANSWERED) - c(raw, bm.C_UNPAIRED_CLOSE), 0),
+            response_window=resp_window,
+            rate_rps=resp_window.count / elapsed if elapsed > 0 else 0.0,
+            in_flight=max(c(raw, bm.C_STARTED) - ttfb.count - c(raw, bm.C_UNPAIRED_CLOSE), 0),
             unpaired=c(raw, bm.C_UNPAIRED_SEND) + c(raw, bm.C_UNPAIRED_CLOSE),
             overlapped=c(raw, bm.C_MUX_CONNS),
             unpaired_send=c(raw, bm.C_UNPAIRED_SEND),

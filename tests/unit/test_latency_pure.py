@@ -53,10 +53,10 @@ def test_per_cpu_values_are_summed_over_cpus() -> None:
     hist_raw = struct.pack("<QQQQ", 2, 300, 1, 50)
     ctr_raw = struct.pack("<QQ", 5, 7)
     raw = bm.assemble([(bm.HistKey(7, bm.KIND_TTFB, 100), hist_raw), (bm.HistKey(7, bm.KIND_TTFB, 101), hist_raw)],
-                      [(bm.CounterKey(7, bm.C_REQUESTS), ctr_raw)])
+                      [(bm.CounterKey(7, bm.C_STARTED), ctr_raw)])
     assert raw.hist[(7, bm.KIND_TTFB)] == {100: 3, 101: 3}
     assert raw.sums[(7, bm.KIND_TTFB)] == 700
-    assert raw.counters[(7, bm.C_REQUESTS)] == 12
+    assert raw.counters[(7, bm.C_STARTED)] == 12
 
 
 def test_window_subtracts_the_checkpoint_one_span_ago() -> None:
