@@ -147,6 +147,8 @@ def main() -> None:
         wrk(port, 1, args.threads, args.connections)  # warm up nginx and the page cache
         ratios, base_rps, with_rps, ready, idle_cpu, load_cpu, rss_idle, rss_load = [], [], [], [], [], [], [], []
         per_event: dict[str, list[float]] = {}
+        probe_ns_per_req: list[float] = []
+        cpu_ns_per_req: list[float] = []
         for _ in range(args.pairs):
             without = wrk(port, args.seconds, args.threads, args.connections)
             agent = Agent(tmp, port)
@@ -166,10 +168,16 @@ def main() -> None:
                 s1 = prog_stats(ids)
                 stats_path.write_text(stats_before)
                 rss_load.append(agent.rss_mb())
+                total_ns = 0
                 for i, (name, ns, cnt) in s1.items():
                     d_ns, d_cnt = ns - s0[i][1], cnt - s0[i][2]
+                    total_ns += d_ns
                     if d_cnt:
                         per_event.setdefault(name, []).append(d_ns / d_cnt)
+                # Noise-free view of the same cost: BPF time per request against the CPU time a request gets.
+                requests = with_ * args.seconds
+                probe_ns_per_req.append(total_ns / requests)
+                cpu_ns_per_req.append(os.cpu_count() * args.seconds * 1e9 / requests)
             finally:
                 agent.stop()
             base_rps.append(without)
@@ -190,6 +198,9 @@ def main() -> None:
     for i, (a, b, r) in enumerate(zip(base_rps, with_rps, ratios), 1):
         print(f"| {i} | {a:,.0f} | {b:,.0f} | {r:.3f} |")
     print(f"\n**Median ratio {med:.3f}** ({(1 - med) * 100:+.1f} % fewer req/s; target <= 3 %).\n")
+    pr, cr = statistics.median(probe_ns_per_req), statistics.median(cpu_ns_per_req)
+    print(f"BPF run time per request: **{pr:,.0f} ns** of ~{cr:,.0f} ns CPU per request "
+          f"({os.cpu_count()} CPUs x run / requests): **{pr / cr * 100:.1f} %** of the machine's CPU time.\n")
     print("| program | ns per event (median over pairs) |\n|---|---|")
     for name, vals in sorted(per_event.items()):
         print(f"| {name} | {statistics.median(vals):.0f} |")

@@ -35,6 +35,7 @@
 #define LAT_C_EXTRA_READS 5    /* reads of more request bytes after the first, before any response byte */
 #define LAT_C_CONNS 6          /* server-side connections tracked */
 #define LAT_C_MUX_CONNS 7      /* of those, on multiplexed ports (HTTP/2, gRPC): requests overlap, not timed */
+#define LAT_C_OVERLAPPED 8     /* requests whose bytes arrived while the previous response was still being written */
 
 #define MSG_PEEK_FLAG 2
 
@@ -43,11 +44,18 @@ struct lat_sock_key {
 };
 
 struct lat_sock {
-    __u64 start_ns;     /* first bytes of the current request read */
+    __u64 start_ns;     /* the current request's first bytes: arrived at the socket, else read */
     __u64 last_send_ns; /* last bytes of the current response written */
+    __u64 arrived_ns;   /* unread bytes of a next request arrived (QOS_ARRIVAL), 0 when none */
     __u32 tenant;
-    __u32 state;
+    __u16 state;
+    __u8 noted;   /* the serving process is known to runq_tgids (checked once per connection, not per request) */
+    __u8 flags;
 };
+
+/* lat_sock.flags */
+#define LAT_F_OVERLAP 1 /* the server wrote after a next request's bytes arrived: the client did not wait */
+#define LAT_F_UNTIMED 2 /* the current request overlapped its predecessor: counted, not timed */
 
 struct lat_hist_key {
     __u32 tenant;
@@ -131,6 +139,8 @@ static __always_inline void lat_note_process(void)
 
 static __always_inline void lat_finish_response(struct lat_sock *s)
 {
+    if (s->flags & LAT_F_UNTIMED)
+        return;
     lat_observe(s->tenant, LAT_KIND_RESPONSE, s->last_send_ns - s->start_ns);
 }
 
@@ -150,10 +160,20 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
     s->tenant = lat_request_tenant(s);
-    s->start_ns = now;
+    s->start_ns = s->arrived_ns ? s->arrived_ns : now;
+    s->arrived_ns = 0;
     s->state = LAT_WAITING;
-    lat_count(s->tenant, LAT_C_STARTED);
-    lat_note_process();
+    if (s->flags & LAT_F_OVERLAP) {
+        s->flags = LAT_F_UNTIMED;
+        lat_count(s->tenant, LAT_C_OVERLAPPED);
+    } else {
+        s->flags = 0;
+        lat_count(s->tenant, LAT_C_STARTED);
+    }
+    if (!s->noted) {
+        lat_note_process();
+        s->noted = 1;
+    }
 }
 
 static __always_inline void lat_send(__u64 sk, int ret)
@@ -166,8 +186,11 @@ static __always_inline void lat_send(__u64 sk, int ret)
         return;
     __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_WAITING) {
-        lat_observe(s->tenant, LAT_KIND_TTFB, now - s->start_ns);
+        if (!(s->flags & LAT_F_UNTIMED))
+            lat_observe(s->tenant, LAT_KIND_TTFB, now - s->start_ns);
         s->state = LAT_RESPONDING;
+    } else if (s->state == LAT_RESPONDING && s->arrived_ns) {
+        s->flags |= LAT_F_OVERLAP;
     } else if (s->state == LAT_IDLE) {
         lat_count(s->tenant, LAT_C_UNPAIRED_SEND);
         s->state = LAT_PUSHING;
@@ -202,11 +225,25 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         return 0;
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
-    else if (s->state == LAT_WAITING)
+    else if (s->state == LAT_WAITING && !(s->flags & LAT_F_UNTIMED))
         lat_count(s->tenant, LAT_C_UNPAIRED_CLOSE);
     lat_socks.delete(&k);
     return 0;
 }
+
+#ifdef QOS_ARRIVAL
+/* Bytes queued on a tracked socket (>= 6.6). A request's clock starts when its first bytes arrive, not when the
+ * application gets round to reading them: time in the socket's queue is part of what the client waits. */
+TRACEPOINT_PROBE(sock, sk_data_ready)
+{
+    struct lat_sock_key k = {.sk = (__u64)args->skaddr};
+    struct lat_sock *s = lat_socks.lookup(&k);
+    if (!s || s->state == LAT_WAITING || s->state == LAT_MUX || s->arrived_ns)
+        return 0;
+    s->arrived_ns = bpf_ktime_get_ns();
+    return 0;
+}
+#endif
 
 #ifdef QOS_KPROBE
 /* Kernels without the sock_*_length tracepoints: the same hooks from tcp_recvmsg / tcp_sendmsg, whose first

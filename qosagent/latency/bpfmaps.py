@@ -26,6 +26,7 @@ C_UNPAIRED_CLOSE = 4
 C_EXTRA_READS = 5
 C_CONNS = 6
 C_MUX_CONNS = 7
+C_OVERLAPPED = 8
 
 CIDR_PORT_BITS = 16  # a qos_cidr_key's prefix counts the port first
 

@@ -38,6 +38,7 @@ class Latency(Capability):
         super().__init__(ctx)
         self.mode = ""  # "tracepoint" or "kprobe"
         self.runq = False
+        self.arrival = False  # request clocks start at arrival (sock:sk_data_ready), else at the first read
         self.bpf: Any = None
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
@@ -58,6 +59,9 @@ class Latency(Capability):
         notes = []
         if self.mode == "kprobe":
             notes.append("kprobe fallback on tcp_recvmsg/tcp_sendmsg")
+        self.arrival = features.has_tracepoint("sock/sk_data_ready")
+        if not self.arrival:
+            notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
         cfg = self.ctx.config.latency
         self.runq = cfg.runqueue.enabled and all(features.has_tracepoint(tp) for tp in RUNQ_TRACEPOINTS)
         if cfg.runqueue.enabled and not self.runq:
@@ -72,6 +76,8 @@ class Latency(Capability):
             defines["QOS_RUNQ"] = 1
         if self.mode == "kprobe":
             defines["QOS_KPROBE"] = 1
+        if self.arrival:
+            defines["QOS_ARRIVAL"] = 1
         try:
             self.bpf = compile_program("latency", defines)
             if self.mode == "kprobe":
@@ -91,8 +97,9 @@ class Latency(Capability):
         self._fill_maps(self.ctx.config)
         self.programs = self._program_ids()
         self._window = Window(self.ctx.config.latency.window)
-        log.info("latency probes attached (%s mode, %d programs, run-queue %s) on ports %s", self.mode,
-                 self.attached(), "on" if self.runq else "off", bm.watched(self.ctx.config))
+        log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
+                 self.mode, self.attached(), "arrival" if self.arrival else "first read",
+                 "on" if self.runq else "off", bm.watched(self.ctx.config))
 
     def _reader(self, table: bytes, key_type: type, value_size: int) -> Any:
         from qosagent.ebpf.batch import BatchReader
@@ -215,11 +222,12 @@ class Latency(Capability):
             rate_rps=resp_window.count / elapsed if elapsed > 0 else 0.0,
             in_flight=max(c(raw, bm.C_STARTED) - ttfb.count - c(raw, bm.C_UNPAIRED_CLOSE), 0),
             unpaired=c(raw, bm.C_UNPAIRED_SEND) + c(raw, bm.C_UNPAIRED_CLOSE),
-            overlapped=c(raw, bm.C_MUX_CONNS),
+            overlapped=c(raw, bm.C_OVERLAPPED),
             unpaired_send=c(raw, bm.C_UNPAIRED_SEND),
             unpaired_close=c(raw, bm.C_UNPAIRED_CLOSE),
             extra_reads=c(raw, bm.C_EXTRA_READS),
             connections=c(raw, bm.C_CONNS),
+            multiplexed_connections=c(raw, bm.C_MUX_CONNS),
         )
 
     def _refresh_runq_threads(self) -> None:

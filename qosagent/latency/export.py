@@ -54,7 +54,10 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
     conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
                                 labels=labels)
     mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
-                              "(overlapping requests: counted, not timed)", labels=labels)
+                              "(their requests overlap by protocol: counted, not timed)", labels=labels)
+    overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
+                                     "response was still being written (pipelining, HTTP/2): counted, not timed",
+                                     labels=labels)
     inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests read and not yet answered", labels=labels)
     ttfb_w = SummaryMetricFamily("qosagent_ttfb_window_seconds", "TTFB over the last latency.window: quantiles "
                                  "(absent while the window is empty), count and sum", labels=labels)
@@ -69,7 +72,8 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
         unpaired.add_metric(lv + ["closed_without_response"], t.unpaired_close)
         extra.add_metric(lv, t.extra_reads)
         conns.add_metric(lv, t.connections)
-        mux.add_metric(lv, t.overlapped)
+        mux.add_metric(lv, t.multiplexed_connections)
+        overlapped.add_metric(lv, t.overlapped)
         inflight.add_metric(lv, t.in_flight)
         for fam, h in ((ttfb_w, t.ttfb_window), (resp_w, t.response_window)):
             for q in QUANTILES:
@@ -77,7 +81,7 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
                 if v is not None:
                     fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
             fam.add_metric(lv, h.count, h.sum_ns / 1e9)
-    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, inflight, ttfb_w, resp_w)
+    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, overlapped, inflight, ttfb_w, resp_w)
     if part.runqueue is not None:
         rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
                                    "watched ports waited runnable for a CPU, since start")
@@ -111,6 +115,7 @@ def status(part: LatencyPart | None, slo_p99: dict[str, float]) -> dict[str, Any
             "tenant": t.tenant, "tier": t.tier, "requests": t.requests, "rate_rps": round(t.rate_rps, 3),
             "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,
             "extra_reads": t.extra_reads, "connections": t.connections,
+            "multiplexed_connections": t.multiplexed_connections,
             "ttfb": _quantiles(t.ttfb_window), "response": resp_w,
             "ttfb_total": _quantiles(t.ttfb), "response_total": _quantiles(t.response),
             "slo_p99": slo or None, "slo": slo_state(resp_w["p99"], slo),
@@ -139,7 +144,9 @@ def render(st: dict[str, Any]) -> str:
         if t.get("unpaired"):
             notes.append(f"{t['unpaired']} unpaired")
         if t.get("overlapped"):
-            notes.append(f"{t['overlapped']} multiplexed connections not timed")
+            notes.append(f"{t['overlapped']} overlapped requests not timed")
+        if t.get("multiplexed_connections"):
+            notes.append(f"{t['multiplexed_connections']} multiplexed connections not timed")
         if notes:
             lines.append(f"{'':<16} ({', '.join(notes)})")
     rq = st.get("runqueue")
