@@ -53,6 +53,7 @@ tenants:
     match: {{ports: [{port}]}}
 latency:
   ports: [{port}]
+  runqueue: {{enabled: {runq}}}
 """
 
 
@@ -72,11 +73,11 @@ def wrk(port: int, seconds: int, threads: int, conns: int) -> float:
 
 
 class Agent:
-    def __init__(self, tmp: Path, port: int):
+    def __init__(self, tmp: Path, port: int, runq: bool):
         self.tmp = tmp
         self.mport = free_port()
         cfg = tmp / "agent.yaml"
-        cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, port=port))
+        cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, port=port, runq=str(runq).lower()))
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "qosagent", "run", "--config", str(cfg)], env=env,
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--connections", type=int, default=8)
+    ap.add_argument("--no-runqueue", action="store_true", help="measure with latency.runqueue.enabled: false")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "bpftool"):
         if not shutil.which(tool):
@@ -151,7 +153,7 @@ def main() -> None:
         cpu_ns_per_req: list[float] = []
         for _ in range(args.pairs):
             without = wrk(port, args.seconds, args.threads, args.connections)
-            agent = Agent(tmp, port)
+            agent = Agent(tmp, port, runq=not args.no_runqueue)
             try:
                 ready.append(agent.ready_s)
                 time.sleep(1.0)  # past the first ticks
@@ -193,7 +195,8 @@ def main() -> None:
     print(f"### Latency probes ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared, kernel "
           f"{os.uname().release})\n")
     print(f"nginx (1 worker, `return 200`) on loopback, wrk -t{args.threads} -c{args.connections} -d{args.seconds}s, "
-          f"{args.pairs} interleaved pairs (without agent, with agent).\n")
+          f"{args.pairs} interleaved pairs (without agent, with agent), run-queue probes "
+          f"{'off' if args.no_runqueue else 'on'}.\n")
     print("| pair | without (req/s) | with (req/s) | ratio |\n|---|---|---|---|")
     for i, (a, b, r) in enumerate(zip(base_rps, with_rps, ratios), 1):
         print(f"| {i} | {a:,.0f} | {b:,.0f} | {r:.3f} |")

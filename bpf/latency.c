@@ -6,7 +6,7 @@
  * to first byte, the last bytes written before the next read (or the close) end the response. See docs/latency.md
  * for what this can and cannot see.
  *
- * The socket read/write hooks are the sock_recv_length / sock_send_length tracepoints (>= 6.4) or, built with
+ * The socket read/write hooks are the sock_recv_length / sock_send_length raw tracepoints (>= 6.4) or, built with
  * QOS_KPROBE, kretprobes on tcp_recvmsg / tcp_sendmsg; both feed lat_recv() / lat_send(). Only tracepoint arguments
  * and UAPI types are used: `sk` is an opaque key, never dereferenced. */
 #include <uapi/linux/ptrace.h>
@@ -234,9 +234,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 #ifdef QOS_ARRIVAL
 /* Bytes queued on a tracked socket (>= 6.6). A request's clock starts when its first bytes arrive, not when the
  * application gets round to reading them: time in the socket's queue is part of what the client waits. */
-TRACEPOINT_PROBE(sock, sk_data_ready)
+RAW_TRACEPOINT_PROBE(sk_data_ready)
 {
-    struct lat_sock_key k = {.sk = (__u64)args->skaddr};
+    struct lat_sock_key k = {.sk = ctx->args[0]}; /* TP_PROTO(const struct sock *sk) */
     struct lat_sock *s = lat_socks.lookup(&k);
     if (!s || s->state == LAT_WAITING || s->state == LAT_MUX || s->arrived_ns)
         return 0;
@@ -252,63 +252,66 @@ TRACEPOINT_PROBE(sock, sk_data_ready)
 /* The socket of each thread's tcp_recvmsg/tcp_sendmsg call in progress, for its return probe. */
 BPF_F_TABLE("lru_hash", struct lat_pid_key, struct lat_sock_key, kp_sk, 16384, 0);
 
-int kp_tcp_recvmsg(struct pt_regs *ctx)
+static __always_inline void kp_enter(struct pt_regs *ctx)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
     struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
-    if (!lat_socks.lookup(&k))
+    if (lat_socks.lookup(&k))
+        kp_sk.update(&t, &k);
+}
+
+/* The tracked socket of this thread's call that returns now, or 0. */
+static __always_inline __u64 kp_exit(void)
+{
+    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
+    struct lat_sock_key *k = kp_sk.lookup(&t);
+    if (!k)
         return 0;
-    kp_sk.update(&t, &k);
+    __u64 sk = k->sk;
+    kp_sk.delete(&t);
+    return sk;
+}
+
+int kp_tcp_recvmsg(struct pt_regs *ctx)
+{
+    kp_enter(ctx);
     return 0;
 }
 
 int kp_tcp_recvmsg_ret(struct pt_regs *ctx)
 {
-    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key *k = kp_sk.lookup(&t);
-    if (!k)
-        return 0;
-    __u64 sk = k->sk;
-    kp_sk.delete(&t);
-    lat_recv(sk, (int)PT_REGS_RC(ctx), 0);
+    __u64 sk = kp_exit();
+    if (sk)
+        lat_recv(sk, (int)PT_REGS_RC(ctx), 0);
     return 0;
 }
 
 int kp_tcp_sendmsg(struct pt_regs *ctx)
 {
-    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
-    if (!lat_socks.lookup(&k))
-        return 0;
-    kp_sk.update(&t, &k);
+    kp_enter(ctx);
     return 0;
 }
 
 int kp_tcp_sendmsg_ret(struct pt_regs *ctx)
 {
-    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key *k = kp_sk.lookup(&t);
-    if (!k)
-        return 0;
-    __u64 sk = k->sk;
-    kp_sk.delete(&t);
-    lat_send(sk, (int)PT_REGS_RC(ctx));
+    __u64 sk = kp_exit();
+    if (sk)
+        lat_send(sk, (int)PT_REGS_RC(ctx));
     return 0;
 }
 #else
-TRACEPOINT_PROBE(sock, sock_recv_length)
+/* Raw tracepoints for the per-read/write hooks: no perf record is built per event, which is most of a classic
+ * tracepoint's cost. Their arguments are TP_PROTO(struct sock *sk, int ret, int flags): the pointer is only a key,
+ * the rest are ints, so no kernel struct layout is assumed. Only TCP sockets are in lat_socks. */
+RAW_TRACEPOINT_PROBE(sock_recv_length)
 {
-    if (args->protocol != IPPROTO_TCP)
-        return 0;
-    lat_recv((__u64)args->sk, args->ret, args->flags);
+    lat_recv(ctx->args[0], (int)ctx->args[1], (int)ctx->args[2]);
     return 0;
 }
 
-TRACEPOINT_PROBE(sock, sock_send_length)
+RAW_TRACEPOINT_PROBE(sock_send_length)
 {
-    if (args->protocol != IPPROTO_TCP)
-        return 0;
-    lat_send((__u64)args->sk, args->ret);
+    lat_send(ctx->args[0], (int)ctx->args[1]);
     return 0;
 }
 #endif

@@ -109,7 +109,7 @@ class Latency(Capability):
     def attached(self) -> int:
         if self.bpf is None:
             return 0
-        return len(self.bpf.tracepoint_fds) + len(self.bpf.kprobe_fds)
+        return len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
 
     def _program_ids(self) -> list[dict[str, Any]]:
         """Kernel ids of our loaded programs (what `bpftool prog show id N` finds), for status and the stop test."""

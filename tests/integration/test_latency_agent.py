@@ -11,9 +11,7 @@ import http.server
 import json
 import re
 import shutil
-import socket
 import subprocess
-import threading
 import time
 import urllib.request
 import uuid
@@ -23,6 +21,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.conftest import agent_argv, agent_env, require
+from tests.integration.latency_helpers import free_port, serving
 
 N = 30  # requests per server
 FAST_DELAY = 0.020
@@ -65,22 +64,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def servers() -> Iterator[None]:
-    started = []
-    for port in (18001, 18002):
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        started.append(srv)
-    yield
-    for srv in started:
-        srv.shutdown()
-        srv.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with serving((18001, 18002), Handler):
+        yield
 
 
 EXAMPLE = """\

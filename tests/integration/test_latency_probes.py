@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import http.server
 import socket
-import threading
 import time
 from typing import Any, Iterator
 
@@ -19,6 +18,7 @@ from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
 from qosagent.latency.model import LatencyPart
+from tests.integration.latency_helpers import serving
 
 PORTS = (18011, 18012, 18013)
 
@@ -58,16 +58,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def servers() -> Iterator[None]:
-    started = []
-    for port in PORTS:
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        started.append(srv)
-    yield
-    for srv in started:
-        srv.shutdown()
-        srv.server_close()
+    with serving(PORTS, Handler):
+        yield
 
 
 @pytest.fixture
@@ -168,6 +160,7 @@ def test_kprobe_fallback_compiles_and_loads(bpf: None) -> None:
             assert b.load_func(entry.encode(), BPF.KPROBE).fd >= 0
             assert b.load_func(ret.encode(), BPF.KPROBE).fd >= 0
         # The kprobe build must not also attach the socket tracepoints (each event would be counted twice).
-        assert not any(b"sock_recv_length" in tp or b"sock_send_length" in tp for tp in b.tracepoint_fds)
+        assert not any(b"sock_recv_length" in tp or b"sock_send_length" in tp
+                       for tp in list(b.tracepoint_fds) + list(b.raw_tracepoint_fds))
     finally:
         b.cleanup()
