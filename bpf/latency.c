@@ -95,11 +95,11 @@ BPF_F_TABLE("percpu_hash", struct lat_counter_key, struct lat_counter_val, lat_c
 /* Ports whose protocol runs requests concurrently on one connection (latency.multiplexed_ports). Without the
  * payload, overlapping requests cannot be told from one another, so these connections are counted, not timed. */
 BPF_HASH(lat_mux_ports, struct qos_port_key, struct qos_watch_val, 1024);
-/* Processes seen serving tracked sockets (by tgid); the agent expands them to their threads in runq_pids. */
+/* Processes seen serving tracked sockets (by tgid); the agent expands them to their threads in runq_pids, whose
+ * value is the thread's wake-up time while it waits for a CPU (0 when it does not): stamping and clearing in place
+ * spares an update and a delete per wait on the scheduler's hottest path. */
 BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
 BPF_HASH(runq_pids, struct lat_pid_key, struct lat_pid_val, 65536);
-/* Wake-up time of a watched thread not yet on a CPU (LRU: a thread that exits while waiting leaves its entry). */
-BPF_F_TABLE("lru_hash", struct lat_pid_key, struct lat_pid_val, runq_start, 65536, 0);
 
 static __always_inline void lat_count(__u32 tenant, __u32 what)
 {
@@ -320,10 +320,9 @@ RAW_TRACEPOINT_PROBE(sock_send_length)
 static __always_inline void runq_enqueued(__u32 pid)
 {
     struct lat_pid_key k = {.pid = pid};
-    if (!runq_pids.lookup(&k))
-        return;
-    struct lat_pid_val ts = {.v = bpf_ktime_get_ns()};
-    runq_start.update(&k, &ts);
+    struct lat_pid_val *w = runq_pids.lookup(&k);
+    if (w)
+        w->v = bpf_ktime_get_ns();
 }
 
 TRACEPOINT_PROBE(sched, sched_wakeup)
@@ -346,11 +345,11 @@ TRACEPOINT_PROBE(sched, sched_switch)
     if ((args->prev_state & RUNQ_TASK_REPORT_MASK) == 0)
         runq_enqueued(args->prev_pid);
     struct lat_pid_key k = {.pid = args->next_pid};
-    struct lat_pid_val *ts = runq_start.lookup(&k);
-    if (!ts)
+    struct lat_pid_val *w = runq_pids.lookup(&k);
+    if (!w || !w->v)
         return 0;
-    __u64 delta = bpf_ktime_get_ns() - ts->v;
-    runq_start.delete(&k);
+    __u64 delta = bpf_ktime_get_ns() - w->v;
+    w->v = 0;
     lat_observe(QOS_UNMATCHED, LAT_KIND_RUNQ, delta);
     return 0;
 }

@@ -235,20 +235,21 @@ class Latency(Capability):
         forget processes that are gone and threads that ended."""
         b = self.bpf
         tgids, pids = b[b"runq_tgids"], b[b"runq_pids"]
-        want: dict[int, int] = {}
+        want: set[int] = set()
         for k in list(tgids.keys()):
             tasks = self.ctx.hostfs.listdir(f"/proc/{k.pid}/task")
             if not tasks:
                 del tgids[k]
                 continue
-            for t in tasks:
-                if t.isdigit():
-                    want[int(t)] = k.pid
+            want.update(int(t) for t in tasks if t.isdigit())
+        have = set()
         for k in list(pids.keys()):
-            if k.pid not in want:
+            if k.pid in want:
+                have.add(k.pid)
+            else:
                 del pids[k]
-        for tid, tgid in want.items():
-            pids[pids.Key(pid=tid)] = pids.Leaf(v=tgid)
+        for tid in want - have:  # new threads only: an existing entry may hold a live wake-up time
+            pids[pids.Key(pid=tid)] = pids.Leaf(v=0)
 
     def stop(self) -> None:
         if self.bpf is None:

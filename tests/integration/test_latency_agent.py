@@ -207,6 +207,8 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
     for tenant in ("acme", "hobby"):
         assert series(text, "qosagent_requests_unpaired_total").get(tenant) == 0
     st = agent.status()["latency"]
+    # The servers' process was learned from its socket reads, and its threads' waits for a CPU measured.
+    assert st["runqueue_total"]["count"] > 0
     rows = {t["tenant"]: t for t in st["tenants"]}
     for tenant, (ttfb, total) in measured.items():
         row = rows[tenant]
