@@ -151,8 +151,10 @@ def main() -> None:
         per_event: dict[str, list[float]] = {}
         probe_ns_per_req: list[float] = []
         cpu_ns_per_req: list[float] = []
-        for _ in range(args.pairs):
-            without = wrk(port, args.seconds, args.threads, args.connections)
+        for pair in range(args.pairs):
+            # Alternate which side runs first, so a drift in the machine's load does not favour one side.
+            if pair % 2 == 0:
+                without = wrk(port, args.seconds, args.threads, args.connections)
             agent = Agent(tmp, port, runq=not args.no_runqueue)
             try:
                 ready.append(agent.ready_s)
@@ -184,6 +186,8 @@ def main() -> None:
                 cpu_ns_per_req.append(os.cpu_count() * 2 * 1e9 / requests)
             finally:
                 agent.stop()
+            if pair % 2 == 1:
+                without = wrk(port, args.seconds, args.threads, args.connections)
             base_rps.append(without)
             with_rps.append(with_)
             ratios.append(with_ / without)
@@ -197,7 +201,7 @@ def main() -> None:
     print(f"### Latency probes ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared, kernel "
           f"{os.uname().release})\n")
     print(f"nginx (1 worker, `return 200`) on loopback, wrk -t{args.threads} -c{args.connections} -d{args.seconds}s, "
-          f"{args.pairs} interleaved pairs (without agent, with agent), run-queue probes "
+          f"{args.pairs} interleaved pairs (order alternating), run-queue probes "
           f"{'off' if args.no_runqueue else 'on'}.\n")
     print("| pair | without (req/s) | with (req/s) | ratio |\n|---|---|---|---|")
     for i, (a, b, r) in enumerate(zip(base_rps, with_rps, ratios), 1):
