@@ -101,6 +101,33 @@ BPF_HASH(lat_mux_ports, struct qos_port_key, struct qos_watch_val, 1024);
 BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
 BPF_HASH(runq_pids, struct lat_pid_key, struct lat_pid_val, 65536);
 
+/* Most socket events on a host are on sockets we do not track. A counting filter over a hash of the socket pointer
+ * answers "not tracked" with one array load (inlined by the verifier) before any hash lookup. A slot may stay
+ * non-zero after an LRU eviction: a false "maybe", which the hash lookup then settles. */
+#define LAT_FILTER_SLOTS 65536
+
+struct lat_filter_val {
+    __u32 n;
+};
+
+BPF_ARRAY(lat_filter, struct lat_filter_val, LAT_FILTER_SLOTS);
+
+static __always_inline struct lat_filter_val *lat_filter_slot(__u64 sk)
+{
+    /* socket objects are at least cache-line aligned: the low 6 bits carry nothing */
+    int i = (int)(((sk >> 6) ^ (sk >> 22)) & (LAT_FILTER_SLOTS - 1));
+    return lat_filter.lookup(&i);
+}
+
+static __always_inline struct lat_sock *lat_tracked(__u64 sk)
+{
+    struct lat_filter_val *f = lat_filter_slot(sk);
+    if (!f || !f->n)
+        return 0;
+    struct lat_sock_key k = {.sk = sk};
+    return lat_socks.lookup(&k);
+}
+
 static __always_inline void lat_count(__u32 tenant, __u32 what)
 {
     struct lat_counter_key k = {.tenant = tenant, .what = what};
@@ -148,8 +175,7 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
 {
     if (ret <= 0 || (flags & MSG_PEEK_FLAG))
         return;
-    struct lat_sock_key k = {.sk = sk};
-    struct lat_sock *s = lat_socks.lookup(&k);
+    struct lat_sock *s = lat_tracked(sk);
     if (!s || s->state == LAT_MUX)
         return;
     __u64 now = bpf_ktime_get_ns();
@@ -180,8 +206,7 @@ static __always_inline void lat_send(__u64 sk, int ret)
 {
     if (ret <= 0)
         return;
-    struct lat_sock_key k = {.sk = sk};
-    struct lat_sock *s = lat_socks.lookup(&k);
+    struct lat_sock *s = lat_tracked(sk);
     if (!s || s->state == LAT_MUX)
         return;
     __u64 now = bpf_ktime_get_ns();
@@ -212,7 +237,11 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         s.tenant = qos_tenant_resolve(args->sport, args->daddr_v6);
         struct qos_port_key pk = {.port = args->sport};
         s.state = lat_mux_ports.lookup(&pk) ? LAT_MUX : LAT_IDLE;
-        lat_socks.update(&k, &s);
+        if (lat_socks.update(&k, &s) == 0) {
+            struct lat_filter_val *f = lat_filter_slot(k.sk);
+            if (f)
+                __sync_fetch_and_add(&f->n, 1);
+        }
         lat_count(s.tenant, LAT_C_CONNS);
         if (s.state == LAT_MUX)
             lat_count(s.tenant, LAT_C_MUX_CONNS);
@@ -228,6 +257,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     else if (s->state == LAT_WAITING && !(s->flags & LAT_F_UNTIMED))
         lat_count(s->tenant, LAT_C_UNPAIRED_CLOSE);
     lat_socks.delete(&k);
+    struct lat_filter_val *f = lat_filter_slot(k.sk);
+    if (f && f->n)
+        __sync_fetch_and_add(&f->n, -1);
     return 0;
 }
 
@@ -236,8 +268,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
  * application gets round to reading them: time in the socket's queue is part of what the client waits. */
 RAW_TRACEPOINT_PROBE(sk_data_ready)
 {
-    struct lat_sock_key k = {.sk = ctx->args[0]}; /* TP_PROTO(const struct sock *sk) */
-    struct lat_sock *s = lat_socks.lookup(&k);
+    struct lat_sock *s = lat_tracked(ctx->args[0]); /* TP_PROTO(const struct sock *sk) */
     if (!s || s->state == LAT_WAITING || s->state == LAT_MUX || s->arrived_ns)
         return 0;
     s->arrived_ns = bpf_ktime_get_ns();
@@ -256,7 +287,7 @@ static __always_inline void kp_enter(struct pt_regs *ctx)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
     struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
-    if (lat_socks.lookup(&k))
+    if (lat_tracked(k.sk))
         kp_sk.update(&t, &k);
 }
 
