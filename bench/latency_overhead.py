@@ -50,9 +50,9 @@ status:
 tenants:
   - name: bench
     tier: gold
-    match: {{ports: [{port}]}}
+    match: {{ports: [{watched}]}}
 latency:
-  ports: [{port}]
+  ports: [{watched}]
   runqueue: {{enabled: {runq}}}
 """
 
@@ -73,11 +73,11 @@ def wrk(port: int, seconds: int, threads: int, conns: int) -> float:
 
 
 class Agent:
-    def __init__(self, tmp: Path, port: int, runq: bool):
+    def __init__(self, tmp: Path, watched: int, runq: bool):
         self.tmp = tmp
         self.mport = free_port()
         cfg = tmp / "agent.yaml"
-        cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, port=port, runq=str(runq).lower()))
+        cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, watched=watched, runq=str(runq).lower()))
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "qosagent", "run", "--config", str(cfg)], env=env,
@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--connections", type=int, default=8)
     ap.add_argument("--no-runqueue", action="store_true", help="measure with latency.runqueue.enabled: false")
+    ap.add_argument("--unwatched", action="store_true",
+                    help="watch another port than nginx's: every probe event a miss (the noise floor of the bench)")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "bpftool"):
         if not shutil.which(tool):
@@ -155,7 +157,7 @@ def main() -> None:
             # Alternate which side runs first, so a drift in the machine's load does not favour one side.
             if pair % 2 == 0:
                 without = wrk(port, args.seconds, args.threads, args.connections)
-            agent = Agent(tmp, port, runq=not args.no_runqueue)
+            agent = Agent(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue)
             try:
                 ready.append(agent.ready_s)
                 time.sleep(1.0)  # past the first ticks
@@ -202,7 +204,7 @@ def main() -> None:
           f"{os.uname().release})\n")
     print(f"nginx (1 worker, `return 200`) on loopback, wrk -t{args.threads} -c{args.connections} -d{args.seconds}s, "
           f"{args.pairs} interleaved pairs (order alternating), run-queue probes "
-          f"{'off' if args.no_runqueue else 'on'}.\n")
+          f"{'off' if args.no_runqueue else 'on'}{', nginx port not watched' if args.unwatched else ''}.\n")
     print("| pair | without (req/s) | with (req/s) | ratio |\n|---|---|---|---|")
     for i, (a, b, r) in enumerate(zip(base_rps, with_rps, ratios), 1):
         print(f"| {i} | {a:,.0f} | {b:,.0f} | {r:.3f} |")

@@ -165,7 +165,12 @@ class Latency(Capability):
     def reload(self, config: "Config") -> None:
         if self.bpf is None:
             return
-        self._fill_maps(config)
+        try:
+            self._fill_maps(config)
+        except CapabilityError:
+            raise
+        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception on map writes
+            raise CapabilityError(f"updating the tenant maps failed part-way ({e}); reload again to retry") from None
         if config.latency.window != self.ctx.config.latency.window:
             self._window = Window(config.latency.window)
 
@@ -184,8 +189,8 @@ class Latency(Capability):
             self._refresh_runq_threads()
         cfg = self.ctx.config
         current = tenant_table(cfg)
-        ids = set(current) | {t for (t, _k) in raw.hist if t != UNMATCHED_ID or _k != bm.KIND_RUNQ}
-        ids |= {t for (t, _w) in raw.counters}
+        # Configured tenants, and any a reload removed that still have counts since start.
+        ids = set(current) | {t for (t, _kind) in raw.hist} | {t for (t, _what) in raw.counters}
         tenants = {}
         for tid in sorted(ids):
             info = current.get(tid) or self._known.get(tid) or TenantInfo(tid, f"id-{tid}", "none", 0, 0.0)
