@@ -171,18 +171,29 @@ static __always_inline void lat_finish_response(struct lat_sock *s)
     lat_observe(s->tenant, LAT_KIND_RESPONSE, s->last_send_ns - s->start_ns);
 }
 
-static __always_inline void lat_recv(__u64 sk, int ret, int flags)
+/* The state of a tracked, timed socket for a read or write of ret bytes; 0 when there is nothing to time. */
+static __always_inline struct lat_sock *lat_timed(__u64 sk, int ret)
 {
-    if (ret <= 0 || (flags & MSG_PEEK_FLAG))
-        return;
+    if (ret <= 0)
+        return 0;
     struct lat_sock *s = lat_tracked(sk);
     if (!s || s->state == LAT_MUX)
+        return 0;
+    return s;
+}
+
+static __always_inline void lat_recv(__u64 sk, int ret, int flags)
+{
+    if (flags & MSG_PEEK_FLAG)
         return;
-    __u64 now = bpf_ktime_get_ns();
+    struct lat_sock *s = lat_timed(sk, ret);
+    if (!s)
+        return;
     if (s->state == LAT_WAITING) {
         lat_count(s->tenant, LAT_C_EXTRA_READS);
         return;
     }
+    __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
     s->tenant = lat_request_tenant(s);
@@ -204,10 +215,8 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
 
 static __always_inline void lat_send(__u64 sk, int ret)
 {
-    if (ret <= 0)
-        return;
-    struct lat_sock *s = lat_tracked(sk);
-    if (!s || s->state == LAT_MUX)
+    struct lat_sock *s = lat_timed(sk, ret);
+    if (!s)
         return;
     __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_WAITING) {
@@ -283,12 +292,14 @@ RAW_TRACEPOINT_PROBE(sk_data_ready)
 /* The socket of each thread's tcp_recvmsg/tcp_sendmsg call in progress, for its return probe. */
 BPF_F_TABLE("lru_hash", struct lat_pid_key, struct lat_sock_key, kp_sk, 16384, 0);
 
-static __always_inline void kp_enter(struct pt_regs *ctx)
+/* Entry of both tcp_recvmsg and tcp_sendmsg: remember the socket for the return probe. */
+int kp_tcp_enter(struct pt_regs *ctx)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
     struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
     if (lat_tracked(k.sk))
         kp_sk.update(&t, &k);
+    return 0;
 }
 
 /* The tracked socket of this thread's call that returns now, or 0. */
@@ -303,23 +314,11 @@ static __always_inline __u64 kp_exit(void)
     return sk;
 }
 
-int kp_tcp_recvmsg(struct pt_regs *ctx)
-{
-    kp_enter(ctx);
-    return 0;
-}
-
 int kp_tcp_recvmsg_ret(struct pt_regs *ctx)
 {
     __u64 sk = kp_exit();
     if (sk)
         lat_recv(sk, (int)PT_REGS_RC(ctx), 0);
-    return 0;
-}
-
-int kp_tcp_sendmsg(struct pt_regs *ctx)
-{
-    kp_enter(ctx);
     return 0;
 }
 

@@ -27,7 +27,7 @@ log = logging.getLogger("qosagent.latency")
 
 SOCKET_TRACEPOINTS = ("sock/sock_recv_length", "sock/sock_send_length")
 RUNQ_TRACEPOINTS = ("sched/sched_wakeup", "sched/sched_wakeup_new", "sched/sched_switch")
-KPROBES = (("tcp_recvmsg", "kp_tcp_recvmsg", "kp_tcp_recvmsg_ret"), ("tcp_sendmsg", "kp_tcp_sendmsg", "kp_tcp_sendmsg_ret"))
+KPROBES = (("tcp_recvmsg", "kp_tcp_enter", "kp_tcp_recvmsg_ret"), ("tcp_sendmsg", "kp_tcp_enter", "kp_tcp_sendmsg_ret"))
 RUNQ_REFRESH_S = 1.0  # how often the threads of the serving processes are re-listed
 
 

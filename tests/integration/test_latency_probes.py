@@ -16,7 +16,7 @@ from qosagent.config import parse
 from qosagent.features import probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
-from qosagent.latency.capability import Latency
+from qosagent.latency.capability import KPROBES, Latency
 from qosagent.latency.model import LatencyPart
 from tests.integration.latency_helpers import serving
 
@@ -155,8 +155,7 @@ def test_kprobe_fallback_compiles_and_loads(bpf: None) -> None:
 
     b = compile_program("latency", {"QOS_KPROBE": 1})
     try:
-        for _event, entry, ret in (("tcp_recvmsg", "kp_tcp_recvmsg", "kp_tcp_recvmsg_ret"),
-                                   ("tcp_sendmsg", "kp_tcp_sendmsg", "kp_tcp_sendmsg_ret")):
+        for _event, entry, ret in KPROBES:
             assert b.load_func(entry.encode(), BPF.KPROBE).fd >= 0
             assert b.load_func(ret.encode(), BPF.KPROBE).fd >= 0
         # The kprobe build must not also attach the socket tracepoints (each event would be counted twice).
