@@ -133,3 +133,38 @@ def test_slo_state() -> None:
     assert export.slo_state(0.1, 0.12) == "ok"
     assert export.slo_state(None, 0.12) == "no data"
     assert export.slo_state(0.1, 0.0) == "-"
+
+
+def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True) -> tuple[str, str, str]:
+    from qosagent.capability import AgentContext
+    from qosagent.features import TRACEPOINTS, Features
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.hostfs import HostFS
+    from qosagent.latency.capability import Latency
+
+    cfg = parse({"latency": {"runqueue": {"enabled": runqueue}}}, "t")
+    cap = Latency(AgentContext(config=cfg, hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
+    f = Features(tracepoints={tp: tp in tracepoints for tp in TRACEPOINTS}, kprobes=kprobes)
+    v = cap.probe(f)
+    return v.state.value, v.reason, cap.mode
+
+
+ALL_TP = {"sock/inet_sock_set_state", "sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready",
+          "sched/sched_wakeup", "sched/sched_wakeup_new", "sched/sched_switch"}
+
+
+def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
+    assert _probe(ALL_TP) == ("active", "", "tracepoint")
+    old = ALL_TP - {"sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready"}
+    state, reason, mode = _probe(old, kprobes=True)
+    assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "first read" in reason
+    state, reason, _ = _probe(old, kprobes=False)
+    assert state == "unavailable" and "no kprobes" in reason
+    assert _probe(set())[0] == "unavailable"
+
+
+def test_probe_degrades_without_sched_tracepoints_only_when_runqueue_is_wanted() -> None:
+    sock_only = {tp for tp in ALL_TP if tp.startswith("sock/")}
+    state, reason, _ = _probe(sock_only)
+    assert state == "degraded" and "run-queue" in reason
+    assert _probe(sock_only, runqueue=False)[0] == "active"
