@@ -128,7 +128,10 @@ def status(part: LatencyPart | None, slo_p99: dict[str, float]) -> dict[str, Any
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.1f}"
+    if v is None:
+        return "-"
+    ms = v * 1000
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.1f}"  # loopback and run-queue waits are tens of µs
 
 
 def render(st: dict[str, Any]) -> str:
