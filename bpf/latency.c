@@ -36,6 +36,7 @@
 #define LAT_C_CONNS 6          /* server-side connections tracked */
 #define LAT_C_MUX_CONNS 7      /* of those, on multiplexed ports (HTTP/2, gRPC): requests overlap, not timed */
 #define LAT_C_OVERLAPPED 8     /* requests whose bytes arrived while the previous response was still being written */
+#define LAT_C_LOST 9           /* observations dropped because lat_hist was full */
 
 #define MSG_PEEK_FLAG 2
 
@@ -142,10 +143,12 @@ static __always_inline void lat_observe(__u32 tenant, __u16 kind, __u64 delta_ns
     struct lat_hist_key k = {.tenant = tenant, .kind = kind, .bucket = (__u16)qos_hist_index(delta_ns)};
     struct lat_hist_val zero = {};
     struct lat_hist_val *v = lat_hist.lookup_or_try_init(&k, &zero);
-    if (v) {
-        v->count += 1;
-        v->sum_ns += delta_ns;
+    if (!v) {
+        lat_count(tenant, LAT_C_LOST);
+        return;
     }
+    v->count += 1;
+    v->sum_ns += delta_ns;
 }
 
 /* The tenant a request is counted under. Today the one resolved when the connection was established; a tenant

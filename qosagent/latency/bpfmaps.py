@@ -27,6 +27,7 @@ C_EXTRA_READS = 5
 C_CONNS = 6
 C_MUX_CONNS = 7
 C_OVERLAPPED = 8
+C_LOST = 9
 
 CIDR_PORT_BITS = 16  # a qos_cidr_key's prefix counts the port first
 

@@ -233,6 +233,7 @@ class Latency(Capability):
             extra_reads=c(raw, bm.C_EXTRA_READS),
             connections=c(raw, bm.C_CONNS),
             multiplexed_connections=c(raw, bm.C_MUX_CONNS),
+            lost=c(raw, bm.C_LOST),
         )
 
     def _refresh_runq_threads(self) -> None:

@@ -58,6 +58,8 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
     overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
                                      "response was still being written (pipelining, HTTP/2): counted, not timed",
                                      labels=labels)
+    lost = CounterMetricFamily("qosagent_latency_observations_lost", "TTFB, response and run-queue observations "
+                               "dropped because the kernel's histogram map was full", labels=labels)
     inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests read and not yet answered", labels=labels)
     ttfb_w = SummaryMetricFamily("qosagent_ttfb_window_seconds", "TTFB over the last latency.window: quantiles "
                                  "(absent while the window is empty), count and sum", labels=labels)
@@ -74,6 +76,7 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
         conns.add_metric(lv, t.connections)
         mux.add_metric(lv, t.multiplexed_connections)
         overlapped.add_metric(lv, t.overlapped)
+        lost.add_metric(lv, t.lost)
         inflight.add_metric(lv, t.in_flight)
         for fam, h in ((ttfb_w, t.ttfb_window), (resp_w, t.response_window)):
             for q in QUANTILES:
@@ -81,7 +84,7 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
                 if v is not None:
                     fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
             fam.add_metric(lv, h.count, h.sum_ns / 1e9)
-    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, overlapped, inflight, ttfb_w, resp_w)
+    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, overlapped, lost, inflight, ttfb_w, resp_w)
     if part.runqueue is not None:
         rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
                                    "watched ports waited runnable for a CPU, since start")
@@ -115,7 +118,7 @@ def status(part: LatencyPart | None, slo_p99: dict[str, float]) -> dict[str, Any
             "tenant": t.tenant, "tier": t.tier, "requests": t.requests, "rate_rps": round(t.rate_rps, 3),
             "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,
             "extra_reads": t.extra_reads, "connections": t.connections,
-            "multiplexed_connections": t.multiplexed_connections,
+            "multiplexed_connections": t.multiplexed_connections, "lost": t.lost,
             "ttfb": _quantiles(t.ttfb_window), "response": resp_w,
             "ttfb_total": _quantiles(t.ttfb), "response_total": _quantiles(t.response),
             "slo_p99": slo or None, "slo": slo_state(resp_w["p99"], slo),

@@ -26,6 +26,7 @@ class TenantLatency:
     extra_reads: int = 0  # reads of request bytes after the first and before the response (pieces, pipelining)
     connections: int = 0  # server-side connections tracked since start
     multiplexed_connections: int = 0  # of those, on latency.multiplexed_ports: counted, their requests not timed
+    lost: int = 0  # observations the kernel dropped because its histogram map was full
 
 
 @dataclass(frozen=True)
