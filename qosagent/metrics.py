@@ -56,6 +56,12 @@ class AgentCollector:
         reloads.add_metric(["ok"], a.stats.reloads_ok)
         reloads.add_metric(["failed"], a.stats.reloads_failed)
         yield reloads
+        # The SLOs beside the measured quantiles, so dashboards and alerts compare without copying the config.
+        slo = GaugeMetricFamily("qosagent_tier_slo_p99_seconds", "The tier's p99 response-time SLO (tiers.<name>"
+                                ".slo_p99)", labels=["tier"])
+        for tier, tc in sorted(a.config.tiers.items()):
+            slo.add_metric([tier], tc.slo_p99)
+        yield slo
         gpu = snap.part("gpu")
         yield GaugeMetricFamily("qosagent_gpu_data_available", "1 when GPU readings are known this tick",
                                 value=1.0 if gpu is not None and gpu.available else 0.0)

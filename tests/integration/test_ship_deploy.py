@@ -144,6 +144,11 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             {"series": f'qosagent_capability_state{{{inst}, capability="quota", state="unavailable"}}',
              "values": "0x20"},
             {"series": f'qosagent_collect_errors_total{{{inst}, capability="dvfs"}}', "values": "0+5x30"},
+            {"series": f'qosagent_tier_slo_p99_seconds{{{inst}, tier="gold"}}', "values": "0.12x20"},
+            {"series": f'qosagent_response_window_seconds{{{inst}, tenant="shop", tier="gold", quantile="0.99"}}',
+             "values": "0.2x20"},
+            {"series": f'qosagent_response_window_seconds{{{inst}, tenant="blog", tier="gold", quantile="0.99"}}',
+             "values": "0.05x20"},
         ],
         "alert_rule_test": [
             {"eval_time": "15m", "alertname": "QosagentDown", "exp_alerts": [
@@ -155,6 +160,8 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "job": "qosagent",
                                 "capability": "dvfs"}}]},
             {"eval_time": "15m", "alertname": "QosagentLoopOverrunning", "exp_alerts": []},
+            {"eval_time": "10m", "alertname": "QosagentTenantSLOBreach", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "shop", "tier": "gold"}}]},
         ],
     }]}
     # promtool compares annotations too: expect each rule's own, with its label templates filled in.

@@ -4,10 +4,10 @@ agent's series through its HTTP API; promtool lints a live scrape."""
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import re
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -20,17 +20,12 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, agent_argv, agent_env, require
+from tests.integration.latency_helpers import free_port, serving
 from tests.integration.test_ship_deploy import rules_file
 from tests.integration.test_ship_metrics_tls import self_signed
 
 DEADLINE_S = 90
 PASSWORD = "scrape-me"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, probe: Any, deadline: float) -> Any:
@@ -63,17 +58,18 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("agent")
     cert, key = self_signed(d)
     (d / "password").write_text(PASSWORD + "\n")
-    port = free_port()
+    port, tenant_port = free_port(), free_port()
     conf = d / "config.yaml"
     conf.write_text(yaml.safe_dump({
         "interval": "200ms",
+        "tenants": [{"name": "shop", "tier": "gold", "match": {"ports": [tenant_port]}}],
         "metrics": {"listen": f"127.0.0.1:{port}", "tls": {"cert_file": str(cert), "key_file": str(key)},
                     "basic_auth": {"username": "prometheus", "password_file": str(d / "password")}},
         "status": {"socket": str(d / "status.sock")},
     }))
     proc = subprocess.Popen(agent_argv("run", "--config", str(conf)), env=agent_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    info = {"port": port, "cert": cert, "dir": d, "proc": proc}
+    info = {"port": port, "cert": cert, "dir": d, "proc": proc, "tenant_port": tenant_port}
     try:
         wait_for("the agent's /readyz", lambda: scrape(info, "/readyz")[0] == 200,
                  time.monotonic() + DEADLINE_S)
@@ -148,6 +144,38 @@ def test_prometheus_scrapes_the_agent(prometheus: str, agent: dict[str, Any]) ->
     assert float(ticks[0]["value"][1]) > 0
     states = query(prometheus, "qosagent_capability_state == 1")
     assert {s["metric"]["capability"] for s in states} == {"latency", "quota", "admission", "dvfs", "placement"}
+    slo = query(prometheus, "qosagent_tier_slo_p99_seconds")
+    assert {s["metric"]["tier"]: float(s["value"][1]) for s in slo} == pytest.approx({"gold": 0.12, "silver": 0.35,
+                                                                                   "bronze": 1.2})
+
+
+class Completion(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        time.sleep(0.005)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_prometheus_returns_the_tenant_series(prometheus: str, agent: dict[str, Any], bpf: None) -> None:
+    """Requests to a tenant's port, measured by the latency programs, reach Prometheus per tenant and tier."""
+    n = 20
+    with serving((agent["tenant_port"],), Completion):
+        for _ in range(n):
+            with urllib.request.urlopen(f"http://127.0.0.1:{agent['tenant_port']}/", timeout=10) as r:
+                assert r.read() == b"ok"
+        deadline = time.monotonic() + DEADLINE_S
+        got = wait_for("the tenant's requests in Prometheus",
+                       lambda: query(prometheus, f'qosagent_requests_total{{tenant="shop"}} >= {n}'), deadline)
+    assert got[0]["metric"]["tier"] == "gold" and float(got[0]["value"][1]) == n
+    p99 = query(prometheus, 'qosagent_response_window_seconds{tenant="shop", quantile="0.99"}')
+    assert p99 and 0.005 <= float(p99[0]["value"][1]) < 1.0
+    buckets = query(prometheus, 'qosagent_ttfb_seconds_bucket{tenant="shop", le="+Inf"}')
+    assert float(buckets[0]["value"][1]) == n
 
 
 def test_prometheus_loads_the_alert_rules(prometheus: str) -> None:
