@@ -102,3 +102,37 @@ def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str
     assert r.returncode != 0, f"{probe} worked without CAP_{dropped.upper()}"
     # Refused for want of privilege, not for some other reason.
     assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
+
+
+def test_agent_runs_its_capabilities_with_only_the_units_capabilities(bpf: None, tmp_path) -> None:
+    """The real agent, not a probe: under the unit's bounding set its latency programs load and attach."""
+    import json
+    import time
+
+    from tests.conftest import agent_argv, agent_env
+
+    sock = tmp_path / "status.sock"
+    conf = tmp_path / "config.yaml"
+    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n"
+                    f"bpf: {{pin_root: /sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}}}\n")
+    bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
+    proc = subprocess.Popen(["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all",
+                             *agent_argv("run", "--config", str(conf))], env=agent_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            r = subprocess.run(agent_argv("status", "--json", "--socket", str(sock)), env=agent_env(),
+                               capture_output=True, text=True, timeout=30)
+            # The socket answers from before start; the first tick comes after every program is attached.
+            if r.returncode == 0 and json.loads(r.stdout)["seq"] >= 1:
+                status = json.loads(r.stdout)
+                break
+            time.sleep(0.5)
+        assert status is not None, "the agent never answered on its status socket"
+        assert status["capabilities"]["latency"]["state"] == "active", status["capabilities"]
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out[-3000:]
