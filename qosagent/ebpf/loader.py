@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,6 +30,15 @@ def headers_present() -> bool:
     return os.path.isdir(f"/lib/modules/{platform.release()}/build/include")
 
 
+# bcc rewrites map calls (tenant_ports.lookup(...)) only in the main source: a shared header that uses maps is
+# marked `#include "x.h" // bcc:inline` and pasted in place.
+_INLINE = re.compile(r'^#include "([^"]+)"\s*// bcc:inline\s*$', re.M)
+
+
+def inline_map_headers(text: str, include_dir: Path) -> str:
+    return _INLINE.sub(lambda m: (include_dir / m.group(1)).read_text(), text)
+
+
 def compile_program(name: str, defines: dict[str, Any] | None = None, extra_cflags: Iterable[str] = ()) -> Any:
     """Compile and load bpf/<name>.c; returns the bcc.BPF object. Raises BpfError with the likely cause."""
     if not headers_present():
@@ -46,6 +56,6 @@ def compile_program(name: str, defines: dict[str, Any] | None = None, extra_cfla
     cflags += list(extra_cflags)
     src = d / f"{name}.c"
     try:
-        return BPF(src_file=str(src).encode(), cflags=cflags)
+        return BPF(text=inline_map_headers(src.read_text(), d / "include").encode(), cflags=cflags)
     except Exception as e:  # bcc raises plain Exception for compile and load failures
         raise BpfError(f"loading {src.name} failed: {e}") from e
