@@ -137,7 +137,7 @@ class Datapath:
                                              "QOS_HDR_SCAN": cfg.quota.header_scan_bytes})
         self.prog = self.bpf.load_func("quota_classify", BPF.SCHED_CLS)
         self.header_prog = self.bpf.load_func("quota_header", BPF.SCHED_CLS)
-        self.bpf["quota_progs"][ctypes.c_int(0)] = ctypes.c_int(self.header_prog.fd)
+        self.bpf[b"quota_progs"][ctypes.c_int(0)] = ctypes.c_int(self.header_prog.fd)
         self._pin_prog(PROG_PIN, self.prog.fd)
         self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
         self.overrides: dict[int, Bucket] = {}
@@ -155,12 +155,12 @@ class Datapath:
         self.cfg = cfg
         r = rules(cfg)
         b = self.bpf
-        changed = self._sync(b["tenant_ports"], {(p,): (t,) for p, t in r.ports.items()})
-        changed |= self._sync(b["tenant_cidrs"], {k: (t,) for k, t in r.cidrs.items()}, cidr=True)
-        changed |= self._sync(b["quota_headers"], {(h,): (t,) for h, t in r.headers.items()})
-        changed |= self._sync(b["watched_ports"], {(p,): (1,) for p in r.watched})
+        changed = self._sync(b[b"tenant_ports"], {(p,): (t,) for p, t in r.ports.items()})
+        changed |= self._sync(b[b"tenant_cidrs"], {k: (t,) for k, t in r.cidrs.items()}, cidr=True)
+        changed |= self._sync(b[b"quota_headers"], {(h,): (t,) for h, t in r.headers.items()})
+        changed |= self._sync(b[b"watched_ports"], {(p,): (1,) for p in r.watched})
         if changed:
-            b["tenant_flows"].clear()
+            b[b"tenant_flows"].clear()
         self.baseline = dict(limits)
         self._write_limits()
         self.heartbeat(cfg, bool(r.headers))
@@ -196,7 +196,7 @@ class Datapath:
         self._write_limits()
 
     def _write_limits(self) -> None:
-        t = self.bpf["quota_limits"]
+        t = self.bpf[b"quota_limits"]
         want: dict[int, QuotaLimit] = {}
         for tid in set(self.baseline) | set(self.overrides):
             req, conn = self.baseline.get(tid, (None, None))
@@ -223,7 +223,7 @@ class Datapath:
     def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
         """Tell the kernel the agent is alive: overrides hold for heartbeat_timeout from now."""
         cfg = cfg or self.cfg
-        t = self.bpf["quota_config"]
+        t = self.bpf[b"quota_config"]
         cur = QuotaConf.from_buffer_copy(bytes(t[ctypes.c_int(0)]))
         conf = QuotaConf()
         conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
@@ -239,7 +239,7 @@ class Datapath:
         """Put the program on each interface's ingress (replacing only our own filter); drop it from interfaces
         recorded earlier and no longer named. Returns what changed."""
         q = self.cfg.quota
-        rec = self.bpf["quota_attach"]
+        rec = self.bpf[b"quota_attach"]
         here = tc.netns_ino()
         done = []
         with tc.IPRoute() as ipr:
@@ -271,22 +271,22 @@ class Datapath:
     def read(self) -> Reading:
         b = self.bpf
         counts = {}
-        for k, per_cpu in b["quota_counters"].items():
+        for k, per_cpu in b[b"quota_counters"].items():
             counts[k.tenant] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
                                 sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
         stats = {}
-        st = b["quota_stats"]
+        st = b[b"quota_stats"]
         for i, reason in enumerate(layout.STAT_REASONS):
             stats[reason] = sum(v.packets for v in st[ctypes.c_int(i)])
-        limits = {k.tenant: QuotaLimit.from_buffer_copy(bytes(v)) for k, v in b["quota_limits"].items()}
-        buckets = {k.tenant: (v.req_tat, v.conn_tat) for k, v in b["quota_buckets"].items()}
-        conf = b["quota_config"][ctypes.c_int(0)]
+        limits = {k.tenant: QuotaLimit.from_buffer_copy(bytes(v)) for k, v in b[b"quota_limits"].items()}
+        buckets = {k.tenant: (v.req_tat, v.conn_tat) for k, v in b[b"quota_buckets"].items()}
+        conf = b[b"quota_config"][ctypes.c_int(0)]
         return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns)
 
     def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
         """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""
         out = {}
-        for k, v in self.bpf["tenant_flows"].items():
+        for k, v in self.bpf[b"tenant_flows"].items():
             ra = ipaddress.IPv6Address(bytes(k.raddr))
             la = ipaddress.IPv6Address(bytes(k.laddr))
             r = str(ra.ipv4_mapped or ra)
