@@ -128,3 +128,24 @@ def map_items(fd: int, key_size: int, value_size: int) -> list[tuple[bytes, byte
         else:
             out.append((key.raw, val.raw[:value_size]))
         prev = ctypes.create_string_buffer(key.raw, key_size)
+
+
+BPF_MAP_UPDATE_ELEM = 2
+
+
+def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
+    k = ctypes.create_string_buffer(key, len(key))
+    v = ctypes.create_string_buffer(value_size)
+    try:
+        bpf(BPF_MAP_LOOKUP_ELEM, _ElemAttr(map_fd=fd, key=ctypes.addressof(k), value=ctypes.addressof(v)))
+    except OSError as e:
+        if e.errno == 2:
+            return None
+        raise
+    return v.raw
+
+
+def map_update(fd: int, key: bytes, value: bytes) -> None:
+    k = ctypes.create_string_buffer(key, len(key))
+    v = ctypes.create_string_buffer(value, len(value))
+    bpf(BPF_MAP_UPDATE_ELEM, _ElemAttr(map_fd=fd, key=ctypes.addressof(k), value=ctypes.addressof(v)))
