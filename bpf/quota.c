@@ -72,13 +72,25 @@ static __always_inline void stat_inc(__u32 reason)
         v->packets++;
 }
 
+/* Copy n bytes at off: straight from the linear area when it holds them (the usual case for headers at TC
+ * ingress), else through the helper (payload on loopback and veth is often not linear). */
+static __always_inline int load(struct __sk_buff *skb, __u32 off, void *to, __u32 n)
+{
+    void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+    if (off <= 1024 && data + off + n <= end) {
+        __builtin_memcpy(to, data + off, n);
+        return 0;
+    }
+    return bpf_skb_load_bytes(skb, off, to, n);
+}
+
 /* 0 parsed; 1 not TCP (pass silently); -1 malformed or fragment (pass, counted by the caller's reason). */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p, __u32 *reason)
 {
     __u32 l4, l3_payload;
     if (skb->protocol == bpf_htons(ETH_P_IP)) {
         struct iphdr ip;
-        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0 || ip.version != 4 || ip.ihl < 5) {
+        if (load(skb, ETH_HLEN, &ip, sizeof(ip)) < 0 || ip.version != 4 || ip.ihl < 5) {
             *reason = QOS_STAT_MALFORMED;
             return -1;
         }
@@ -103,7 +115,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p, __u32 *re
         __builtin_memcpy(&p->flow.laddr[12], &ip.daddr, 4);
     } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
         struct ipv6hdr ip6;
-        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0 || ip6.version != 6) {
+        if (load(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0 || ip6.version != 6) {
             *reason = QOS_STAT_MALFORMED;
             return -1;
         }
@@ -152,7 +164,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p, __u32 *re
         return 1;
     }
     struct tcphdr tcp;
-    if (bpf_skb_load_bytes(skb, l4, &tcp, sizeof(tcp)) < 0 || tcp.doff < 5 || l3_payload < tcp.doff * 4u) {
+    if (load(skb, l4, &tcp, sizeof(tcp)) < 0 || tcp.doff < 5 || l3_payload < tcp.doff * 4u) {
         *reason = QOS_STAT_MALFORMED;
         return -1;
     }
@@ -177,7 +189,7 @@ static __always_inline int is_request_start(struct __sk_buff *skb, struct pkt *p
 {
     __u64 w;
     /* "GET / HTTP/1.1\r\n" is the shortest request line a client sends. */
-    if (p->payload_len < 16 || bpf_skb_load_bytes(skb, p->payload_off, &w, 8) < 0)
+    if (p->payload_len < 16 || load(skb, p->payload_off, &w, 8) < 0)
         return 0;
     __u64 w4 = w & 0xffffffffULL, w5 = w & 0xffffffffffULL, w6 = w & 0xffffffffffffULL;
     __u64 w7 = w & 0xffffffffffffffULL;
@@ -335,6 +347,11 @@ int quota_classify(struct __sk_buff *skb)
             stat_inc(reason);
         return TC_ACT_UNSPEC;
     }
+    /* Only new connections and new requests meet a bucket: every other segment passes here without a map
+     * lookup, which keeps an established flow's cost near the bare parse. */
+    int request = !p.syn && is_request_start(skb, &p);
+    if (!p.syn && !request)
+        return TC_ACT_UNSPEC;
     struct qos_flow_val *fv = p.syn ? 0 : tenant_flows.lookup(&p.flow);
     struct qos_flow_val nv = {};
     if (!fv) {
@@ -352,11 +369,6 @@ int quota_classify(struct __sk_buff *skb)
         if (tenant == QOS_UNMATCHED)
             stat_inc(QOS_STAT_UNMATCHED);
         return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
-    }
-    if (!is_request_start(skb, &p)) {
-        if (tenant == QOS_UNMATCHED)
-            stat_inc(QOS_STAT_UNMATCHED);
-        return TC_ACT_UNSPEC;
     }
     if (tenant == QOS_UNMATCHED) {
         __u32 zero = 0;

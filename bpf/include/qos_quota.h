@@ -41,7 +41,7 @@ struct qos_quota_count {
 };
 
 /* quota_stats: per-CPU packet counts by reason, indexed by QOS_STAT_*. */
-#define QOS_STAT_UNMATCHED 0       /* on a watched port, no tenant: passed */
+#define QOS_STAT_UNMATCHED 0       /* a new connection or request on a watched port, no tenant: passed */
 #define QOS_STAT_MALFORMED 1       /* truncated or inconsistent headers: passed */
 #define QOS_STAT_FRAGMENT 2        /* IP fragments: passed (TCP does not fragment; no port to classify by) */
 #define QOS_STAT_HEADER_INCOMPLETE 3 /* request start whose headers did not end inside the scanned bytes */

@@ -91,6 +91,9 @@ class Quota(Capability):
         self.overrides: dict[str, TenantLimit] = {}
         self.attached: list[str] = []
         self.others: list[str] = []
+        # From the last collect, for metrics and status: packets passed by reason, and the unmatched tenant's counts.
+        self.passed: dict[str, int] = {}
+        self.unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
 
@@ -177,8 +180,8 @@ class Quota(Capability):
                 admitted=c[0], dropped=c[1], conn_admitted=c[2], conn_dropped=c[3],
                 admitted_rps=(c[0] - o[0]) / span if span > 0 else 0.0,
                 dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
-        self.stats = dict(r.stats)
-        self.unmatched_requests = r.counts.get(UNMATCHED_ID, (0, 0, 0, 0))
+        self.passed = dict(r.stats)
+        self.unmatched_counts = r.counts.get(UNMATCHED_ID, (0, 0, 0, 0))
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0))
 
     def reload(self, config: Config) -> None:
@@ -257,13 +260,14 @@ class Quota(Capability):
                 base.add_metric([t.tenant, t.tier], t.baseline.rps)
             if t.bucket_tokens is not None:
                 tokens.add_metric([t.tenant, t.tier], t.bucket_tokens)
-        um = getattr(self, "unmatched_requests", (0, 0, 0, 0))
+        um = self.unmatched_counts
         req.add_metric([UNMATCHED, "none", "admitted"], um[0])
         conn.add_metric([UNMATCHED, "none", "admitted"], um[2])
         yield from (req, conn, limit, base, tokens)
-        passed = CounterMetricFamily("qosagent_quota_passed_packets", "Packets the classifier passed without a "
-                                     "tenant, by reason", labels=["reason"])
-        for reason, n in sorted(getattr(self, "stats", {}).items()):
+        passed = CounterMetricFamily("qosagent_quota_passed_packets", "Packets passed without a quota check, by "
+                                     "reason (unmatched: new connections and requests of no tenant)",
+                                     labels=["reason"])
+        for reason, n in sorted(self.passed.items()):
             passed.add_metric([reason], n)
         yield passed
 
@@ -280,7 +284,7 @@ class Quota(Capability):
             "pins": self.datapath.path if self.datapath else None,
             "others_on_hook": self.others,
             "unmatched_packets": part.unmatched_packets,
-            "passed": getattr(self, "stats", {}),
+            "passed": self.passed,
             "tenants": [{
                 "tenant": t.tenant, "tier": t.tier, "limit": lim(t.limit), "baseline": lim(t.baseline),
                 "admitted": t.admitted, "dropped": t.dropped, "conn_admitted": t.conn_admitted,
