@@ -141,3 +141,22 @@ def test_unwatched_port_and_non_tcp_pass_uncounted(prog):
     r = prog.read()
     assert sum(r.stats.values()) == 0
     assert all(c == (0, 0, 0, 0) for c in r.counts.values())
+
+
+def test_override_holds_while_the_heartbeat_is_fresh_then_baseline(prog):
+    from qosagent.quota.layout import QuotaConf
+    from qosagent.quota.rules import bucket
+
+    tid = tenant_id("cidrco")  # baseline 1000/s
+    prog.set_overrides({tid: bucket(0, 0)})  # shed
+    prog.heartbeat()
+    frame = ipv4(C4, S4, tcp(40010, 8000, payload=request()))
+    assert run(prog, frame) == TC_ACT_SHOT
+    # The agent stops ticking: once the heartbeat is older than the timeout, the baseline applies again.
+    t = prog.bpf[b"quota_config"]
+    conf = QuotaConf.from_buffer_copy(bytes(t[0]))
+    conf.heartbeat_ns -= int(prog.cfg.quota.heartbeat_timeout * 1e9) + 1
+    t[0] = t.Leaf.from_buffer_copy(bytes(conf))
+    assert run(prog, frame) == TC_ACT_UNSPEC
+    assert prog.read().stats["override_expired"] == 1
+    assert counts(prog, "cidrco")[:2] == (1, 1)

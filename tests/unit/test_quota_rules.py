@@ -93,3 +93,35 @@ def test_render_shows_every_tenant():
     a = next(line for line in lines if line.startswith("a "))
     assert a.split() == ["a", "gold", "5/2", "50/100", "4.5", "1.0", "10", "2", "1", "0", "1.5"]
     assert next(line for line in lines if line.startswith("c ")).split()[2:4] == ["-", "-"]
+
+
+def test_metrics_pass_promtool(tmp_path):
+    import shutil
+    import subprocess
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.hostfs import HostFS
+    from qosagent.quota.model import QuotaPart, TenantQuota
+    from qosagent.snapshot import Snapshot
+
+    part = QuotaPart({"a": TenantQuota("a", "gold", TenantLimit(50, 100), TenantLimit(5, 2), 10, 2, 1, 0, 4.5, 1.0,
+                                       1.5)}, unmatched_packets=3)
+    q = Quota(AgentContext(config=cfg(), hostfs=HostFS("/"), gpu=NoGpu()))
+    snap = Snapshot.build(1, 0.0, 0.0, {"quota": part})
+
+    class C:
+        def collect(self):
+            return q.metrics(snap)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(C())  # type: ignore[arg-type]
+    text = generate_latest(reg).decode()
+    assert 'qosagent_quota_requests_total{tenant="a",tier="gold",verdict="dropped"} 2.0' in text
+    assert 'qosagent_quota_limit_rps{tenant="a",tier="gold"} 5.0' in text
+    assert 'qosagent_quota_bucket_tokens{tenant="a",tier="gold"} 1.5' in text
+    if shutil.which("promtool"):
+        out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
