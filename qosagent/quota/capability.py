@@ -73,11 +73,12 @@ class LimitsWriter:
         specs = baseline(self.quota.ctx.config)
         out = {}
         for name, lim in limits.items():
-            if name not in specs:
-                raise KeyError(f"unknown tenant {name!r}")
+            if name not in specs:  # e.g. removed by a reload the caller has not seen yet
+                log.warning("override for unknown tenant %r ignored", name)
+                continue
             lim = with_floor(lim, specs[name].floor)
             out[tenant_id(name)] = bucket(lim.rps, lim.burst)
-        self.quota.overrides = dict(limits)
+        self.quota.overrides = {n: v for n, v in limits.items() if n in specs}
         if self.quota.datapath is not None:
             self.quota.datapath.set_overrides(out)
 

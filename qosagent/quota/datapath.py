@@ -20,8 +20,7 @@ from qosagent.ebpf import syscall
 from qosagent.ebpf.loader import compile_program
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
-from qosagent.quota.rules import Bucket, bucket, rules
-from qosagent.tenants import TenantLimit
+from qosagent.quota.rules import Bucket, rules
 
 log = logging.getLogger("qosagent.quota")
 
@@ -75,7 +74,12 @@ def remove_attachments(path: str, prio: int, handle: int, ifnames: Iterable[str]
     here = tc.netns_ino()
     with tc.IPRoute() as ipr:
         seen: set[int] = set()
-        for idx, ino, created in read_attach(path) if os.path.isdir(path) else []:
+        try:
+            recorded = read_attach(path) if os.path.isdir(path) else []
+        except (OSError, ValueError) as e:  # a record of another layout: fall back to the names
+            done.append(f"cannot read {path}/quota_attach ({e}); looking for our filter by name")
+            recorded = []
+        for idx, ino, created in recorded:
             if ino != here:
                 done.append(f"skipped ifindex {idx}: attached in another network namespace (inode {ino})")
                 continue
@@ -128,7 +132,8 @@ class Datapath:
         problems = incompatible_pins(self.path, cfg.quota.flow_entries)
         if problems:
             log.warning("pins at %s have another layout, replacing them: %s", self.path, "; ".join(problems))
-            for line in remove_attachments(self.path, cfg.quota.tc_prio, cfg.quota.tc_handle):
+            for line in remove_attachments(self.path, cfg.quota.tc_prio, cfg.quota.tc_handle,
+                                           cfg.quota.interfaces or ["lo"]):
                 log.info("%s", line)
             remove_pins(self.path)
         self.adopted = os.path.exists(os.path.join(self.path, "quota_limits"))
@@ -202,7 +207,8 @@ class Datapath:
             req, conn = self.baseline.get(tid, (None, None))
             lim = QuotaLimit()
             if req is not None:
-                lim.req.interval_ns, lim.req.tau_ns, lim.flags = req.interval_ns, req.tau_ns, lim.flags | 1
+                lim.req.interval_ns, lim.req.tau_ns = req.interval_ns, req.tau_ns
+                lim.flags |= layout.QOS_LIMIT_REQ
             if conn is not None:
                 lim.conn.interval_ns, lim.conn.tau_ns = conn.interval_ns, conn.tau_ns
                 lim.flags |= layout.QOS_LIMIT_CONN
@@ -298,7 +304,3 @@ class Datapath:
         """Drop our references; what is pinned and attached stays (fail-static)."""
         self.bpf.cleanup()
 
-
-def limit_buckets(spec_req: TenantLimit | None, spec_conn: TenantLimit | None) -> tuple[Bucket | None, Bucket | None]:
-    return (bucket(spec_req.rps, spec_req.burst) if spec_req else None,
-            bucket(spec_conn.rps, spec_conn.burst) if spec_conn else None)
