@@ -26,9 +26,10 @@ BPF_TABLE_PINNED("hash", struct qos_port_key, struct qos_watch_val, watched_port
 BPF_TABLE_PINNED("lru_hash", struct qos_flow_key, struct qos_flow_val, tenant_flows, QOS_FLOWS,
                  QOS_PIN_DIR "/tenant_flows");
 BPF_TABLE_PINNED("hash", struct qos_header_key, struct qos_tenant_val, quota_headers, 1024, QOS_PIN_DIR "/quota_headers");
-BPF_TABLE_PINNED("hash", struct qos_tenant_val, struct qos_quota_limit, quota_limits, 4096, QOS_PIN_DIR "/quota_limits");
-BPF_TABLE_PINNED("hash", struct qos_tenant_val, struct qos_quota_bucket, quota_buckets, 4096, QOS_PIN_DIR "/quota_buckets");
-BPF_TABLE_PINNED("percpu_hash", struct qos_tenant_val, struct qos_quota_count, quota_counters, 4097,
+BPF_TABLE_PINNED("hash", struct qos_tenant_val, struct qos_slot_val, quota_slots, QOS_SLOTS, QOS_PIN_DIR "/quota_slots");
+BPF_TABLE_PINNED("array", __u32, struct qos_quota_limit, quota_limits, QOS_SLOTS, QOS_PIN_DIR "/quota_limits");
+BPF_TABLE_PINNED("array", __u32, struct qos_quota_bucket, quota_buckets, QOS_SLOTS, QOS_PIN_DIR "/quota_buckets");
+BPF_TABLE_PINNED("percpu_array", __u32, struct qos_quota_count, quota_counters, QOS_SLOTS,
                  QOS_PIN_DIR "/quota_counters");
 BPF_TABLE_PINNED("percpu_array", __u32, struct qos_stat_val, quota_stats, QOS_STAT_MAX, QOS_PIN_DIR "/quota_stats");
 BPF_TABLE_PINNED("array", __u32, struct qos_quota_conf, quota_config, 1, QOS_PIN_DIR "/quota_config");
@@ -287,11 +288,9 @@ static __always_inline int take(__u64 *tat, __u64 now, const struct qos_bucket_l
     return 0; /* lost the race four times: others took the tokens; the segment is retransmitted */
 }
 
-static __always_inline void count(__u32 tenant, int conn, int admitted)
+static __always_inline void count(__u32 slot, int conn, int admitted)
 {
-    struct qos_tenant_val k = {.tenant = tenant};
-    struct qos_quota_count zero = {};
-    struct qos_quota_count *c = quota_counters.lookup_or_try_init(&k, &zero);
+    struct qos_quota_count *c = quota_counters.lookup(&slot);
     if (!c)
         return;
     if (conn) {
@@ -307,21 +306,22 @@ static __always_inline void count(__u32 tenant, int conn, int admitted)
     }
 }
 
-/* The verdict for one new connection (conn=1) or request (conn=0) of a known tenant. */
-static __always_inline int admit(__u32 tenant, int conn)
+static __always_inline __u16 slot_of(__u32 tenant)
 {
     struct qos_tenant_val k = {.tenant = tenant};
-    struct qos_quota_limit *lim = quota_limits.lookup(&k);
+    struct qos_slot_val *s = tenant == QOS_UNMATCHED ? 0 : quota_slots.lookup(&k);
+    return s && s->slot < QOS_SLOTS ? s->slot : 0;
+}
+
+/* The verdict for one new connection (conn=1) or request (conn=0) of a tenant's slot. */
+static __always_inline int admit(__u32 slot, int conn)
+{
+    struct qos_quota_limit *lim = quota_limits.lookup(&slot);
     if (!lim || !(lim->flags & (conn ? QOS_LIMIT_CONN : QOS_LIMIT_REQ | QOS_LIMIT_OVERRIDE)))
         return 1;
-    struct qos_quota_bucket *b = quota_buckets.lookup(&k);
-    if (!b) {
-        struct qos_quota_bucket fresh = {};
-        quota_buckets.insert(&k, &fresh);
-        b = quota_buckets.lookup(&k);
-        if (!b)
-            return 1; /* no room for state: fail open, never black-hole */
-    }
+    struct qos_quota_bucket *b = quota_buckets.lookup(&slot);
+    if (!b)
+        return 1; /* cannot happen with an array; never black-hole */
     __u64 now = bpf_ktime_get_ns();
     if (conn)
         return take(&b->conn_tat, now, &lim->conn);
@@ -353,19 +353,24 @@ int quota_classify(struct __sk_buff *skb)
     if (!p.syn && !request)
         return TC_ACT_UNSPEC;
     struct qos_flow_val *fv = p.syn ? 0 : tenant_flows.lookup(&p.flow);
-    struct qos_flow_val nv = {};
-    if (!fv) {
+    __u32 tenant, slot;
+    if (fv) {
+        tenant = fv->tenant;
+        slot = fv->slot;
+    } else {
         struct qos_port_key wk = {.port = p.flow.lport};
         if (!watched_ports.lookup(&wk))
             return TC_ACT_UNSPEC;
+        struct qos_flow_val nv = {};
         nv.tenant = qos_resolve_tenant(p.flow.lport, p.flow.raddr, &nv.via);
+        nv.slot = slot_of(nv.tenant);
         tenant_flows.update(&p.flow, &nv);
-        fv = &nv;
+        tenant = nv.tenant;
+        slot = nv.slot;
     }
-    __u32 tenant = fv->tenant;
     if (p.syn) {
-        int ok = tenant == QOS_UNMATCHED || admit(tenant, 1);
-        count(tenant, 1, ok);
+        int ok = tenant == QOS_UNMATCHED || admit(slot, 1);
+        count(slot, 1, ok);
         if (tenant == QOS_UNMATCHED)
             stat_inc(QOS_STAT_UNMATCHED);
         return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
@@ -381,12 +386,12 @@ int quota_classify(struct __sk_buff *skb)
             quota_progs.call(skb, QOS_PROG_HEADER);
         }
         /* No header rules, or the tail call is not in place (agent starting): unmatched. */
-        count(QOS_UNMATCHED, 0, 1);
+        count(0, 0, 1);
         stat_inc(QOS_STAT_UNMATCHED);
         return TC_ACT_UNSPEC;
     }
-    int ok = admit(tenant, 0);
-    count(tenant, 0, ok);
+    int ok = admit(slot, 0);
+    count(slot, 0, ok);
     return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
 }
 
@@ -399,13 +404,13 @@ int quota_header(struct __sk_buff *skb)
         return TC_ACT_UNSPEC;
     __u32 tenant = tenant_by_header(skb, s);
     if (tenant == QOS_UNMATCHED) {
-        count(QOS_UNMATCHED, 0, 1);
+        count(0, 0, 1);
         stat_inc(QOS_STAT_UNMATCHED);
         return TC_ACT_UNSPEC;
     }
-    struct qos_flow_val hv = {.tenant = tenant, .via = QOS_VIA_HEADER};
+    struct qos_flow_val hv = {.tenant = tenant, .via = QOS_VIA_HEADER, .slot = slot_of(tenant)};
     tenant_flows.update(&s->flow, &hv);
-    int ok = admit(tenant, 0);
-    count(tenant, 0, ok);
+    int ok = admit(hv.slot, 0);
+    count(hv.slot, 0, ok);
     return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
 }

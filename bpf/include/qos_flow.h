@@ -16,7 +16,8 @@ struct qos_flow_key {
 struct qos_flow_val {
     __u32 tenant; /* QOS_UNMATCHED: no rule matched yet (a header may still claim the connection) */
     __u8 via;     /* QOS_VIA_* of qos_tenant.h */
-    __u8 pad[3];
+    __u8 pad;
+    __u16 slot;   /* the tenant's index in the quota arrays (qos_quota.h); 0: none */
 };
 
 #endif

@@ -7,6 +7,15 @@
 
 #define QOS_QUOTA_LAYOUT 1
 
+/* Per-tenant state lives in arrays indexed by a slot the agent assigns (quota_slots: tenant -> slot) and the flow
+ * cache carries, so that a request costs one hashed lookup (the flow) and inlined array lookups. Slot 0 is the
+ * traffic of no tenant. */
+#define QOS_SLOTS 4096
+
+struct qos_slot_val {
+    __u32 slot;
+};
+
 /* A token bucket as GCRA: interval = 1e9/rate ns, tau = capacity * interval. tau 0 sheds every request. */
 struct qos_bucket_limit {
     __u64 interval_ns;
@@ -17,22 +26,22 @@ struct qos_bucket_limit {
 #define QOS_LIMIT_CONN 2     /* new connections are limited by conn */
 #define QOS_LIMIT_OVERRIDE 4 /* override replaces req while the heartbeat is fresh */
 
-/* quota_limits: tenant -> limits. */
+/* quota_limits[slot]. */
 struct qos_quota_limit {
     struct qos_bucket_limit req;
     struct qos_bucket_limit conn;
     struct qos_bucket_limit override;
     __u32 flags;
-    __u32 pad;
+    __u32 tenant; /* the slot's owner, for anyone reading the map */
 };
 
-/* quota_buckets: tenant -> theoretical arrival times (ns, bpf_ktime_get_ns clock). */
+/* quota_buckets[slot]: theoretical arrival times (ns, bpf_ktime_get_ns clock). */
 struct qos_quota_bucket {
     __u64 req_tat;
     __u64 conn_tat;
 };
 
-/* quota_counters: tenant -> counts (per CPU). Tenant 0 counts what matched no tenant (always admitted). */
+/* quota_counters[slot] (per CPU). Slot 0 counts what matched no tenant (always admitted). */
 struct qos_quota_count {
     __u64 req_admitted;
     __u64 req_dropped;

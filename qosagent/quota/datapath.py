@@ -21,6 +21,7 @@ from qosagent.ebpf.loader import compile_program
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
 from qosagent.quota.rules import Bucket, rules
+from qosagent.tenants import tenant_id
 
 log = logging.getLogger("qosagent.quota")
 
@@ -114,7 +115,7 @@ class Reading:
     """One read of the maps."""
 
     ktime_ns: int
-    counts: Mapping[int, tuple[int, int, int, int]]  # tenant id -> req admitted, dropped, conn admitted, dropped
+    counts: Mapping[int, tuple[int, int, int, int]]  # tenant id (0: none) -> req admitted, dropped, conn adm., dropped
     stats: Mapping[str, int]
     limits: Mapping[int, Any]  # tenant id -> QuotaLimit
     buckets: Mapping[int, tuple[int, int]]  # tenant id -> (req_tat, conn_tat)
@@ -146,6 +147,7 @@ class Datapath:
         self._pin_prog(PROG_PIN, self.prog.fd)
         self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
         self.overrides: dict[int, Bucket] = {}
+        self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
 
     def _pin_prog(self, name: str, fd: int) -> None:
         p = os.path.join(self.path, name)
@@ -167,6 +169,7 @@ class Datapath:
         if changed:
             b[b"tenant_flows"].clear()
         self.baseline = dict(limits)
+        self._assign_slots([tenant_id(t.name) for t in cfg.tenants])
         self._write_limits()
         self.heartbeat(cfg, bool(r.headers))
 
@@ -196,16 +199,37 @@ class Datapath:
                 changed = True
         return changed
 
+    def _assign_slots(self, tids: list[int]) -> None:
+        """Keep the slot of every tenant that stays (adopted pins included); a freed slot is zeroed before reuse.
+        A tenant that leaves changes the rules, which empties the flow cache, so no flow keeps a stale slot."""
+        t = self.bpf[b"quota_slots"]
+        cur = {k.tenant: v.slot for k, v in t.items()}
+        keep = {tid: s for tid, s in cur.items() if tid in tids and 0 < s < layout.SLOTS}
+        free = iter(sorted(set(range(1, layout.SLOTS)) - set(keep.values())))
+        for tid in tids:
+            if tid not in keep:
+                keep[tid] = next(free)
+        for tid, s in cur.items():
+            if keep.get(tid) != s:
+                del t[t.Key(tid)]
+                if 0 < s < layout.SLOTS:
+                    for name in (b"quota_limits", b"quota_buckets", b"quota_counters"):
+                        self.bpf[name].clearitem(ctypes.c_uint32(s))
+        for tid, s in keep.items():
+            if cur.get(tid) != s:
+                t[t.Key(tid)] = t.Leaf(s)
+        self.slots = keep
+
     def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
         self.overrides = dict(overrides)
         self._write_limits()
 
     def _write_limits(self) -> None:
         t = self.bpf[b"quota_limits"]
-        want: dict[int, QuotaLimit] = {}
-        for tid in set(self.baseline) | set(self.overrides):
+        for tid, slot in self.slots.items():
             req, conn = self.baseline.get(tid, (None, None))
             lim = QuotaLimit()
+            lim.tenant = tid
             if req is not None:
                 lim.req.interval_ns, lim.req.tau_ns = req.interval_ns, req.tau_ns
                 lim.flags |= layout.QOS_LIMIT_REQ
@@ -216,14 +240,8 @@ class Datapath:
             if ovr is not None:
                 lim.override.interval_ns, lim.override.tau_ns = ovr.interval_ns, ovr.tau_ns
                 lim.flags |= layout.QOS_LIMIT_OVERRIDE
-            want[tid] = lim
-        for k in list(t.keys()):
-            if k.tenant not in want:
-                del t[k]
-        for tid, lim in want.items():
-            key = t.Key(tid)
-            cur = t.get(key)
-            if cur is None or bytes(cur) != bytes(lim):
+            key = ctypes.c_uint32(slot)
+            if bytes(t[key]) != bytes(lim):
                 t[key] = t.Leaf.from_buffer_copy(bytes(lim))
 
     def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
@@ -277,15 +295,20 @@ class Datapath:
     def read(self) -> Reading:
         b = self.bpf
         counts = {}
-        for k, per_cpu in b[b"quota_counters"].items():
-            counts[k.tenant] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
-                                sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
+        counters, limit_t, bucket_t = b[b"quota_counters"], b[b"quota_limits"], b[b"quota_buckets"]
+        limits, buckets = {}, {}
+        for tid, slot in [(0, 0), *self.slots.items()]:
+            per_cpu = counters[ctypes.c_uint32(slot)]
+            counts[tid] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
+                           sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
+            if tid:
+                limits[tid] = QuotaLimit.from_buffer_copy(bytes(limit_t[ctypes.c_uint32(slot)]))
+                bk = bucket_t[ctypes.c_uint32(slot)]
+                buckets[tid] = (bk.req_tat, bk.conn_tat)
         stats = {}
         st = b[b"quota_stats"]
         for i, reason in enumerate(layout.STAT_REASONS):
             stats[reason] = sum(v.packets for v in st[ctypes.c_int(i)])
-        limits = {k.tenant: QuotaLimit.from_buffer_copy(bytes(v)) for k, v in b[b"quota_limits"].items()}
-        buckets = {k.tenant: (v.req_tat, v.conn_tat) for k, v in b[b"quota_buckets"].items()}
         conf = b[b"quota_config"][ctypes.c_int(0)]
         return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns)
 

@@ -7,6 +7,7 @@ import ctypes
 from dataclasses import dataclass
 
 LAYOUT = 1  # QOS_QUOTA_LAYOUT
+SLOTS = 4096  # QOS_SLOTS; slot 0 is the traffic of no tenant
 
 QOS_LIMIT_REQ = 1
 QOS_LIMIT_CONN = 2
@@ -27,7 +28,7 @@ class BucketLimit(ctypes.Structure):
 
 class QuotaLimit(ctypes.Structure):
     _fields_ = [("req", BucketLimit), ("conn", BucketLimit), ("override", BucketLimit), ("flags", ctypes.c_uint32),
-                ("pad", ctypes.c_uint32)]
+                ("tenant", ctypes.c_uint32)]
 
 
 class QuotaBucket(ctypes.Structure):
@@ -58,7 +59,8 @@ class FlowKey(ctypes.Structure):
 
 
 class FlowVal(ctypes.Structure):
-    _fields_ = [("tenant", ctypes.c_uint32), ("via", ctypes.c_uint8), ("pad", ctypes.c_uint8 * 3)]
+    _fields_ = [("tenant", ctypes.c_uint32), ("via", ctypes.c_uint8), ("pad", ctypes.c_uint8),
+                ("slot", ctypes.c_uint16)]
 
 
 class CidrKey(ctypes.Structure):
@@ -67,7 +69,7 @@ class CidrKey(ctypes.Structure):
 
 
 # BPF_MAP_TYPE_*
-HASH, ARRAY, PROG_ARRAY, PERCPU_HASH, PERCPU_ARRAY, LRU_HASH, LPM_TRIE = 1, 2, 3, 5, 6, 9, 11
+HASH, ARRAY, PROG_ARRAY, PERCPU_ARRAY, LRU_HASH, LPM_TRIE = 1, 2, 3, 6, 9, 11
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,10 @@ def map_specs(flow_entries: int) -> dict[str, tuple[MapSpec, int]]:
         "watched_ports": (MapSpec(HASH, port, 1), 1024),
         "tenant_flows": (MapSpec(LRU_HASH, ctypes.sizeof(FlowKey), ctypes.sizeof(FlowVal)), flow_entries),
         "quota_headers": (MapSpec(HASH, 8, tval), 1024),
-        "quota_limits": (MapSpec(HASH, tval, ctypes.sizeof(QuotaLimit)), 4096),
-        "quota_buckets": (MapSpec(HASH, tval, ctypes.sizeof(QuotaBucket)), 4096),
-        "quota_counters": (MapSpec(PERCPU_HASH, tval, ctypes.sizeof(QuotaCount)), 4097),
+        "quota_slots": (MapSpec(HASH, tval, 4), SLOTS),
+        "quota_limits": (MapSpec(ARRAY, 4, ctypes.sizeof(QuotaLimit)), SLOTS),
+        "quota_buckets": (MapSpec(ARRAY, 4, ctypes.sizeof(QuotaBucket)), SLOTS),
+        "quota_counters": (MapSpec(PERCPU_ARRAY, 4, ctypes.sizeof(QuotaCount)), SLOTS),
         "quota_stats": (MapSpec(PERCPU_ARRAY, 4, 8), len(STAT_REASONS)),
         "quota_config": (MapSpec(ARRAY, 4, ctypes.sizeof(QuotaConf)), 1),
         "quota_attach": (MapSpec(HASH, ctypes.sizeof(AttachKey), ctypes.sizeof(AttachVal)), 256),

@@ -224,16 +224,18 @@ def test_rates_isolation_retransmission_reload_and_stop(net):
 
 def write_override(pin_dir: str, tenant: str, rps: float, burst: int) -> None:
     """What the admission loop does through quota.limits, done from outside the agent."""
-    fd = syscall.obj_get(os.path.join(pin_dir, "quota_limits"))
+    fds = [syscall.obj_get(os.path.join(pin_dir, m)) for m in ("quota_slots", "quota_limits")]
     try:
-        key = ctypes.c_uint32(tenant_id(tenant))
-        lim = QuotaLimit.from_buffer_copy(syscall.map_lookup(fd, bytes(key), ctypes.sizeof(QuotaLimit)))
+        slot = syscall.map_lookup(fds[0], bytes(ctypes.c_uint32(tenant_id(tenant))), 4)
+        assert slot is not None
+        lim = QuotaLimit.from_buffer_copy(syscall.map_lookup(fds[1], slot, ctypes.sizeof(QuotaLimit)))
         b = bucket(rps, burst)
         lim.override.interval_ns, lim.override.tau_ns = b.interval_ns, b.tau_ns
         lim.flags |= QOS_LIMIT_OVERRIDE
-        syscall.map_update(fd, bytes(key), bytes(lim))
+        syscall.map_update(fds[1], slot, bytes(lim))
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
