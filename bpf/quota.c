@@ -124,7 +124,6 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p, __u32 *re
         l4 = ETH_HLEN + sizeof(ip6);
         l3_payload = bpf_ntohs(ip6.payload_len);
         /* Extension headers: hop-by-hop, routing, destination options, fragment, AH; a few are plenty. */
-#pragma unroll
         for (int i = 0; i < 6; i++) {
             if (nh == IPPROTO_TCP)
                 break;
