@@ -139,13 +139,20 @@ class Datapath:
             remove_pins(self.path)
         self.adopted = os.path.exists(os.path.join(self.path, "quota_limits"))
         os.makedirs(self.path, exist_ok=True)
-        self.bpf = compile_program("quota", {"QOS_PIN_DIR": f'"{self.path}"', "QOS_FLOWS": cfg.quota.flow_entries,
-                                             "QOS_HDR_SCAN": cfg.quota.header_scan_bytes})
-        self.prog = self.bpf.load_func("quota_classify", BPF.SCHED_CLS)
-        self.header_prog = self.bpf.load_func("quota_header", BPF.SCHED_CLS)
-        self.bpf[b"quota_progs"][ctypes.c_int(0)] = ctypes.c_int(self.header_prog.fd)
-        self._pin_prog(PROG_PIN, self.prog.fd)
-        self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
+        try:
+            self.bpf = compile_program("quota", {"QOS_PIN_DIR": f'"{self.path}"',
+                                                 "QOS_FLOWS": cfg.quota.flow_entries,
+                                                 "QOS_HDR_SCAN": cfg.quota.header_scan_bytes})
+            self.prog = self.bpf.load_func(b"quota_classify", BPF.SCHED_CLS)
+            self.header_prog = self.bpf.load_func(b"quota_header", BPF.SCHED_CLS)
+            self.bpf[b"quota_progs"][ctypes.c_int(0)] = ctypes.c_int(self.header_prog.fd)
+            self._pin_prog(PROG_PIN, self.prog.fd)
+            self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
+        except Exception:
+            # Pins created for a program that never ran go; adopted ones stay with the program still enforcing.
+            if not self.adopted:
+                remove_pins(self.path)
+            raise
         self.overrides: dict[int, Bucket] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -160,3 +161,18 @@ def test_override_holds_while_the_heartbeat_is_fresh_then_baseline(prog):
     assert run(prog, frame) == TC_ACT_UNSPEC
     assert prog.read().stats["override_expired"] == 1
     assert counts(prog, "cidrco")[:2] == (1, 1)
+
+
+def test_a_program_that_fails_to_load_leaves_no_pins(bpf, tmp_path, monkeypatch):
+    import shutil as sh
+
+    from qosagent.ebpf.loader import BpfError, bpf_dir
+
+    broken = tmp_path / "bpf"
+    sh.copytree(bpf_dir(), broken)
+    (broken / "quota.c").write_text((broken / "quota.c").read_text() + "\nint quota_broken(struct __sk_buff *skb) {")
+    monkeypatch.setenv("QOSAGENT_BPF_DIR", str(broken))
+    cfg = config(f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(BpfError):
+        dp.Datapath(cfg)
+    assert not os.path.exists(cfg.bpf.pin_root)
