@@ -149,6 +149,10 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
              "values": "0.2x20"},
             {"series": f'qosagent_response_window_seconds{{{inst}, tenant="blog", tier="gold", quantile="0.99"}}',
              "values": "0.05x20"},
+            {"series": f'qosagent_quota_limit_rps{{{inst}, tenant="hobby", tier="bronze"}}', "values": "5x20"},
+            {"series": f'qosagent_quota_baseline_rps{{{inst}, tenant="hobby", tier="bronze"}}', "values": "10x20"},
+            {"series": f'qosagent_quota_limit_rps{{{inst}, tenant="shop", tier="gold"}}', "values": "10x20"},
+            {"series": f'qosagent_quota_baseline_rps{{{inst}, tenant="shop", tier="gold"}}', "values": "10x20"},
         ],
         "alert_rule_test": [
             {"eval_time": "15m", "alertname": "QosagentDown", "exp_alerts": [
@@ -160,6 +164,8 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "job": "qosagent",
                                 "capability": "dvfs"}}]},
             {"eval_time": "15m", "alertname": "QosagentLoopOverrunning", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "QosagentTenantShed", "exp_alerts": [
+                {"exp_labels": {"severity": "info", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze"}}]},
             {"eval_time": "10m", "alertname": "QosagentTenantSLOBreach", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "shop", "tier": "gold"}}]},
         ],
