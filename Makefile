@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test run test bench clean install install-files install-agent
+.PHONY: setup setup-test run test bench clean install install-files install-agent demo
 
 setup:
 	@scripts/setup.sh
@@ -23,6 +23,10 @@ bench: setup-test
 	$(PY) bench/quota_bench.py
 	$(PY) -m bench.dvfs_collect
 	$(PY) bench/placement_bench.py
+
+# The agent at work on this host alone: a namespace, a streaming server, two tenants, a quota (about 30 s).
+demo: setup
+	@PY=$(PY) scripts/demo.sh
 
 # Installing as a service. DESTDIR stages the files for a package (or a test); the agent's venv is built only for a
 # real install, because a venv is not relocatable.

@@ -95,14 +95,15 @@ def load(name: str, port: int, source: str, rps: float, duration: float, timeout
     ok = [r for r in results if isinstance(r, tuple)]
     failed = len(results) - len(ok)
     slow = sum(1 for r in ok if r[1] > 0.5)
-    line = f"{name:<6} client: {n} sent at {rps:g}/s over {duration:g}s, {len(ok)} answered, {failed} failed"
+    line = (f"{name:<6} client: {n} sent at {rps:g}/s over {duration:g}s, {len(ok)} answered, {failed} gave up "
+            f"after {timeout:g}s")
     if ok:
         ttfb = sorted(r[0] for r in ok)
         resp = sorted(r[1] for r in ok)
         q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
         line += (f"; TTFB p50 {statistics.median(ttfb) * 1e3:.0f} ms p99 {q(ttfb, .99) * 1e3:.0f} ms, "
                  f"response p50 {statistics.median(resp) * 1e3:.0f} ms p99 {q(resp, .99) * 1e3:.0f} ms, "
-                 f"{slow} took over 500 ms (a dropped SYN or segment is retransmitted after ~1 s)")
+                 f"{slow} took over 500 ms (a request dropped at the quota is retransmitted by TCP, later)")
     print(line, flush=True)
 
 
