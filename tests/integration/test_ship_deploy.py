@@ -137,23 +137,19 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
     inst = 'instance="node-a:9464", job="qosagent"'
     tests = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
-        "input_series": [
-            {"series": f"up{{{inst}}}", "values": "0x20"},
-            {"series": f'qosagent_capability_state{{{inst}, capability="latency", state="unavailable"}}',
-             "values": "1x20"},
-            {"series": f'qosagent_capability_state{{{inst}, capability="quota", state="unavailable"}}',
-             "values": "0x20"},
-            {"series": f'qosagent_collect_errors_total{{{inst}, capability="dvfs"}}', "values": "0+5x30"},
-            {"series": f'qosagent_tier_slo_p99_seconds{{{inst}, tier="gold"}}', "values": "0.12x20"},
-            {"series": f'qosagent_response_window_seconds{{{inst}, tenant="shop", tier="gold", quantile="0.99"}}',
-             "values": "0.2x20"},
-            {"series": f'qosagent_response_window_seconds{{{inst}, tenant="blog", tier="gold", quantile="0.99"}}',
-             "values": "0.05x20"},
-            {"series": f'qosagent_quota_limit_rps{{{inst}, tenant="hobby", tier="bronze"}}', "values": "5x20"},
-            {"series": f'qosagent_quota_baseline_rps{{{inst}, tenant="hobby", tier="bronze"}}', "values": "10x20"},
-            {"series": f'qosagent_quota_limit_rps{{{inst}, tenant="shop", tier="gold"}}', "values": "10x20"},
-            {"series": f'qosagent_quota_baseline_rps{{{inst}, tenant="shop", tier="gold"}}', "values": "10x20"},
-        ],
+        "input_series": [{"series": f"{name}{{{inst}{labels}}}", "values": values} for name, labels, values in (
+            ("up", "", "0x20"),
+            ("qosagent_capability_state", ', capability="latency", state="unavailable"', "1x20"),
+            ("qosagent_capability_state", ', capability="quota", state="unavailable"', "0x20"),
+            ("qosagent_collect_errors_total", ', capability="dvfs"', "0+5x30"),
+            ("qosagent_tier_slo_p99_seconds", ', tier="gold"', "0.12x20"),
+            ("qosagent_response_window_seconds", ', tenant="shop", tier="gold", quantile="0.99"', "0.2x20"),
+            ("qosagent_response_window_seconds", ', tenant="blog", tier="gold", quantile="0.99"', "0.05x20"),
+            ("qosagent_quota_limit_rps", ', tenant="hobby", tier="bronze"', "5x20"),
+            ("qosagent_quota_baseline_rps", ', tenant="hobby", tier="bronze"', "10x20"),
+            ("qosagent_quota_limit_rps", ', tenant="shop", tier="gold"', "10x20"),
+            ("qosagent_quota_baseline_rps", ', tenant="shop", tier="gold"', "10x20"),
+        )],
         "alert_rule_test": [
             {"eval_time": "15m", "alertname": "QosagentDown", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent"}}]},
