@@ -104,35 +104,69 @@ def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str
     assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
 
 
-def test_agent_runs_its_capabilities_with_only_the_units_capabilities(bpf: None, tmp_path) -> None:
-    """The real agent, not a probe: under the unit's bounding set its latency programs load and attach."""
+def _status_after_first_tick(sock, proc: subprocess.Popen[str]) -> dict:
     import json
     import time
 
     from tests.conftest import agent_argv, agent_env
 
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        r = subprocess.run(agent_argv("status", "--json", "--socket", str(sock)), env=agent_env(),
+                           capture_output=True, text=True, timeout=30)
+        # The socket answers from before start; the first tick comes after every program is attached.
+        if r.returncode == 0 and json.loads(r.stdout)["seq"] >= 1:
+            return json.loads(r.stdout)
+        time.sleep(0.5)
+    pytest.fail("the agent never answered on its status socket: " + (proc.stdout.read() if proc.poll() else ""))
+
+
+def _agent_with_unit_caps(conf, prefix: list[str], shell: str = ""):
+    from tests.conftest import agent_argv, agent_env
+
+    bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
+    argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", *agent_argv("run", "--config", str(conf))]
+    if shell:
+        # Set up as full root first (the way systemd mounts bpffs at boot), then drop to the unit's set.
+        argv = ["sh", "-c", shell + ' && exec "$@"', "sh", *argv]
+    return subprocess.Popen([*prefix, *argv], env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.terminate()
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_latency_runs_with_only_the_units_capabilities(bpf: None, tmp_path) -> None:
+    """The real agent, not a probe: under the unit's bounding set its latency programs load and attach."""
     sock = tmp_path / "status.sock"
     conf = tmp_path / "config.yaml"
-    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n"
-                    f"bpf: {{pin_root: /sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}}}\n")
-    bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
-    proc = subprocess.Popen(["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all",
-                             *agent_argv("run", "--config", str(conf))], env=agent_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n")
+    proc = _agent_with_unit_caps(conf, [])
     try:
-        deadline = time.monotonic() + 90
-        status = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            r = subprocess.run(agent_argv("status", "--json", "--socket", str(sock)), env=agent_env(),
-                               capture_output=True, text=True, timeout=30)
-            # The socket answers from before start; the first tick comes after every program is attached.
-            if r.returncode == 0 and json.loads(r.stdout)["seq"] >= 1:
-                status = json.loads(r.stdout)
-                break
-            time.sleep(0.5)
-        assert status is not None, "the agent never answered on its status socket"
+        status = _status_after_first_tick(sock, proc)
         assert status["capabilities"]["latency"]["state"] == "active", status["capabilities"]
     finally:
-        proc.terminate()
-        out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 0, out[-3000:]
+        _stop(proc)
+
+
+def test_quota_runs_with_only_the_units_capabilities(netns: str, tmp_path) -> None:
+    """The quota classifier attaches, pins and enforces under the unit's set, on the namespace's own lo."""
+    sock = tmp_path / "status.sock"
+    conf = tmp_path / "config.yaml"
+    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\nlatency: {{enabled: false}}\n"
+                    "quota: {enabled: true, interfaces: [lo]}\n"
+                    "tenants: [{name: hobby, tier: bronze, match: {ports: [18002]}, quota: {rps: 5, burst: 2}}]\n")
+    # `ip netns exec` gives a private /sys: bpffs is mounted there, and vanishes with the namespace's mounts.
+    proc = _agent_with_unit_caps(conf, ["ip", "netns", "exec", netns], shell="mount -t bpf bpf /sys/fs/bpf")
+    try:
+        status = _status_after_first_tick(sock, proc)
+        assert status["capabilities"]["quota"]["state"] == "active", status["capabilities"]
+    finally:
+        _stop(proc)
+    filters = subprocess.run(["tc", "-n", netns, "filter", "show", "dev", "lo", "ingress"], capture_output=True,
+                             text=True).stdout
+    assert filters.strip() == "", f"the agent left a filter behind: {filters}"
