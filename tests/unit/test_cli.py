@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.conftest import agent_argv, agent_env
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(agent_argv(*args), env=agent_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_config_exits_2_naming_file_and_key(tmp_path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("tenants:\n  - name: acme\n    tier: platinum\n    match: {ports: [18001]}\n")
+    r = run_cli("check", "--config", str(cfg))
+    assert r.returncode == 2
+    assert f"{cfg}: tenants[0].tier: unknown tier 'platinum'" in r.stderr
+
+
+def test_check_reports_fixture_host_as_json(node_exporter_sysfs) -> None:
+    r = run_cli("check", "--json", "--host-root", str(node_exporter_sysfs))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["config_valid"] is True
+    assert report["host"]["numa_nodes"] == [0, 1, 2]
+    assert report["host"]["thermal_zones"] == {"thermal_zone0": "cpu-thermal"}
+    assert report["host"]["hwmon"]["hwmon0"] == "coretemp"
+    assert set(report["capabilities"]) == {"latency", "quota", "admission", "dvfs", "placement"}
+    assert report["capabilities"]["quota"]["state"] == "disabled"
+
+
+def test_check_strict_fails_when_an_enabled_capability_cannot_run(tmp_path) -> None:
+    # An empty host root has no BTF and no tracepoints: latency, enabled by default, cannot run there.
+    r = run_cli("check", "--strict", "--host-root", str(tmp_path))
+    assert r.returncode == 1
+    assert "latency" in r.stdout and "unavailable" in r.stdout
+
+
+def test_status_without_agent_is_one_line_and_exit_3(tmp_path) -> None:
+    r = run_cli("status", "--socket", str(tmp_path / "none.sock"))
+    assert r.returncode == 3
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "no agent running" in r.stderr
+
+
+def test_reload_without_agent_exits_3(tmp_path) -> None:
+    assert run_cli("reload", "--socket", str(tmp_path / "none.sock")).returncode == 3
+
+
+def test_every_command_takes_host_root() -> None:
+    for cmd in ("run", "check", "status", "reload", "detach"):
+        r = run_cli(cmd, "--help")
+        assert "--host-root" in r.stdout, cmd

@@ -1,0 +1,150 @@
+"""The control loop's contract with capabilities, driven with scripted capabilities (no BPF here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from typing import Any
+
+import pytest
+
+from qosagent import capability, config
+from qosagent.capability import Capability, CapabilityError, State, Verdict
+from qosagent.daemon import Agent
+from qosagent.gpu.backend import NoGpu
+from qosagent.hostfs import HostFS
+from qosagent.snapshot import Decision
+from qosagent.status import StatusServer, request
+
+EVENTS: list[str] = []
+
+
+def make_cap(name: str, *, fail_start: bool = False, fail_collect: bool = False, fail_stop: bool = False) -> type:
+    class Scripted(Capability):
+        def probe(self, features: Any) -> Verdict:
+            return Verdict(State.ACTIVE)
+
+        def start(self) -> None:
+            EVENTS.append(f"start {name}")
+            if fail_start:
+                raise CapabilityError("no luck")
+
+        def collect(self) -> Any:
+            if fail_collect:
+                raise OSError("map read failed")
+            return {"n": 1}
+
+        def decide(self, snapshot: Any) -> list[Decision]:
+            return [Decision(name, "t", "set", 0, snapshot.seq, "because")]
+
+        def stop(self) -> None:
+            EVENTS.append(f"stop {name}")
+            if fail_stop:
+                raise RuntimeError("stop broke")
+
+        @classmethod
+        def enabled(cls, cfg: Any) -> bool:
+            return True
+
+    Scripted.name = name
+    return Scripted
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch):
+    EVENTS.clear()
+
+    def install(*caps: type) -> None:
+        monkeypatch.setattr(capability, "registry", lambda: list(caps))
+        monkeypatch.setattr("qosagent.daemon.registry", lambda: list(caps))
+        monkeypatch.setattr("qosagent.daemon.features_mod.ensure_mounted", lambda fs: [])
+
+    return install
+
+
+def agent(tmp_path, text: str = "") -> Agent:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text or "latency: {enabled: false}\n")
+    return Agent(config.load(str(path)), HostFS(tmp_path), str(path), gpu=NoGpu())
+
+
+def test_failed_start_leaves_others_running_and_is_reported(scripted, tmp_path) -> None:
+    scripted(make_cap("a"), make_cap("b", fail_start=True), make_cap("c"))
+    a = agent(tmp_path)
+    a.start()
+    assert [c.name for c in a.capabilities] == ["a", "c"]
+    assert a.verdicts["b"] == Verdict(State.UNAVAILABLE, "no luck")
+    # The failed one was still asked to undo what it may have half done.
+    assert "stop b" in EVENTS
+
+
+def test_stop_runs_in_reverse_even_when_one_fails(scripted, tmp_path) -> None:
+    scripted(make_cap("a"), make_cap("b", fail_stop=True), make_cap("c"))
+    a = agent(tmp_path)
+    a.start()
+    EVENTS.clear()
+    a.stop()
+    assert EVENTS == ["stop c", "stop b", "stop a"]
+
+
+def test_collect_failure_is_counted_and_degrades_without_stopping(scripted, tmp_path) -> None:
+    scripted(make_cap("a", fail_collect=True), make_cap("b"))
+    a = agent(tmp_path)
+    a.start()
+    snap = a.tick()
+    a.tick()
+    assert a.stats.collect_errors["a"] == 2
+    assert a.verdicts["a"].state is State.DEGRADED
+    assert snap.part("b") == {"n": 1} and snap.part("a") is None
+    assert len(a.decisions) == 4
+
+
+def test_reload_keeps_old_config_on_error(scripted, tmp_path) -> None:
+    scripted(make_cap("a"))
+    a = agent(tmp_path, "interval: 200ms\nlatency: {enabled: false}\n")
+    (tmp_path / "cfg.yaml").write_text("interval: fast\n")
+    ok, why = a.reload()
+    assert not ok and "interval" in why
+    assert a.config.interval == pytest.approx(0.2)
+    assert a.status()["self"]["last_reload_error"] == why
+    (tmp_path / "cfg.yaml").write_text("interval: 50ms\nlatency: {enabled: false}\n")
+    assert a.reload() == (True, "reloaded")
+    assert a.config.interval == pytest.approx(0.05)
+
+
+def test_loop_stops_on_request_and_notifies(scripted, tmp_path) -> None:
+    scripted(make_cap("a"))
+    a = agent(tmp_path, "interval: 10ms\nlatency: {enabled: false}\n")
+    a.start()
+    notes: list[str] = []
+    t = threading.Thread(target=a.run, kwargs={"notify": notes.append})
+    t.start()
+    assert a.ready.wait(5)
+    while a.stats.ticks < 5:
+        threading.Event().wait(0.01)
+    a.request_stop()
+    t.join(5)
+    assert not t.is_alive()
+    assert notes[0] == "READY=1" and "WATCHDOG=1" in notes
+
+
+def test_status_socket_is_root_only_and_answers(scripted, tmp_path) -> None:
+    scripted(make_cap("a"))
+    a = agent(tmp_path)
+    a.start()
+    a.tick()
+    path = str(tmp_path / "run" / "status.sock")
+    srv = StatusServer(a, path)
+    srv.start()
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        st = request(path, {"cmd": "status", "decisions": True})
+        assert st["capabilities"]["a"]["state"] == "active"
+        assert st["decisions"][0]["reason"] == "because"
+        json.dumps(st)
+        assert "error" in request(path, {"cmd": "nonsense"})
+    finally:
+        srv.close()
+    assert not os.path.exists(path)
