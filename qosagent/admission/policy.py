@@ -87,6 +87,7 @@ class LoopState:
     breach_streak: Mapping[str, int] = field(default_factory=dict)  # per tier
     healthy_streak: int = 0
     escalation: int = 0  # latency actions taken in the current breach episode
+    ticks_since_cut: int = 1 << 30
     gpu_pressure: bool = False
     shed_tiers: int = 0  # how many of the lowest tiers are shed
     last_shed: float = -math.inf
@@ -192,8 +193,15 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
     # ---- latency: cut while a tier is in breach ----
     escalation = prev.escalation
     healthy_streak = prev.healthy_streak
+    since_cut = prev.ticks_since_cut + 1
     if breaching:
         healthy_streak = 0
+    elif all_healthy:
+        healthy_streak += 1
+    else:
+        healthy_streak = 0
+    # After a cut, the next one waits breach_ticks ticks, so each cut is seen working (or not) before another.
+    if breaching and since_cut >= policy.breach_ticks:
         driver = breaching[-1]  # the most important tier in breach decides how far up the cut may go
         d = inp.tiers[driver]
         factor = policy.cut_factor
@@ -224,12 +232,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
             acted = True
         if acted:
             escalation += 1
-            # The next cut waits for breach_ticks more ticks of breach, so each cut is seen before another.
-            streak = {n: 0 for n in streak}
-    elif all_healthy:
-        healthy_streak += 1
-    else:
-        healthy_streak = 0
+            since_cut = 0
 
     # ---- latency: recovery after healthy_ticks, paced and after the cooldown ----
     if not breaching and healthy_streak >= policy.healthy_ticks:
@@ -302,6 +305,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         breach_streak=MappingProxyType(streak),
         healthy_streak=healthy_streak,
         escalation=escalation,
+        ticks_since_cut=since_cut,
         gpu_pressure=pressure,
         shed_tiers=shed_tiers,
         last_shed=last_shed,
