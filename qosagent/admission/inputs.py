@@ -54,14 +54,17 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
     lat_tenants = lat.tenants if lat is not None else {}
     quota_tenants = quota.tenants if quota is not None else {}
 
-    windows: dict[str, Histogram] = {}
+    # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
+    windows: dict[str, dict[int, int]] = {}
     tenants: dict[str, TenantInput] = {}
     for t in cfg.tenants:
         tl = lat_tenants.get(t.name)
         tq = quota_tenants.get(t.name)
         if tl is not None:
             h = tl.ttfb_window if policy.signal == "ttfb" else tl.response_window
-            windows[t.tier] = windows.get(t.tier, Histogram()) + h
+            acc = windows.setdefault(t.tier, {})
+            for i, c in h.counts.items():
+                acc[i] = acc.get(i, 0) + c
         floor = cfg.tiers[t.tier].floor
         # Admitted rate from the classifier when quota runs; otherwise what completed, as the next best guess.
         admitted = tq.admitted_rps if tq is not None else tl.rate_rps if tl is not None else None
@@ -78,8 +81,8 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
     tiers = {}
     for name in sorted({t.tier for t in cfg.tenants}):
         tier = cfg.tiers[name]
-        h = windows.get(name)
-        tiers[name] = TierInput(name, tier.weight, tier.slo_p99, h.quantile(policy.quantile) if h else None)
+        observed = Histogram(windows[name]).quantile(policy.quantile) if name in windows else None
+        tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed)
     rq = lat.runqueue_window if lat is not None else None
     return TickInput(
         now=snap.monotonic,
