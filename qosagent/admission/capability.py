@@ -91,6 +91,7 @@ class Admission(Capability):
             self.counts[(c.tenant, c.action, c.reason)] += 1
             inputs = dict(c.inputs)
             inputs["old"], inputs["new"] = _fmt(c.old), _fmt(c.new)
+            inputs["tick"] = snapshot.seq
             decisions.append(Decision(self.name, c.tenant, c.action, _rps(c.old), _rps(c.new), c.reason, inputs,
                                       applied=applied, wall_time=snapshot.wall_time))
         return decisions
@@ -102,7 +103,8 @@ class Admission(Capability):
         writer = self._writer()
         if self._enforcing():
             assert writer is not None
-            # Every tick, not only on change: the same call keeps the quota heartbeat's view of us fresh.
+            # Every tick, not only on change: replacing is idempotent, and it re-asserts the limits should the
+            # quota side have been reset (a reload, re-adopted pins).
             writer.set_overrides(out.overrides)
             self._written = bool(out.overrides)
         elif self._written and writer is not None:
@@ -193,6 +195,9 @@ class Admission(Capability):
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
+        if "mode" not in status:  # the agent could not build this part; say so instead of failing the whole view
+            return f"ADMISSION  {status.get('error', 'no status')}"
+
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v * 1000:.1f}ms"
 

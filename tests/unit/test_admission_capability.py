@@ -311,3 +311,7 @@ def test_pre_cleanup_runs_once_per_pressure_entry_and_not_in_dry_run(tmp_path: P
         run(cap, 5, gold_ms=50, gpu=hot)
         cap.pre_cleanup.wait(30)
         assert (marker.read_text() if marker.exists() else None) == expected
+
+
+def test_render_survives_a_broken_status_part() -> None:
+    assert Admission.render({"error": "boom"}) == "ADMISSION  boom"
