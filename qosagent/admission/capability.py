@@ -55,11 +55,19 @@ class Admission(Capability):
         return self.ctx.config.admission.mode == "enforce" and self._writer() is not None
 
     def probe(self, features: object) -> Verdict:
-        if self.ctx.config.admission.mode == "dry-run":
+        cfg = self.ctx.config.admission
+        problems = []
+        known = {d.index for d in self.ctx.gpu.devices()}
+        missing = sorted(set(cfg.gpu_pressure.gpus) - known)
+        if missing and known:
+            problems.append(f"gpu_pressure.gpus names GPUs the backend does not report: {missing}")
+        if cfg.mode == "enforce" and self._writer() is None:
+            problems.append("mode enforce but quota is not enabled or not running: computing and reporting only "
+                            "(effectively dry-run)")
+        if problems:
+            return Verdict(State.DEGRADED, "; ".join(problems))
+        if cfg.mode == "dry-run":
             return Verdict(State.ACTIVE, "dry-run: computes and reports, writes nothing")
-        if self._writer() is None:
-            return Verdict(State.DEGRADED, "mode enforce but quota is not enabled or not running: "
-                                           "computing and reporting only (effectively dry-run)")
         return Verdict(State.ACTIVE)
 
     def stop(self) -> None:

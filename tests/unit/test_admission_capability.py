@@ -130,6 +130,11 @@ def test_enforce_without_quota_is_degraded_and_effectively_dry_run() -> None:
     assert cap.baseline == {"hobby": TenantLimit(100, 10)}
 
 
+def test_serving_gpus_the_backend_does_not_report_degrade_the_capability() -> None:
+    v = capability("enforce", FakeLimits(), "gpu_pressure: {gpus: [0, 3]}\n").probe(None)
+    assert v.state is State.DEGRADED and "[3]" in v.reason
+
+
 def test_reload_to_dry_run_withdraws_what_was_written() -> None:
     w = FakeLimits()
     cap = capability("enforce", w)
