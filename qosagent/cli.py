@@ -206,3 +206,23 @@ def detach(config_path: str | None, host_root: str) -> None:
         click.echo(line)
     if not removed:
         click.echo("nothing of qosagent's was found")
+
+
+@main.command()
+@host_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def topology(config_path: str | None, host_root: str, as_json: bool) -> None:
+    """Show NUMA nodes, their CPUs and distances, and the GPUs and accelerators with the node each sits on."""
+    from qosagent.daemon import _gpu_backend
+    from qosagent.placement.topology import read_topology, render
+
+    cfg = load_config(config_path)
+    gpu = _gpu_backend(cfg)
+    try:
+        topo = read_topology(HostFS(host_root), gpu.devices())
+    finally:
+        gpu.close()
+    if as_json:
+        click.echo(json.dumps(topo.as_dict(), indent=2))
+    else:
+        click.echo(render(topo))

@@ -192,6 +192,13 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
                 if p in port_owner:
                     problems.append((f"{here}.match.ports", f"port {p} is already claimed by {port_owner[p]!r}"))
                 port_owner.setdefault(p, t.name)
+    tenants = {t.name for t in cfg.tenants}
+    for i, sel in enumerate(cfg.placement.selectors):
+        if sel.tenant is not None and sel.tenant not in tenants:
+            problems.append((f"placement.selectors[{i}].tenant", f"unknown tenant {sel.tenant!r}"))
+    for tier in cfg.placement.exclusive_cpus:
+        if tier not in cfg.tiers:
+            problems.append((f"placement.exclusive_cpus.{tier}", f"unknown tier; expected one of {sorted(cfg.tiers)}"))
     return problems
 
 

@@ -108,8 +108,11 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
     f.cls_bpf = "cls_bpf_classify" in syms or _module_file(fs, f.kernel, "net/sched/cls_bpf.ko")
     f.clsact = "clsact_init" in syms or "ingress_init" in syms or _module_file(fs, f.kernel, "net/sched/sch_ingress.ko")
     f.tcx = "tcx_prog_attach" in syms
-    for pol in fs.glob("/sys/devices/system/cpu/cpufreq", "policy*"):
-        f.cpufreq[pol.rsplit("/", 1)[1]] = {
+    # Older kernels (and snapshots of them) lay cpufreq out as cpuN/cpufreq only, without cpufreq/policyN.
+    policies = fs.glob("/sys/devices/system/cpu/cpufreq", "policy*") or [
+        d for d in (f"{c}/cpufreq" for c in fs.glob("/sys/devices/system/cpu", "cpu[0-9]*")) if fs.is_dir(d)]
+    for pol in policies:
+        f.cpufreq[pol.removesuffix("/cpufreq").rsplit("/", 1)[1]] = {
             "driver": fs.try_read(f"{pol}/scaling_driver") or "unknown",
             "governor": fs.try_read(f"{pol}/scaling_governor") or "unknown",
         }

@@ -60,9 +60,10 @@ class HostFS:
             return None
 
     def write_text(self, host_path: str, value: str) -> None:
-        # sysfs wants one write() of the whole value; no truncation games, no newline needed.
+        # sysfs wants one write() of the whole value, no newline needed. O_TRUNC is what `echo v > knob` does (sysfs
+        # ignores it) and keeps a copied tree (--host-root rehearsals, fixtures) from keeping a longer old value's tail.
         try:
-            fd = os.open(self.path(host_path), os.O_WRONLY)
+            fd = os.open(self.path(host_path), os.O_WRONLY | os.O_TRUNC)
             try:
                 os.write(fd, value.encode())
             finally:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+# ../shared from the main checkout; a worktree under wt/ finds it one level further up.
+SHARED_FIXTURES = next((p / "shared" / "fixtures" for p in REPO.parents if (p / "shared" / "fixtures").is_dir()),
+                       REPO.parent / "shared" / "fixtures")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 

@@ -1,10 +1,457 @@
+"""NUMA placement: keep each selected inference process, its threads and its memory on the node of its GPUs.
+
+Every reconcile_interval: discover the selected processes (collect), plan each one's CPUs and memory node and compare
+with what its threads have now (decide), pin and migrate, then read the result back (apply). Processes are touched
+only when a selector (or, opted in, NVML's compute-process list) names them. Originals are saved before the first
+write, on disk under state_dir, and put back on stop (or by `qosagent detach` after a crash).
+"""
+
 from __future__ import annotations
 
-from qosagent.capability import Capability, State, Verdict
+import collections
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
+from qosagent.placement import applier
+from qosagent.placement.config import PlacementConfig
+from qosagent.placement.cpulist import format_cpulist, parse_cpulist
+from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
+from qosagent.placement.planner import Policy, Target, plan
+from qosagent.placement.topology import Topology, read_topology
+from qosagent.snapshot import Decision, Snapshot
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from qosagent.config import Config
+
+
+@dataclass
+class Record:
+    """What placement knows and last did about one process."""
+
+    pid: int
+    start: int
+    name: str
+    selector: str
+    gpus: tuple[int, ...] = ()
+    node: int | None = None
+    cpus: frozenset[int] | None = None  # the target; None: left where it was
+    applied: bool = False  # the target was written (False in dry-run or after a failed write)
+    last_action: str = ""
+    reason: str = ""
+    at: float = 0.0  # wall time of the last action
+    threads: int = 0
+    verified: bool | None = None  # every thread read back on target
+    pages: dict[int, int] | None = None  # resident pages per node (numa_maps)
+    locality_at: float = float("-inf")  # monotonic time pages were read
+
+    @property
+    def memory_local(self) -> float | None:
+        if not self.pages or self.node is None:
+            return None
+        total = sum(self.pages.values())
+        return self.pages.get(self.node, 0) / total if total else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid, "name": self.name, "selector": self.selector, "gpus": list(self.gpus),
+            "node": self.node, "cpus": format_cpulist(self.cpus) if self.cpus is not None else None,
+            "applied": self.applied, "last_action": self.last_action, "reason": self.reason, "time": self.at,
+            "threads": self.threads, "verified": self.verified, "memory_local": self.memory_local,
+            "pages": {str(n): p for n, p in sorted((self.pages or {}).items())},
+        }
+
+
+@dataclass(frozen=True)
+class PlacementView:
+    """The placement part of a Snapshot."""
+
+    mode: str
+    topology: Topology
+    reconcile: bool  # procs were discovered this tick
+    procs: tuple[ProcInfo, ...]
+    records: tuple[dict[str, Any], ...]
+    gone: frozenset[int] = frozenset()  # tracked pids whose process exited (reconcile ticks only)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Placement(Capability):
     name = "placement"
 
+    def __init__(self, ctx: AgentContext):
+        super().__init__(ctx)
+        self.cfg: PlacementConfig = ctx.config.placement
+        self.topology: Topology | None = None
+        self.store = applier.OriginalsStore(ctx.config.state_dir)
+        self.records: dict[int, Record] = {}
+        self.counters: dict[str, collections.Counter[str]] = {
+            k: collections.Counter() for k in ("actions", "migrations", "pages_migrated", "drift", "errors")
+        }
+        self._targets: dict[int, Target] = {}
+        self._procs: dict[int, ProcInfo] = {}
+        self._gpu_pids: set[int] = set()
+        self._next_reconcile = float("-inf")
+        self._configure(ctx.config)
+
+    def _configure(self, config: "Config") -> None:
+        self.cfg = config.placement
+        self.matcher = Matcher(self.cfg.selectors)
+        self.policy = Policy(
+            reserved=parse_cpulist(self.cfg.reserved_cpus),
+            span_policy=self.cfg.span_policy,
+            cpu_node=self.cfg.cpu_node,
+            exclusive_cpus=dict(self.cfg.exclusive_cpus),
+            tiers={t.name: t.tier for t in config.tenants},
+        )
+
+    @property
+    def enforce(self) -> bool:
+        return self.cfg.mode == "enforce"
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
     def probe(self, features: object) -> Verdict:
-        return Verdict(State.UNAVAILABLE, "not built yet")
+        topo = read_topology(self.ctx.hostfs, self._gpu_devices())
+        usable = topo.online_cpus - self.policy.reserved
+        if topo.online_cpus and not usable:
+            return Verdict(State.UNAVAILABLE, f"reserved_cpus {self.cfg.reserved_cpus} leaves no online CPU")
+        problems = []
+        if not self.cfg.selectors and not self.cfg.gpu_processes:
+            problems.append("no selectors and gpu_processes off: nothing is selected")
+        if self.enforce and os.geteuid() != 0:
+            problems.append("not root: affinity of other users' processes cannot be set")
+        problems += topo.warnings
+        return Verdict(State.DEGRADED if problems else State.ACTIVE, "; ".join(problems))
+
+    def _gpu_devices(self) -> list[Any]:
+        try:
+            return list(self.ctx.gpu.devices())
+        except Exception as e:  # noqa: BLE001 - no GPU description is a topology without NVML, not a failure
+            self.log.warning("GPU devices unknown: %s", e)
+            return []
+
+    def start(self) -> None:
+        self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
+        for w in self.topology.warnings:
+            self.log.warning("topology: %s", w)
+        self.store.load()
+        # Originals a crashed agent saved are the true originals of processes it pinned: adopt those still running.
+        adopted = {}
+        for pid, orig in self.store.entries.items():
+            if proc_start(self.ctx.hostfs, pid) == orig.start:
+                adopted[pid] = orig
+        self.store.entries = adopted
+        try:
+            self.store.save()
+        except OSError as e:
+            raise CapabilityError(f"cannot keep original affinities under {self.ctx.config.state_dir}: {e}") from e
+        if adopted:
+            self.log.info("adopted saved original affinity of %d process(es) from an earlier agent", len(adopted))
+
+    def stop(self) -> None:
+        if not self.cfg.restore_on_stop:
+            if self.store.entries:
+                self.log.info("restore_on_stop off: %d process(es) stay pinned; `qosagent detach` restores them",
+                              len(self.store.entries))
+            return
+        for line in applier.restore_all(self.ctx.hostfs, self.store):
+            self.log.info("%s", line.removeprefix("placement: "))
+        for rec in self.records.values():
+            rec.applied = False
+
+    @classmethod
+    def detach(cls, ctx: AgentContext) -> list[str]:
+        store = applier.OriginalsStore(ctx.config.state_dir)
+        store.load()
+        return applier.restore_all(ctx.hostfs, store) if store.entries else []
+
+    def reload(self, config: "Config") -> None:
+        was_enforcing = self.enforce
+        self._configure(config)
+        # CPUs come and go (hotplug); a reload is when the operator expects the agent to look again.
+        self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
+        if was_enforcing and not self.enforce:
+            # A dry run must not leave earlier pins behind as if they were still decided.
+            for line in applier.restore_all(self.ctx.hostfs, self.store):
+                self.log.info("%s", line.removeprefix("placement: "))
+            self.records = {}
+        self._next_reconcile = float("-inf")
+
+    # ---- one tick ----------------------------------------------------------------------------------------
+    def collect(self) -> PlacementView:
+        assert self.topology is not None
+        now = self.ctx.clock()
+        procs: tuple[ProcInfo, ...] = ()
+        gone: frozenset[int] = frozenset()
+        reconcile = now >= self._next_reconcile
+        if reconcile:
+            self._next_reconcile = now + self.cfg.reconcile_interval
+            gpu_pids = self._gpu_pids if self.cfg.gpu_processes else set()
+            procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid()))
+            for p in procs:
+                rec = self.records.get(p.pid)
+                if rec is not None and rec.start == p.start and now - rec.locality_at >= self.cfg.locality_interval:
+                    rec.pages = numa_pages(self.ctx.hostfs, p.pid)
+                    rec.locality_at = now
+            seen = {p.pid for p in procs}
+            gone = frozenset(pid for pid, rec in self.records.items()
+                             if pid not in seen and proc_start(self.ctx.hostfs, pid) != rec.start)
+        return PlacementView(
+            mode=self.cfg.mode, topology=self.topology, reconcile=reconcile, procs=procs, gone=gone,
+            records=tuple(r.as_dict() for r in sorted(self.records.values(), key=lambda r: r.pid)),
+            counters={k: dict(v) for k, v in self.counters.items()},
+        )
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        view: PlacementView | None = snapshot.part(self.name)
+        gpu = snapshot.part("gpu")
+        gpus_of: dict[int, list[int]] = collections.defaultdict(list)
+        if gpu is not None and gpu.available:
+            for g in gpu.gpus:
+                for p in g.processes:
+                    gpus_of[p.pid].append(g.index)
+            if self.cfg.gpu_processes and set(gpus_of) != self._gpu_pids:
+                # A new GPU process is found by the next tick, not a whole reconcile interval later.
+                self._next_reconcile = float("-inf")
+            self._gpu_pids = set(gpus_of)
+        if view is None or not view.reconcile:
+            return []
+        assert self.topology is not None
+        if self._gpu_data_unknown(gpu):
+            # A process whose GPU list is missing this tick would look GPU-less and be moved off its GPU's node.
+            self.counters["errors"]["gpu_data_unknown"] += 1
+            self.log.debug("reconcile skipped: GPU process lists unknown this tick")
+            return []
+        targets = plan(view.procs, {p: tuple(sorted(g)) for p, g in gpus_of.items()}, self.topology, self.policy)
+        self._targets = targets
+        self._procs = {p.pid: p for p in view.procs}
+        out: list[Decision] = []
+        # Forgetting comes first: a pid reused by a new process must lose the old one's record and originals
+        # before the new one is pinned and its own originals are saved.
+        for pid, rec in sorted(self.records.items()):
+            p = self._procs.get(pid)
+            if pid in view.gone or (p is not None and p.start != rec.start):
+                out.append(self._decision(pid, rec.name, "forget", rec.cpus, None, "exited", rec.gpus, applied=True))
+            elif p is None:
+                # Still running but no selector names it now (a reload): it gets its original affinity back.
+                out.append(self._decision(pid, rec.name, "release", rec.cpus, None, "no longer selected", rec.gpus,
+                                          applied=pid in self.store.entries))
+        for p in view.procs:
+            d = self._compare(p, targets[p.pid], self.records.get(p.pid))
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _gpu_data_unknown(self, gpu: Any) -> bool:
+        assert self.topology is not None
+        if not any(a.gpu_index is not None for a in self.topology.accelerators):
+            return False  # no GPU known to NVML: every process is GPU-less, truly
+        if gpu is None or not gpu.available:
+            return True
+        return any(g.lost or any(f in ("processes", "sample") for f, _ in g.errors) for g in gpu.gpus)
+
+    def _decision(self, pid: int, name: str, action: str, old: frozenset[int] | None, new: frozenset[int] | None,
+                  reason: str, gpus: tuple[int, ...], applied: bool | None = None, **inputs: Any) -> Decision:
+        return Decision(
+            capability=self.name, target=f"pid {pid} ({name})", action=action,
+            old=format_cpulist(old) if old is not None else None,
+            new=format_cpulist(new) if new is not None else None, reason=reason,
+            inputs={"pid": pid, "gpus": list(gpus), **inputs},
+            applied=self.enforce if applied is None else applied,
+        )
+
+    def _compare(self, p: ProcInfo, t: Target, rec: Record | None) -> Decision | None:
+        if rec is not None and rec.start != p.start:
+            rec = None  # the pid names another program now; "forget" covers the old one
+        threads = p.thread_cpus or {}
+        current = threads.get(p.pid) or (next(iter(threads.values())) if threads else None)
+        inputs = {"node": t.node, "selector": p.selector,
+                  "cpuset": format_cpulist(p.cpuset) if p.cpuset is not None else None}
+        if t.pinned:
+            if rec is None or rec.cpus != t.cpus or rec.node != t.node or (self.enforce and not rec.applied):
+                return self._decision(p.pid, p.name, "pin", current, t.cpus, t.reason, t.gpus, **inputs)
+            # A thread the application bound inside the target (one CPU of it, say) is placed, not drifted.
+            off = {tid: c for tid, c in threads.items() if not c <= t.cpus}
+            if self.enforce and off:
+                tid, c = sorted(off.items())[0]
+                why = f"drift: {len(off)} of {len(threads)} threads off target (tid {tid} on {format_cpulist(c)})"
+                return self._decision(p.pid, p.name, "correct", c, t.cpus, why, t.gpus, **inputs)
+            return None
+        if rec is not None and rec.cpus is not None and p.pid in self.store.entries:
+            return self._decision(p.pid, p.name, "restore", current, None, t.reason, t.gpus, **inputs)
+        if rec is None or rec.reason != t.reason or rec.cpus is not None:
+            # Nothing is written; the decision is there so the audit says why this process was left alone.
+            return self._decision(p.pid, p.name, "leave", current, current, t.reason, t.gpus, applied=True, **inputs)
+        return None
+
+    def apply(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if d.capability != self.name:
+                continue
+            pid = int(d.inputs["pid"])
+            self.counters["actions"][d.action] += 1
+            if d.action == "correct":
+                self.counters["drift"]["corrected" if self.enforce else "seen"] += 1
+            try:
+                self._apply_one(d, pid)
+            except applier.Exited:
+                # Exited between discovery and the write: nothing to undo, nothing to keep.
+                self.counters["errors"]["exited"] += 1
+                self.records.pop(pid, None)
+                self.store.entries.pop(pid, None)
+            except OSError as e:
+                self.counters["errors"]["permission" if isinstance(e, PermissionError) else "write"] += 1
+                rec = self.records.get(pid)
+                if rec is not None:
+                    rec.applied = False
+                    rec.last_action = "error"
+                    rec.reason = f"{d.action} failed: {e.strerror or e}"
+                self.log.warning("pid %d: %s failed: %s", pid, d.action, e)
+        self._save_store()
+
+    def _save_store(self) -> None:
+        try:
+            self.store.save()
+        except OSError as e:
+            self.counters["errors"]["state_dir"] += 1
+            self.log.warning("cannot save original affinities: %s", e)
+
+    def _apply_one(self, d: Decision, pid: int) -> None:
+        fs = self.ctx.hostfs
+        if d.action in ("forget", "release"):
+            self.records.pop(pid, None)
+            orig = self.store.entries.pop(pid, None)
+            if d.action == "release" and orig is not None:
+                applier.restore(fs, pid, orig)
+            return
+        p, t = self._procs[pid], self._targets[pid]
+        rec = self.records.get(pid)
+        if rec is None or rec.start != p.start:
+            rec = self.records[pid] = Record(pid, p.start, p.name, p.selector)
+        rec.gpus, rec.last_action, rec.reason, rec.at = t.gpus, d.action, d.reason, d.wall_time
+        if d.action == "leave":
+            rec.node, rec.cpus, rec.applied, rec.verified = None, None, False, None
+            return
+        if d.action == "restore":
+            orig = self.store.entries.pop(pid)
+            rec.threads = applier.restore(fs, pid, orig).threads
+            rec.node, rec.cpus, rec.applied, rec.verified = None, None, True, None
+            return
+        rec.node, rec.cpus = t.node, t.cpus
+        if not self.enforce:
+            rec.applied = False
+            return
+        assert t.cpus is not None and self.topology is not None
+        if pid not in self.store.entries:
+            before = applier.get_affinity(fs, pid)
+            self.store.entries[pid] = applier.Original(p.start, before, before.get(pid, next(iter(before.values()))))
+            self._save_store()  # before the first write: a crash right after it must still be undoable
+        res = applier.set_affinity(fs, pid, t.cpus, keep_subsets=True)
+        rec.threads, rec.applied = res.threads + res.kept, True
+        if d.action == "pin" and self.cfg.migrate_memory and t.node is not None and self.topology.numa:
+            try:
+                m = applier.migrate(fs, pid, t.node, self.topology.memory_nodes())
+            except OSError as e:
+                self.counters["migrations"]["failed"] += 1
+                self.log.warning("pid %d: migrate_pages to node %s failed: %s", pid, t.node, e)
+            else:
+                self.counters["migrations"]["noop" if m.noop else "moved"] += 1
+                self.counters["pages_migrated"]["moved"] += m.moved
+                self.counters["pages_migrated"]["not_moved"] += m.not_moved
+                rec.pages, rec.locality_at = m.pages, self.ctx.clock()
+        back = thread_cpus(fs, pid)
+        if not back:
+            raise applier.Exited(f"pid {pid} exited")
+        rec.verified = all(c <= t.cpus for c in back.values())
+        if not rec.verified:
+            self.counters["drift"]["unverified"] += 1
+
+    # ---- visibility --------------------------------------------------------------------------------------
+    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+        view: PlacementView | None = snapshot.part(self.name)
+        if view is None:
+            return
+        info = GaugeMetricFamily(
+            "qosagent_placement_process_info", "1 per placed or considered process: its node, CPUs, GPUs, last action "
+            "and why", labels=["pid", "name", "node", "cpus", "gpus", "action", "applied", "reason"])
+        local = GaugeMetricFamily("qosagent_placement_memory_local_ratio",
+                                  "Share of the process's resident pages on its target node (numa_maps)",
+                                  labels=["pid", "name", "node"])
+        pages = GaugeMetricFamily("qosagent_placement_memory_pages", "Resident pages of the process per NUMA node",
+                                  labels=["pid", "name", "node"])
+        for r in view.records:
+            pid = str(r["pid"])
+            node = "" if r["node"] is None else str(r["node"])
+            info.add_metric([pid, r["name"], node, r["cpus"] or "", ",".join(map(str, r["gpus"])), r["last_action"],
+                             str(r["applied"]).lower(), r["reason"]], 1.0)
+            if r["memory_local"] is not None:
+                local.add_metric([pid, r["name"], node], r["memory_local"])
+            for n, count in r["pages"].items():
+                pages.add_metric([pid, r["name"], n], count)
+        yield info
+        yield local
+        yield pages
+        yield GaugeMetricFamily("qosagent_placement_processes", "Selected processes placement tracks",
+                                value=len(view.records))
+        c = view.counters
+        actions = CounterMetricFamily("qosagent_placement_actions", "Placement decisions by action", labels=["action"])
+        for k, v in sorted(c.get("actions", {}).items()):
+            actions.add_metric([k], v)
+        yield actions
+        mig = CounterMetricFamily("qosagent_placement_migrations", "migrate_pages runs by result (noop: nothing to "
+                                  "move, e.g. one memory node)", labels=["result"])
+        for k in ("moved", "noop", "failed"):
+            mig.add_metric([k], c.get("migrations", {}).get(k, 0))
+        yield mig
+        moved = CounterMetricFamily("qosagent_placement_pages_migrated", "Pages moved to their target node "
+                                    "(moved) and pages the kernel could not move (not_moved)", labels=["result"])
+        for k in ("moved", "not_moved"):
+            moved.add_metric([k], c.get("pages_migrated", {}).get(k, 0))
+        yield moved
+        drift = CounterMetricFamily("qosagent_placement_drift", "Threads found off their target CPUs",
+                                    labels=["result"])
+        for k, v in sorted(c.get("drift", {}).items()):
+            drift.add_metric([k], v)
+        yield drift
+        errs = CounterMetricFamily("qosagent_placement_errors", "Placement writes that failed, by kind "
+                                   "(exited: the process left mid-placement)", labels=["kind"])
+        for k, v in sorted(c.get("errors", {}).items()):
+            errs.add_metric([k], v)
+        yield errs
+
+    def status(self, snapshot: Snapshot) -> dict[str, Any]:
+        view: PlacementView | None = snapshot.part(self.name)
+        if view is None:
+            return {}
+        return {
+            "mode": view.mode,
+            "nodes": {str(n.id): format_cpulist(n.cpus) for n in view.topology.nodes.values()},
+            "reserved_cpus": self.cfg.reserved_cpus,
+            "processes": list(view.records),
+            "counters": view.counters,
+            "warnings": list(view.topology.warnings),
+        }
+
+    @staticmethod
+    def render(status: dict[str, Any]) -> str:
+        lines = [f"PLACEMENT ({status.get('mode')}; nodes "
+                 + ", ".join(f"{n}: {c or '-'}" for n, c in status.get("nodes", {}).items())
+                 + f"; reserved {status.get('reserved_cpus') or '-'})"]
+        lines.append("PID      NAME             NODE  CPUS         GPUS     MEM_LOCAL  ACTION    REASON")
+        for r in status.get("processes", []):
+            local = "-" if r.get("memory_local") is None else f"{r['memory_local'] * 100:.0f}%"
+            action = r["last_action"] + ("" if r["applied"] or r["last_action"] in ("leave", "error") else "*")
+            lines.append(f"{r['pid']:<8} {r['name'][:16]:<16} {'-' if r['node'] is None else r['node']:<5} "
+                         f"{r['cpus'] or '-':<12} {','.join(map(str, r['gpus'])) or '-':<8} {local:<10} "
+                         f"{action:<9} {r['reason']}")
+        if not status.get("processes"):
+            lines.append("(no selected process running)")
+        if any(not r["applied"] and r["last_action"] in ("pin", "correct") for r in status.get("processes", [])):
+            lines.append("* dry-run: computed, not written")
+        for w in status.get("warnings", []):
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
