@@ -90,4 +90,5 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
         tenants=tenants,
         gpu=gpu_input(snap.part("gpu"), policy.gpu_pressure.gpus),
         runqueue_p99=rq.quantile(0.99) if rq is not None else None,
+        window_s=lat.window_s if lat is not None else cfg.latency.window,
     )

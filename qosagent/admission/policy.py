@@ -71,6 +71,8 @@ class TickInput:
     tenants: Mapping[str, TenantInput]
     gpu: GpuInput
     runqueue_p99: float | None = None
+    # The latency window: a quantile reflects a cut only once the window has turned over since it.
+    window_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class LoopState:
     healthy_streak: int = 0
     escalation: int = 0  # latency actions taken in the current breach episode
     ticks_since_cut: int = 1 << 30
+    last_cut: float = -math.inf
     gpu_pressure: bool = False
     shed_tiers: int = 0  # how many of the lowest tiers are shed
     last_shed: float = -math.inf
@@ -135,6 +138,11 @@ def _tier_order(tiers: Mapping[str, TierInput]) -> list[str]:
     return sorted(tiers, key=lambda n: (tiers[n].weight, n))
 
 
+def _rate(rps: float) -> float:
+    """Rates in hundredths, rounded down: readable in the audit, and never a hair over the cut or the step."""
+    return math.floor(rps * 100) / 100
+
+
 def _scaled_burst(ref: TenantLimit | None, rps: float, floor_burst: int) -> int:
     # Keep the reference's burst-to-rate ratio; without one, a tenth of a second's worth of requests.
     if ref is not None and ref.rps > 0:
@@ -154,7 +162,7 @@ def _cut_one(t: TenantInput, s: TenantState, factor: float, policy: AdmissionCon
     if base is None:
         return None  # unlimited and nothing measured: no basis for a rate
     floor = max(t.floor_rps, policy.min_rps)
-    rps = max(floor, base * factor)
+    rps = max(floor, _rate(base * factor))
     if cur is not None and rps >= cur.rps:
         return None
     return TenantLimit(rps, _scaled_burst(cur, rps, t.floor_burst))
@@ -200,8 +208,10 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         healthy_streak += 1
     else:
         healthy_streak = 0
-    # After a cut, the next one waits breach_ticks ticks, so each cut is seen working (or not) before another.
-    if breaching and since_cut >= policy.breach_ticks:
+    last_cut = prev.last_cut
+    # After a cut, the next one waits breach_ticks ticks and a whole latency window, so each cut is seen working
+    # (or not) before another: cutting on a window that still holds pre-cut requests overshoots.
+    if breaching and since_cut >= policy.breach_ticks and now - last_cut >= inp.window_s:
         driver = breaching[-1]  # the most important tier in breach decides how far up the cut may go
         d = inp.tiers[driver]
         factor = policy.cut_factor
@@ -233,6 +243,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         if acted:
             escalation += 1
             since_cut = 0
+            last_cut = now
 
     # ---- latency: recovery after healthy_ticks, paced and after the cooldown ----
     if not breaching and healthy_streak >= policy.healthy_ticks:
@@ -245,7 +256,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
             # A limit the tenant does not press against tells nothing about whether more would hurt.
             if t.admitted_rps is None or t.admitted_rps < 0.5 * s.limit.rps:
                 continue
-            rps = s.limit.rps * (1.0 + policy.raise_step)
+            rps = _rate(s.limit.rps * (1.0 + policy.raise_step))
             target = t.baseline.rps if t.baseline is not None else s.origin_rps
             why = {"healthy_ticks": healthy_streak, "step": policy.raise_step}
             if target is None or rps >= target:
@@ -306,6 +317,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         healthy_streak=healthy_streak,
         escalation=escalation,
         ticks_since_cut=since_cut,
+        last_cut=last_cut,
         gpu_pressure=pressure,
         shed_tiers=shed_tiers,
         last_shed=last_shed,

@@ -36,6 +36,7 @@ class Loop:
         self.changes: list[tuple[int, P.Change]] = []
         self.ticks = 0
         self.last: P.Outcome | None = None
+        self.window_s = 0.0
 
     def tick(self, observed: dict[str, float | None] | None = None, gpu: P.GpuInput | None = None) -> P.Outcome:
         observed = observed or {}
@@ -46,7 +47,7 @@ class Loop:
             rate = self.rates[name] if lim is None else min(self.rates[name], lim.rps)
             tenants[name] = P.TenantInput(name, tier, self.baseline.get(name), self.floors.get(tier, 0.0), 0,
                                           admitted_rps=rate)
-        inp = P.TickInput(self.now, tiers, tenants, gpu or P.GpuInput.unknown("no GPU"))
+        inp = P.TickInput(self.now, tiers, tenants, gpu or P.GpuInput.unknown("no GPU"), window_s=self.window_s)
         out = P.decide(inp, self.policy, self.state)
         self.state = out.state
         self.last = out
@@ -97,6 +98,14 @@ def test_persistent_breach_escalates_up_the_tiers() -> None:
     # One action per breach_ticks ticks, each reaching one tier further up.
     assert per_tick == {2: ["hobby"], 5: ["hobby", "mid"], 8: ["hobby", "mid", "acme"]}
     assert loop.state.escalation == 3
+
+
+def test_cuts_wait_for_the_latency_window_to_turn_over() -> None:
+    loop = Loop(cfg())
+    loop.window_s = 1.0  # ten ticks: until then the quantile still holds requests from before the cut
+    for _ in range(25):
+        loop.tick(gold_over())
+    assert sorted({t for t, _ in loop.changes}) == [2, 12, 22]
 
 
 def test_a_breach_of_a_low_tier_never_cuts_a_higher_one() -> None:
