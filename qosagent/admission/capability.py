@@ -71,6 +71,10 @@ class Admission(Capability):
         return Verdict(State.ACTIVE)
 
     def stop(self) -> None:
+        # A pre-cleanup still running is let finish (its own timeout kills it) rather than orphaned by our exit.
+        pc = self.ctx.config.admission.gpu_pressure.pre_cleanup
+        if pc is not None:
+            self.pre_cleanup.wait(pc.timeout + 1)
         writer = self._writer()
         if self._written and writer is not None:
             writer.set_overrides({})
