@@ -20,6 +20,7 @@ TRACEPOINTS = (
     "sock/inet_sock_set_state",
     "sock/sock_recv_length",
     "sock/sock_send_length",
+    "sock/sk_data_ready",
     "sched/sched_wakeup",
     "sched/sched_wakeup_new",
     "sched/sched_switch",

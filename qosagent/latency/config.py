@@ -1,11 +1,12 @@
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from qosagent.configbase import Duration, Port, Section
 
 
 class RunqueueConfig(Section):
+    # Run-queue latency of the processes that serve the watched ports (learned from their socket reads).
     enabled: bool = True
 
 
@@ -14,5 +15,15 @@ class LatencyConfig(Section):
     # vLLM and Triton HTTP serve on 8000 (Triton gRPC on 8001), TGI on 8080 in its container and 3000 by default
     # when launched by hand. Sockets on these ports are measured even when no tenant claims them ("unmatched").
     ports: list[Port] = Field(default_factory=lambda: [8000, 8001, 8080, 3000])
+    # Ports whose protocol runs several requests at once on one connection (HTTP/2, gRPC: Triton's 8001). Socket
+    # events carry no payload, so such requests cannot be told apart: these connections are counted, not timed.
+    multiplexed_ports: list[Port] = Field(default_factory=lambda: [8001])
     window: Duration = 10.0
     runqueue: RunqueueConfig = RunqueueConfig()
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, v: float) -> float:
+        if not 1.0 <= v <= 3600.0:
+            raise ValueError("expected between 1s and 1h")
+        return v

@@ -21,6 +21,12 @@ class TenantLatency:
     in_flight: int = 0  # requests received and not yet answered
     unpaired: int = 0  # responses without a request, requests closed without a response
     overlapped: int = 0  # requests that arrived while one was in progress (pipelining, HTTP/2): not timed
+    unpaired_send: int = 0  # of unpaired: write bursts with no request read before them
+    unpaired_close: int = 0  # of unpaired: requests closed without a response byte
+    extra_reads: int = 0  # reads of request bytes after the first and before the response (pieces, pipelining)
+    connections: int = 0  # server-side connections tracked since start
+    multiplexed_connections: int = 0  # of those, on latency.multiplexed_ports: counted, their requests not timed
+    lost: int = 0  # observations the kernel dropped because its histogram map was full
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,162 @@
+"""The latency part of a Snapshot as Prometheus families, as status JSON, and as the human table.
+
+All three read the same LatencyPart, so a scrape and `qosagent status` taken on one tick agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.samples import Sample
+
+from qosagent.hist import Histogram, export_bounds_ns
+from qosagent.latency.model import LatencyPart
+
+QUANTILES = (0.5, 0.95, 0.99)
+BOUNDS_NS = export_bounds_ns()
+
+
+def le_text(ns: int) -> str:
+    """A bucket edge in seconds, written exactly (ns are integers; no float rounding in `le`)."""
+    whole, frac = divmod(ns, 10**9)
+    return f"{whole}.{frac:09d}".rstrip("0").rstrip(".") if frac else f"{whole}.0"
+
+
+def _buckets(h: Histogram) -> list[tuple[str, float]]:
+    cum = h.cumulative(BOUNDS_NS)
+    return [(le_text(b), float(c)) for b, c in zip(BOUNDS_NS, cum)] + [("+Inf", float(h.count))]
+
+
+def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metric]:
+    yield GaugeMetricFamily("qosagent_latency_programs_attached", "Latency BPF programs attached to their hooks",
+                            value=programs_attached)
+    if part is None:
+        return
+    labels = ["tenant", "tier"]
+    ttfb = HistogramMetricFamily("qosagent_ttfb_seconds", "Time from a request's first bytes read to the first "
+                                 "response bytes written, since start", labels=labels)
+    resp = HistogramMetricFamily("qosagent_response_seconds", "Time from a request's first bytes read to the last "
+                                 "response bytes written before the next request or the close, since start",
+                                 labels=labels)
+    requests = CounterMetricFamily("qosagent_requests", "Requests whose response completed", labels=labels)
+    unpaired = CounterMetricFamily("qosagent_requests_unpaired", "Reads and writes that could not be paired: "
+                                   "response_without_request (server wrote first), closed_without_response",
+                                   labels=labels + ["reason"])
+    extra = CounterMetricFamily("qosagent_request_extra_reads", "Reads of more request bytes before any response "
+                                "byte (a request read in pieces, or pipelined requests timed as one)", labels=labels)
+    conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
+                                labels=labels)
+    mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
+                              "(their requests overlap by protocol: counted, not timed)", labels=labels)
+    overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
+                                     "response was still being written (pipelining, HTTP/2): counted, not timed",
+                                     labels=labels)
+    lost = CounterMetricFamily("qosagent_latency_observations_lost", "TTFB, response and run-queue observations "
+                               "dropped because the kernel's histogram map was full", labels=labels)
+    inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests read and not yet answered", labels=labels)
+    ttfb_w = SummaryMetricFamily("qosagent_ttfb_window_seconds", "TTFB over the last latency.window: quantiles "
+                                 "(absent while the window is empty), count and sum", labels=labels)
+    resp_w = SummaryMetricFamily("qosagent_response_window_seconds", "Response time over the last latency.window: "
+                                 "quantiles (absent while the window is empty), count and sum", labels=labels)
+    for t in part.tenants.values():
+        lv = [t.tenant, t.tier]
+        ttfb.add_metric(lv, _buckets(t.ttfb), t.ttfb.sum_ns / 1e9)
+        resp.add_metric(lv, _buckets(t.response), t.response.sum_ns / 1e9)
+        requests.add_metric(lv, t.requests)
+        unpaired.add_metric(lv + ["response_without_request"], t.unpaired_send)
+        unpaired.add_metric(lv + ["closed_without_response"], t.unpaired_close)
+        extra.add_metric(lv, t.extra_reads)
+        conns.add_metric(lv, t.connections)
+        mux.add_metric(lv, t.multiplexed_connections)
+        overlapped.add_metric(lv, t.overlapped)
+        lost.add_metric(lv, t.lost)
+        inflight.add_metric(lv, t.in_flight)
+        for fam, h in ((ttfb_w, t.ttfb_window), (resp_w, t.response_window)):
+            for q in QUANTILES:
+                v = h.quantile(q)
+                if v is not None:
+                    fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
+            fam.add_metric(lv, h.count, h.sum_ns / 1e9)
+    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, overlapped, lost, inflight, ttfb_w, resp_w)
+    if part.runqueue is not None:
+        rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
+                                   "watched ports waited runnable for a CPU, since start")
+        rq.add_metric([], _buckets(part.runqueue), part.runqueue.sum_ns / 1e9)
+        yield rq
+
+
+def _quantiles(h: Histogram) -> dict[str, Any]:
+    out: dict[str, Any] = {"count": h.count}
+    for q in QUANTILES:
+        out[f"p{round(q * 100)}"] = h.quantile(q)
+    return out
+
+
+def slo_state(p99: float | None, slo_p99: float) -> str:
+    if slo_p99 <= 0:
+        return "-"
+    if p99 is None:
+        return "no data"
+    return "ok" if p99 <= slo_p99 else "breach"
+
+
+def status(part: LatencyPart | None, slo_p99: dict[str, float]) -> dict[str, Any]:
+    if part is None:
+        return {}
+    tenants = []
+    for t in part.tenants.values():
+        slo = slo_p99.get(t.tenant, 0.0)
+        resp_w = _quantiles(t.response_window)
+        tenants.append({
+            "tenant": t.tenant, "tier": t.tier, "requests": t.requests, "rate_rps": round(t.rate_rps, 3),
+            "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,
+            "extra_reads": t.extra_reads, "connections": t.connections,
+            "multiplexed_connections": t.multiplexed_connections, "lost": t.lost,
+            "ttfb": _quantiles(t.ttfb_window), "response": resp_w,
+            "ttfb_total": _quantiles(t.ttfb), "response_total": _quantiles(t.response),
+            "slo_p99": slo or None, "slo": slo_state(resp_w["p99"], slo),
+        })
+    out: dict[str, Any] = {"window_s": part.window_s, "tenants": tenants}
+    if part.runqueue is not None and part.runqueue_window is not None:
+        out["runqueue"] = _quantiles(part.runqueue_window)
+        out["runqueue_total"] = _quantiles(part.runqueue)
+    return out
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    ms = v * 1000
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.1f}"  # loopback and run-queue waits are tens of µs
+
+
+def render(st: dict[str, Any]) -> str:
+    lines = [f"LATENCY (quantiles in ms over the last {st.get('window_s', 0):g}s; requests since start)",
+             f"{'TENANT':<16} {'TIER':<8} {'REQUESTS':>9} {'TTFB P50':>9} {'P95':>8} {'P99':>8} "
+             f"{'RESP P50':>9} {'P95':>8} {'P99':>8}  SLO"]
+    for t in st.get("tenants", []):
+        f, r = t["ttfb"], t["response"]
+        slo = t["slo"] if t.get("slo_p99") is None else f"{t['slo']} (p99 <= {t['slo_p99'] * 1000:g}ms)"
+        lines.append(f"{t['tenant']:<16} {t['tier']:<8} {t['requests']:>9} {_ms(f['p50']):>9} {_ms(f['p95']):>8} "
+                     f"{_ms(f['p99']):>8} {_ms(r['p50']):>9} {_ms(r['p95']):>8} {_ms(r['p99']):>8}  {slo}")
+        notes = []
+        if t.get("unpaired"):
+            notes.append(f"{t['unpaired']} unpaired")
+        if t.get("overlapped"):
+            notes.append(f"{t['overlapped']} overlapped requests not timed")
+        if t.get("multiplexed_connections"):
+            notes.append(f"{t['multiplexed_connections']} multiplexed connections not timed")
+        if notes:
+            lines.append(f"{'':<16} ({', '.join(notes)})")
+    rq = st.get("runqueue")
+    if rq:
+        lines.append(f"run-queue latency of serving processes: p50 {_ms(rq['p50'])}  p95 {_ms(rq['p95'])}  "
+                     f"p99 {_ms(rq['p99'])} ms ({rq['count']} waits)")
+    return "\n".join(lines)

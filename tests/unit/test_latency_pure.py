@@ -1,0 +1,170 @@
+"""The latency capability's pure parts: tenant map entries, per-CPU value sums, windows, exposition, status."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+
+from qosagent.config import parse
+from qosagent.hist import Histogram, bucket_index, bucket_upper, export_bounds_ns
+from qosagent.latency import bpfmaps as bm
+from qosagent.latency import export
+from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.latency.window import Window
+from qosagent.tenants import tenant_id
+
+CFG = {
+    "tenants": [
+        {"name": "acme", "tier": "gold", "match": {"ports": [18001, 18003]}},
+        {"name": "lab", "tier": "silver", "match": {"cidrs": ["10.1.0.0/16", "2001:db8::/32"]}},
+        {"name": "edge", "tier": "bronze", "match": {"ports": [18004], "cidrs": ["192.168.7.9/32"]}},
+    ],
+    "latency": {"ports": [8000], "multiplexed_ports": [9001]},
+}
+
+
+def test_port_tenants_claim_their_ports() -> None:
+    ports, _ = bm.tenant_entries(parse(CFG, "t"))
+    assert ports == {18001: tenant_id("acme"), 18003: tenant_id("acme")}
+
+
+def test_cidr_tenants_are_ipv4_mapped_and_prefixed_by_the_port() -> None:
+    _, cidrs = bm.tenant_entries(parse(CFG, "t"))
+    by = {(c.tenant, c.port, c.prefixlen): c.addr for c in cidrs}
+    lab, edge = tenant_id("lab"), tenant_id("edge")
+    # No port named: any watched port (0); IPv4 /16 -> 96 + 16 address bits after the 16 port bits.
+    assert by[(lab, 0, 16 + 96 + 16)] == bytes(10) + b"\xff\xff" + bytes([10, 1, 0, 0])
+    assert by[(lab, 0, 16 + 32)] == bytes.fromhex("20010db8") + bytes(12)
+    # Ports and CIDRs together: the address on that port only.
+    assert by[(edge, 18004, 16 + 128)] == bytes(10) + b"\xff\xff" + bytes([192, 168, 7, 9])
+    assert len(cidrs) == 3
+
+
+def test_watched_ports_include_tenant_and_multiplexed_ports() -> None:
+    assert bm.watched(parse(CFG, "t")) == [8000, 9001, 18001, 18003, 18004]
+
+
+def test_per_cpu_values_are_summed_over_cpus() -> None:
+    assert bm.per_cpu_value_size(16, 4) == 64
+    assert bm.per_cpu_value_size(4, 3) == 24  # each CPU's slot is 8-byte aligned
+    hist_raw = struct.pack("<QQQQ", 2, 300, 1, 50)
+    ctr_raw = struct.pack("<QQ", 5, 7)
+    raw = bm.assemble([(bm.HistKey(7, bm.KIND_TTFB, 100), hist_raw), (bm.HistKey(7, bm.KIND_TTFB, 101), hist_raw)],
+                      [(bm.CounterKey(7, bm.C_STARTED), ctr_raw)])
+    assert raw.hist[(7, bm.KIND_TTFB)] == {100: 3, 101: 3}
+    assert raw.sums[(7, bm.KIND_TTFB)] == 700
+    assert raw.counters[(7, bm.C_STARTED)] == 12
+
+
+def test_window_subtracts_the_checkpoint_one_span_ago() -> None:
+    w: Window[int] = Window(10.0, steps=10)
+    assert w.push(0.0, 0) == (0.0, 0)  # before a full span: since start
+    for t in range(1, 31):
+        base_t, base = w.push(float(t), t * 5)
+    assert (base_t, base) == (20.0, 100)
+    assert len(w._ring) <= 12  # a bounded number of checkpoints, whatever the run time
+
+
+def test_window_takes_checkpoints_at_its_step_not_every_tick() -> None:
+    w: Window[int] = Window(10.0, steps=10)
+    for i in range(200):  # 100 ms ticks over 20 s
+        w.push(i / 10, i)
+    assert len(w._ring) <= 12
+
+
+def test_le_text_is_the_exact_edge_in_seconds() -> None:
+    assert export.le_text(131072) == "0.000131072"
+    assert export.le_text(2 * 10**9) == "2.0"
+    assert export.le_text(1_500_000_000) == "1.5"
+    for b in export_bounds_ns():
+        assert int(round(float(export.le_text(b)) * 1e9)) == b
+
+
+def _tenant(name: str, tier: str, values_ns: list[int]) -> TenantLatency:
+    h = Histogram.of(values_ns)
+    return TenantLatency(tenant=name, tier=tier, requests=len(values_ns), ttfb=h, response=h, ttfb_window=h,
+                         response_window=h, rate_rps=1.0, unpaired=1, unpaired_close=1)
+
+
+def _scrape(part: LatencyPart) -> str:
+    reg = CollectorRegistry(auto_describe=False)
+
+    class C:
+        def collect(self):  # noqa: ANN202
+            return export.families(part, 6)
+
+    reg.register(C())  # type: ignore[arg-type]
+    return generate_latest(reg).decode()
+
+
+def test_histogram_buckets_are_cumulative_at_exact_edges() -> None:
+    # 20 ms lands exactly on an exported edge? Pick values at and just above one.
+    edge = next(b for b in export_bounds_ns() if b > 20_000_000)
+    part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [edge, edge + 1, 5_000_000])})
+    text = _scrape(part)
+    le = export.le_text(edge)
+    assert re.search(rf'qosagent_ttfb_seconds_bucket{{le="{le}",tenant="acme",tier="gold"}} 2.0', text)
+    assert 'qosagent_ttfb_seconds_bucket{le="+Inf",tenant="acme",tier="gold"} 3.0' in text
+    assert 'qosagent_requests_total{tenant="acme",tier="gold"} 3.0' in text
+    assert 'qosagent_requests_unpaired_total{reason="closed_without_response",tenant="acme",tier="gold"} 1.0' in text
+    assert 'qosagent_response_window_seconds_count{tenant="acme",tier="gold"} 3.0' in text
+    assert bucket_upper(bucket_index(edge)) == edge
+
+
+def test_status_and_render_agree_on_quantiles_and_slo() -> None:
+    part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [10_000_000] * 99 + [200_000_000]),
+                              "hobby": _tenant("hobby", "bronze", [])})
+    st = export.status(part, {"acme": 0.120, "hobby": 1.2})
+    rows = {r["tenant"]: r for r in st["tenants"]}
+    assert rows["acme"]["requests"] == 100
+    assert rows["acme"]["response"]["p50"] == Histogram.of([10_000_000] * 99 + [200_000_000]).quantile(0.5)
+    assert rows["acme"]["slo"] == "ok"  # the p99 rank lands in the 10 ms bucket
+    assert rows["hobby"]["slo"] == "no data"
+    text = export.render(st)
+    assert re.search(r"^acme\s+gold\s+100\s+10\.\d", text, re.M), text
+    assert re.search(r"^hobby\s+bronze\s+0\s+-", text, re.M), text
+
+
+def test_slo_state() -> None:
+    assert export.slo_state(0.2, 0.12) == "breach"
+    assert export.slo_state(0.1, 0.12) == "ok"
+    assert export.slo_state(None, 0.12) == "no data"
+    assert export.slo_state(0.1, 0.0) == "-"
+
+
+def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True) -> tuple[str, str, str]:
+    from qosagent.capability import AgentContext
+    from qosagent.features import TRACEPOINTS, Features
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.hostfs import HostFS
+    from qosagent.latency.capability import Latency
+
+    cfg = parse({"latency": {"runqueue": {"enabled": runqueue}}}, "t")
+    cap = Latency(AgentContext(config=cfg, hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
+    f = Features(tracepoints={tp: tp in tracepoints for tp in TRACEPOINTS}, kprobes=kprobes)
+    v = cap.probe(f)
+    return v.state.value, v.reason, cap.mode
+
+
+ALL_TP = {"sock/inet_sock_set_state", "sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready",
+          "sched/sched_wakeup", "sched/sched_wakeup_new", "sched/sched_switch"}
+
+
+def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
+    assert _probe(ALL_TP) == ("active", "", "tracepoint")
+    old = ALL_TP - {"sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready"}
+    state, reason, mode = _probe(old, kprobes=True)
+    assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "first read" in reason
+    state, reason, _ = _probe(old, kprobes=False)
+    assert state == "unavailable" and "no kprobes" in reason
+    assert _probe(set())[0] == "unavailable"
+
+
+def test_probe_degrades_without_sched_tracepoints_only_when_runqueue_is_wanted() -> None:
+    sock_only = {tp for tp in ALL_TP if tp.startswith("sock/")}
+    state, reason, _ = _probe(sock_only)
+    assert state == "degraded" and "run-queue" in reason
+    assert _probe(sock_only, runqueue=False)[0] == "active"
