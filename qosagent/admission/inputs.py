@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from qosagent.admission.policy import GpuInput, TenantInput, TickInput, TierInput
-from qosagent.config import Config
+from qosagent.config import Config, QuotaSpec
 from qosagent.gpu.backend import GpuState
 from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
@@ -23,6 +23,13 @@ def config_baseline(cfg: Config) -> dict[str, TenantLimit]:
             burst = spec.burst if spec.burst is not None else max(1, int(spec.rps // 10))
             out[t.name] = TenantLimit(spec.rps, burst)
     return out
+
+
+def _floor_burst(floor: QuotaSpec | None) -> int:
+    # A floor without a burst admits one second's worth at once: the quota writer reads the floor the same way.
+    if floor is None or not floor.rps:
+        return 0
+    return floor.burst if floor.burst is not None else max(int(floor.rps), 1)
 
 
 def gpu_input(gpu: GpuState | None, serving: list[int]) -> GpuInput:
@@ -73,7 +80,7 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
             tier=t.tier,
             baseline=baseline.get(t.name),
             floor_rps=(floor.rps or 0.0) if floor is not None else 0.0,
-            floor_burst=(floor.burst or 0) if floor is not None else 0,
+            floor_burst=_floor_burst(floor),
             admitted_rps=admitted,
             dropped_rps=tq.dropped_rps if tq is not None else None,
             in_flight=tl.in_flight if tl is not None else None,

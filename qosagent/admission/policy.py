@@ -6,8 +6,9 @@ Two reasons change a limit:
 - latency: a tier whose quantile stays above its SLO for `breach_ticks` ticks is in breach; the tiers at or below
   the most important breaching tier are cut, lowest weight first, one more tier per action while the breach
   persists; recovery +raise_step per `healthy_ticks` healthy ticks, after `cooldown` since the tenant's last cut.
-- GPU memory: above `enter` on a serving GPU, new requests of the lowest tier are refused (limit 0), one more tier
-  per `escalate_after`, until every serving GPU is below `exit`. An unknown GPU state never sheds.
+- GPU memory: above `enter` on a serving GPU, new requests of the lowest tier are refused (limit 0, or the tier's
+  floor when it has one), one more tier per `escalate_after`, until every serving GPU is below `exit`. An unknown
+  GPU state never sheds.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ SLO_RECOVERED = "slo_recovered"
 GPU_PRESSURE = "gpu_memory_pressure"
 GPU_RELIEVED = "gpu_memory_relieved"
 GPU_UNKNOWN = "gpu_state_unknown"
-
-SHED_LIMIT = TenantLimit(0.0, 0)
 
 
 @dataclass(frozen=True)
@@ -126,10 +125,16 @@ class Outcome:
     run_pre_cleanup: bool = False
 
 
+def shed_limit(t: TenantInput) -> TenantLimit:
+    """A shed tenant's limit: no new requests, except what its tier's floor guarantees (the floor is a contract
+    the quota writer also holds the kernel to; a tier without a floor is shed completely)."""
+    return TenantLimit(t.floor_rps, max(1, t.floor_burst) if t.floor_rps > 0 else 0)
+
+
 def effective(t: TenantInput, s: TenantState) -> TenantLimit | None:
     """The limit in force for a tenant: shed, else the adaptive limit, else its baseline."""
     if s.shed:
-        return SHED_LIMIT
+        return shed_limit(t)
     return s.limit if s.limit is not None else t.baseline
 
 
@@ -308,7 +313,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
     for name, t in inp.tenants.items():
         s = states[name]
         if s.shed:
-            overrides[name] = SHED_LIMIT
+            overrides[name] = shed_limit(t)
         elif s.limit is not None:
             overrides[name] = s.limit
     state = LoopState(

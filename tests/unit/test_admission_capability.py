@@ -189,7 +189,7 @@ def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) ->
         assert [c.name for c in a.capabilities] == ["admission"]
         fake.gpus[0].memory_used = int(fake.gpus[0].memory_total * 0.95)
         a.tick()
-        assert w.calls[-1] == {"hobby": TenantLimit(0.0, 0)}
+        assert w.calls[-1] == {"hobby": TenantLimit(5.0, 5)}
         # The memory reading fails (or the whole GPU is lost) while shedding: the state is unknown, so the shed
         # is released rather than held on a reading the agent no longer has.
         fake.fail("sample" if kind == GPU_LOST else "memory", kind)
@@ -203,7 +203,7 @@ def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) ->
         assert a.status()["admission"]["gpu"] == "unknown"
         fake.clear("sample" if kind == GPU_LOST else "memory")
         a.tick()
-        assert w.calls[-1] == {"hobby": TenantLimit(0.0, 0)}
+        assert w.calls[-1] == {"hobby": TenantLimit(5.0, 5)}
     finally:
         a.stop()
 
@@ -216,15 +216,15 @@ def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
         text = generate_latest(make_registry(a)).decode()
         assert ('qosagent_admission_decisions_total{action="shed",reason="gpu_memory_pressure",tenant="hobby"} 1.0'
                 in text)
-        assert 'qosagent_admission_limit_rps{tenant="hobby",tier="bronze"} 0.0' in text
+        assert 'qosagent_admission_limit_rps{tenant="hobby",tier="bronze"} 5.0' in text  # shed to its floor
         assert 'qosagent_admission_limit_rps{tenant="acme",tier="gold"} +Inf' in text
         assert "qosagent_admission_shed_tiers 1.0" in text and "qosagent_admission_enforcing 1.0" in text
         st = a.status(decisions=True)
         assert st["decisions"][-1]["inputs"]["memory_used_ratio"] == pytest.approx(0.95, abs=1e-3)
         human = render(st)
         assert "ADMISSION  mode enforce  P95 ttfb  GPU pressure (max 95.0% on GPU 0)  shed tiers 1" in human
-        assert "hobby          bronze     100/s burst 10         0/s burst 0 SHED" in human
-        assert "admission  hobby          shed       100 -> 0.0  gpu_memory_pressure" in human
+        assert "hobby          bronze     100/s burst 10         5/s burst 5 SHED" in human
+        assert "admission  hobby          shed       100 -> 5.0  gpu_memory_pressure" in human
     finally:
         a.stop()
 

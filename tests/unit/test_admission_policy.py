@@ -234,6 +234,13 @@ def test_gpu_pressure_sheds_the_lowest_tier_first_with_hysteresis() -> None:
     assert out.run_pre_cleanup  # a new entry runs it again
 
 
+def test_shedding_keeps_a_tiers_floor() -> None:
+    loop = Loop(cfg(), floors={"bronze": 7.0})
+    out = loop.tick(gpu=gpu(0.95))
+    # The floor is a guarantee the quota writer also holds the kernel to: the audit says what is really in force.
+    assert out.overrides == {"hobby": TenantLimit(7.0, 1)} and out.changes[0].new == TenantLimit(7.0, 1)
+
+
 def test_unknown_gpu_sheds_nothing_and_releases_a_shed() -> None:
     loop = Loop(cfg())
     for _ in range(5):
