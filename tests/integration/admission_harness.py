@@ -109,7 +109,7 @@ bpf: {{pin_root: {pin_root}}}
 gpu: {{backend: fake, fake_file: {tmp / 'gpu.json'}}}
 tiers:
   gold:   {{slo_p99: {SLO_MS:g}ms, weight: 10}}
-  bronze: {{slo_p99: 5s, weight: 1, quota: {{rps: 400, burst: 40}}, floor: {{rps: 10}}}}
+  bronze: {{slo_p99: 5s, weight: 1, quota: {{rps: 400, burst: 40}}}}
 tenants:
   - {{name: gold-app, tier: gold, match: {{cidrs: [{GOLD}/32], ports: [{port}]}}}}
   - {{name: bronze-app, tier: bronze, match: {{cidrs: [{BRONZE}/32], ports: [{port}]}}}}
