@@ -17,8 +17,12 @@ run: setup
 test: setup-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Each benchmark prints its measurements (ratios against a baseline taken in the same run) for docs/PERFORMANCE.md.
 bench: setup-test
-	$(PY) -m bench $(ARGS)
+	$(PY) -m bench.latency_overhead
+	$(PY) bench/quota_bench.py
+	$(PY) -m bench.dvfs_collect
+	$(PY) bench/placement_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -14,7 +14,25 @@
 #include <uapi/linux/bpf.h>
 #include "qos_common.h"
 #include "qos_hist.h"
+#include "qos_flow.h"
+
+/* Filled from config by the agent (qosagent/latency/bpfmaps.py), with the same layouts the quota classifier uses. */
+BPF_HASH(tenant_ports, struct qos_port_key, struct qos_tenant_val, 4096);
+BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, 4096, BPF_F_NO_PREALLOC);
+BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
 #include "qos_tenant.h"
+
+#ifdef QOS_FLOWS_PIN
+/* The quota classifier's flow -> tenant map: the only place a header-matched tenant is known (TC sees payload,
+ * these probes do not). Built in only when quota runs with header tenants, so latency never creates quota's pins. */
+BPF_TABLE_PINNED("lru_hash", struct qos_flow_key, struct qos_flow_val, tenant_flows, QOS_FLOWS, QOS_FLOWS_PIN);
+#endif
+
+static __always_inline int qos_port_watched(__u16 lport)
+{
+    struct qos_port_key pk = {.port = lport};
+    return watched_ports.lookup(&pk) != 0;
+}
 
 #define LAT_IDLE 0       /* no request in progress */
 #define LAT_WAITING 1    /* request bytes read, nothing written back yet */
@@ -52,6 +70,9 @@ struct lat_sock {
     __u16 state;
     __u8 noted;   /* the serving process is known to runq_tgids (checked once per connection, not per request) */
     __u8 flags;
+#ifdef QOS_FLOWS_PIN
+    struct qos_flow_key flow; /* set while the tenant is unresolved: a header rule may still claim the connection */
+#endif
 };
 
 /* lat_sock.flags */
@@ -155,6 +176,14 @@ static __always_inline void lat_observe(__u32 tenant, __u16 kind, __u64 delta_ns
  * matched on request headers (learned per flow by quota's classifier) is to be looked up here, at request start. */
 static __always_inline __u32 lat_request_tenant(struct lat_sock *s)
 {
+#ifdef QOS_FLOWS_PIN
+    /* TC has classified the request's first segment before the server reads it, so its verdict is in place. */
+    if (s->tenant == QOS_UNMATCHED) {
+        struct qos_flow_val *v = tenant_flows.lookup(&s->flow);
+        if (v && v->via == QOS_VIA_HEADER)
+            return v->tenant;
+    }
+#endif
     return s->tenant;
 }
 
@@ -246,7 +275,23 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
             return 0;
         struct lat_sock s = {};
         /* the kernel stores IPv4 peers IPv4-mapped in daddr_v6 */
-        s.tenant = qos_tenant_resolve(args->sport, args->daddr_v6);
+        /* Copied to the stack byte by byte: the verifier refuses loads through a ctx pointer moved by an offset. */
+        __u8 client[16], via;
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            client[i] = args->daddr_v6[i];
+        s.tenant = qos_resolve_tenant(args->sport, client, &via);
+#ifdef QOS_FLOWS_PIN
+        if (s.tenant == QOS_UNMATCHED) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                s.flow.raddr[i] = client[i];
+                s.flow.laddr[i] = args->saddr_v6[i];
+            }
+            s.flow.rport = args->dport;
+            s.flow.lport = args->sport;
+        }
+#endif
         struct qos_port_key pk = {.port = args->sport};
         s.state = lat_mux_ports.lookup(&pk) ? LAT_MUX : LAT_IDLE;
         if (lat_socks.update(&k, &s) == 0) {

@@ -115,11 +115,12 @@ class Capability:
 
 
 def registry() -> list[type[Capability]]:
-    """All capabilities, in tick order: measurement first, then the ones that decide on it."""
+    """All capabilities, in start and tick order: measurement first, then the ones that decide on it. Quota starts
+    before latency because latency reads quota's pinned flow map (header-matched tenants)."""
     from qosagent.admission.capability import Admission
     from qosagent.dvfs.capability import Dvfs
     from qosagent.latency.capability import Latency
     from qosagent.placement.capability import Placement
     from qosagent.quota.capability import Quota
 
-    return [Latency, Quota, Admission, Dvfs, Placement]
+    return [Quota, Latency, Admission, Dvfs, Placement]

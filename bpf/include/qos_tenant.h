@@ -1,52 +1,62 @@
-/* Tenant resolution shared by every program that attributes traffic to a tenant (latency's socket probes, quota's
- * TC classifier), so both see one tenant for one connection. Declares the three tenant maps the agent fills from
- * config; include it once per BPF object, after qos_common.h.
- *
- * Rules, in order: a local port claimed by one tenant (tenant_ports); else the longest (local port, client address)
- * prefix in tenant_cidrs; else the longest (any port, client address) prefix; else QOS_UNMATCHED. */
+/* Tenant resolution shared by the latency probes and the quota classifier, so that a tenant's latency and its
+ * quota describe the same traffic. Rules, in order:
+ *   1. the local port, when one tenant claims it alone (tenant_ports);
+ *   2. the client address, longest prefix first, among the CIDRs bound to that local port, then among the CIDRs
+ *      bound to any watched port (tenant_cidrs, port 0);
+ *   3. (TC only) an HTTP/1.x header value in the first segment of a request; see qos_quota.h.
+ * BCC rewrites map calls only in the main file, so qosagent/ebpf/loader.py pastes our quoted includes into it.
+ * Include this after declaring tenant_ports (qos_port_key -> qos_tenant_val) and tenant_cidrs (qos_cidr_key ->
+ * qos_tenant_val, an LPM trie). Ports are in host byte order here; addresses IPv4-mapped. */
 #ifndef QOS_TENANT_H
 #define QOS_TENANT_H
 
 #include "qos_common.h"
 
-#ifndef QOS_TENANT_MAX
-#define QOS_TENANT_MAX 4096
-#endif
+#define QOS_VIA_NONE 0
+#define QOS_VIA_PORT 1
+#define QOS_VIA_CIDR 2
+#define QOS_VIA_HEADER 3
 
-BPF_HASH(tenant_ports, struct qos_port_key, struct qos_tenant_val, QOS_TENANT_MAX);
-BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, QOS_TENANT_MAX, BPF_F_NO_PREALLOC);
-BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
-
-/* Bits of a qos_cidr_key that precede the address: the port. */
+/* The bits of qos_cidr_key.prefixlen taken by the port before the address starts. */
 #define QOS_CIDR_PORT_BITS 16
 
-/* lport in host byte order; client is the peer address, IPv4 as ::ffff:a.b.c.d. */
-static __always_inline int qos_port_watched(__u16 lport)
-{
-    struct qos_port_key pk = {.port = lport};
-    return watched_ports.lookup(&pk) != 0;
-}
-
-static __always_inline __u32 qos_tenant_resolve(__u16 lport, const __u8 client[16])
+static __always_inline __u32 qos_tenant_by_port(__u16 lport, __u8 *via)
 {
     struct qos_port_key pk = {.port = lport};
     struct qos_tenant_val *t = tenant_ports.lookup(&pk);
-    if (t)
+    if (t) {
+        *via = QOS_VIA_PORT;
         return t->tenant;
+    }
+    return QOS_UNMATCHED;
+}
+
+static __always_inline __u32 qos_tenant_by_addr(__u16 lport, const __u8 *raddr, __u8 *via)
+{
     struct qos_cidr_key ck = {};
     ck.prefixlen = QOS_CIDR_PORT_BITS + 128;
-    ck.port = htons(lport);
-#pragma unroll
-    for (int i = 0; i < 16; i++)
-        ck.addr[i] = client[i];
-    t = tenant_cidrs.lookup(&ck);
-    if (t)
+    ck.port = __builtin_bswap16(lport);
+    __builtin_memcpy(ck.addr, raddr, 16);
+    struct qos_tenant_val *t = tenant_cidrs.lookup(&ck);
+    if (!t) {
+        ck.port = 0;
+        t = tenant_cidrs.lookup(&ck);
+    }
+    if (t) {
+        *via = QOS_VIA_CIDR;
         return t->tenant;
-    ck.port = 0;
-    t = tenant_cidrs.lookup(&ck);
-    if (t)
-        return t->tenant;
+    }
     return QOS_UNMATCHED;
+}
+
+/* Port first, then address: the rules 1 and 2 above. */
+static __always_inline __u32 qos_resolve_tenant(__u16 lport, const __u8 *raddr, __u8 *via)
+{
+    *via = QOS_VIA_NONE;
+    __u32 t = qos_tenant_by_port(lport, via);
+    if (t != QOS_UNMATCHED)
+        return t;
+    return qos_tenant_by_addr(lport, raddr, via);
 }
 
 #endif

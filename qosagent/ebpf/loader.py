@@ -30,7 +30,7 @@ def headers_present() -> bool:
     return os.path.isdir(f"/lib/modules/{platform.release()}/build/include")
 
 
-_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[^\n]*$', re.M)
 
 
 def inline_includes(path: Path, include_dir: Path, seen: set[Path] | None = None) -> str:

@@ -78,6 +78,7 @@ class Latency(Capability):
             defines["QOS_KPROBE"] = 1
         if self.arrival:
             defines["QOS_ARRIVAL"] = 1
+        defines.update(_flows_defines(self.ctx.config))
         try:
             self.bpf = compile_program("latency", defines)
             if self.mode == "kprobe":
@@ -287,3 +288,12 @@ class Latency(Capability):
 
         return export.render(status)
 
+
+
+def _flows_defines(cfg: "Config") -> dict[str, object]:
+    """Attribute header-matched tenants through the quota classifier's pinned flow map (quota starts first)."""
+    if not (cfg.quota.enabled and any(t.match.header for t in cfg.tenants)):
+        return {}
+    from qosagent.quota.datapath import pin_dir
+
+    return {"QOS_FLOWS_PIN": f'"{pin_dir(cfg)}/tenant_flows"', "QOS_FLOWS": cfg.quota.flow_entries}

@@ -1,10 +1,313 @@
+"""Per-tenant quotas in the kernel: the quota capability's face (probe, start, collect, reload, stop, detach),
+the adaptive-limit writer offered to admission, and its metrics and status."""
+
 from __future__ import annotations
 
-from qosagent.capability import Capability, State, Verdict
+import collections
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
+from qosagent.config import UNMATCHED, Config
+from qosagent.quota import datapath as dp
+from qosagent.quota import tc
+from qosagent.quota.model import QuotaPart, TenantQuota
+from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
+from qosagent.snapshot import Snapshot
+from qosagent.tenants import UNMATCHED_ID, TenantLimit, tenant_id, tenant_table
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from qosagent.features import Features
+
+log = logging.getLogger("qosagent.quota")
+
+
+def interfaces(cfg: Config) -> list[str]:
+    """quota.interfaces, or lo plus the interfaces whose addresses a listener on a watched port is bound to."""
+    if cfg.quota.interfaces:
+        return list(cfg.quota.interfaces)
+    import psutil
+
+    watched = set(cfg.watched_ports())
+    bound: set[str] = set()
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in watched:
+                bound.add(c.laddr.ip)
+    except (psutil.Error, OSError):
+        pass
+    out = ["lo"]
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        if name == "lo":
+            continue
+        ips = {a.address.split("%")[0] for a in addrs if a.family.name in ("AF_INET", "AF_INET6")}
+        if ips and (bound & ips or bound & {"0.0.0.0", "::"}):
+            out.append(name)
+    return out
+
+
+def _baseline_buckets(cfg: Config) -> dict[int, tuple[Bucket | None, Bucket | None]]:
+    out = {}
+    for name, spec in baseline(cfg).items():
+        req = bucket(spec.requests.rps, spec.requests.burst) if spec.requests else None
+        conn = bucket(spec.connections.rps, spec.connections.burst) if spec.connections else None
+        if req or conn:
+            out[tenant_id(name)] = (req, conn)
+    return out
+
+
+class LimitsWriter:
+    """tenants.LimitsWriter over the quota maps: overrides are clamped to the tier floor and expire in the kernel
+    with the heartbeat."""
+
+    def __init__(self, quota: "Quota"):
+        self.quota = quota
+
+    def baseline(self) -> Mapping[str, TenantLimit]:
+        return {n: s.requests for n, s in baseline(self.quota.ctx.config).items() if s.requests is not None}
+
+    def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
+        specs = baseline(self.quota.ctx.config)
+        out = {}
+        for name, lim in limits.items():
+            if name not in specs:  # e.g. removed by a reload the caller has not seen yet
+                log.warning("override for unknown tenant %r ignored", name)
+                continue
+            lim = with_floor(lim, specs[name].floor)
+            out[tenant_id(name)] = bucket(lim.rps, lim.burst)
+        self.quota.overrides = {n: v for n, v in limits.items() if n in specs}
+        if self.quota.datapath is not None:
+            self.quota.datapath.set_overrides(out)
 
 
 class Quota(Capability):
     name = "quota"
 
-    def probe(self, features: object) -> Verdict:
-        return Verdict(State.UNAVAILABLE, "not built yet")
+    def __init__(self, ctx: AgentContext):
+        super().__init__(ctx)
+        self.datapath: dp.Datapath | None = None
+        self.overrides: dict[str, TenantLimit] = {}
+        self.attached: list[str] = []
+        self.others: list[str] = []
+        # From the last collect, for metrics and status: packets passed by reason, and the unmatched tenant's counts.
+        self.passed: dict[str, int] = {}
+        self.unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
+            collections.deque(maxlen=64)
+
+    def probe(self, features: "Features") -> Verdict:
+        if os.geteuid() != 0:
+            return Verdict(State.UNAVAILABLE, "needs root (CAP_BPF, CAP_NET_ADMIN)")
+        if not features.kernel_headers:
+            return Verdict(State.UNAVAILABLE, "no kernel headers for BCC (run make setup)")
+        if not (features.clsact and features.cls_bpf):
+            return Verdict(State.UNAVAILABLE, "the kernel lacks clsact or cls_bpf")
+        if features.bpffs == "absent":
+            return Verdict(State.UNAVAILABLE, "no bpffs to pin maps in (fail-static needs it)")
+        names = interfaces(self.ctx.config)
+        notes = []
+        q = self.ctx.config.quota
+        try:
+            with tc.IPRoute() as ipr:
+                for n in names:
+                    idx = tc.ifindex(ipr, n)
+                    if idx is None:
+                        return Verdict(State.UNAVAILABLE, f"interface {n!r} not found")
+                    for h in tc.ingress_filters(ipr, idx, n):
+                        if not tc.is_ours(h, q.tc_prio, q.tc_handle):
+                            notes.append(f"other filter: {h}")
+                    notes += [f"runs before ours: {p}" for p in tc.tcx_programs(n)]
+        except OSError as e:
+            return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
+        self.others = notes
+        reason = f"ingress of {', '.join(names)}"
+        if notes:
+            reason += "; " + "; ".join(notes)
+        return Verdict(State.ACTIVE, reason)
+
+    def start(self) -> None:
+        cfg = self.ctx.config
+        try:
+            self.datapath = dp.Datapath(cfg)
+            self.datapath.write_config(cfg, _baseline_buckets(cfg))
+            self.attached = interfaces(cfg)
+            for line in self.datapath.attach(self.attached):
+                log.info("%s", line)
+        except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
+            raise CapabilityError(f"cannot load or attach the classifier: {e}") from e
+        if self.datapath.adopted:
+            log.info("adopted pinned quota state at %s", self.datapath.path)
+        self.ctx.services["quota.limits"] = LimitsWriter(self)
+
+    def collect(self) -> QuotaPart:
+        d = self.datapath
+        assert d is not None
+        d.heartbeat()
+        r = d.read()
+        now = r.ktime_ns / 1e9
+        self._history.append((now, dict(r.counts)))
+        old_t, old = self._history[0]
+        for t, c in self._history:
+            if now - t >= 1.0:
+                old_t, old = t, c
+        span = now - old_t
+        cfg = self.ctx.config
+        specs = baseline(cfg)
+        fresh = r.ktime_ns - r.heartbeat_ns <= int(cfg.quota.heartbeat_timeout * 1e9)
+        tenants = {}
+        for tid, info in tenant_table(cfg).items():
+            if tid == UNMATCHED_ID:
+                continue
+            c = r.counts.get(tid, (0, 0, 0, 0))
+            o = old.get(tid, (0, 0, 0, 0))
+            spec = specs.get(info.name)
+            base = spec.requests if spec else None
+            lim_in_force = base
+            ovr = self.overrides.get(info.name)
+            if ovr is not None and fresh:
+                lim_in_force = with_floor(ovr, spec.floor if spec else None)
+            tokens = None
+            kl = r.limits.get(tid)
+            if kl is not None and lim_in_force is not None:
+                b = kl.override if (ovr is not None and fresh) else kl.req
+                tat = r.buckets.get(tid, (0, 0))[0]
+                if b.interval_ns:
+                    tokens = max(0.0, (b.tau_ns - max(tat - r.ktime_ns, 0)) / b.interval_ns)
+            tenants[info.name] = TenantQuota(
+                tenant=info.name, tier=info.tier, baseline=base, limit=lim_in_force,
+                admitted=c[0], dropped=c[1], conn_admitted=c[2], conn_dropped=c[3],
+                admitted_rps=(c[0] - o[0]) / span if span > 0 else 0.0,
+                dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
+        self.passed = dict(r.stats)
+        self.unmatched_counts = r.counts.get(UNMATCHED_ID, (0, 0, 0, 0))
+        return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0))
+
+    def reload(self, config: Config) -> None:
+        d = self.datapath
+        if d is None:
+            return
+        old = self.ctx.config
+        q_old, q_new = old.quota, config.quota
+        if (q_old.tc_prio, q_old.tc_handle, q_old.flow_entries, q_old.header_scan_bytes, old.bpf.pin_root) != \
+                (q_new.tc_prio, q_new.tc_handle, q_new.flow_entries, q_new.header_scan_bytes, config.bpf.pin_root):
+            raise CapabilityError("quota tc_prio, tc_handle, flow_entries, header_scan_bytes and bpf.pin_root "
+                                  "change only with a restart")
+        names = interfaces(config)
+        try:
+            with tc.IPRoute() as ipr:
+                missing = [n for n in names if tc.ifindex(ipr, n) is None]
+        except OSError as e:
+            raise CapabilityError(f"cannot list interfaces: {e}") from e
+        if missing:
+            raise CapabilityError(f"interface(s) not found: {', '.join(missing)}")
+        self.overrides = {n: v for n, v in self.overrides.items() if n in {t.name for t in config.tenants}}
+        try:
+            d.write_config(config, _baseline_buckets(config))
+            d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in self.overrides.items()})
+            for line in d.attach(names):
+                log.info("%s", line)
+        except Exception as e:  # noqa: BLE001
+            raise CapabilityError(f"updating the quota maps failed: {e}") from e
+        self.attached = names
+
+    def stop(self) -> None:
+        """A clean stop removes everything (only a dead agent leaves the classifier enforcing)."""
+        d = self.datapath
+        if d is None:
+            return
+        self.datapath = None
+        self.ctx.services.pop("quota.limits", None)
+        q = self.ctx.config.quota
+        path = d.path
+        d.close()
+        for line in dp.remove_attachments(path, q.tc_prio, q.tc_handle, self.attached) + dp.remove_pins(path):
+            log.info("%s", line)
+
+    @classmethod
+    def detach(cls, ctx: AgentContext) -> list[str]:
+        cfg = ctx.config
+        path = dp.pin_dir(cfg)
+        names = list(cfg.quota.interfaces) or ["lo"]
+        return dp.remove_attachments(path, cfg.quota.tc_prio, cfg.quota.tc_handle, names) + dp.remove_pins(path)
+
+    # ---- visibility --------------------------------------------------------------------------------------
+    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        part = snapshot.part("quota")
+        if not isinstance(part, QuotaPart):
+            return
+        req = CounterMetricFamily("qosagent_quota_requests", "New HTTP/1.x requests (request-start segments) by "
+                                  "verdict", labels=["tenant", "tier", "verdict"])
+        conn = CounterMetricFamily("qosagent_quota_connections", "New connections (SYN) by verdict",
+                                   labels=["tenant", "tier", "verdict"])
+        limit = GaugeMetricFamily("qosagent_quota_limit_rps", "Request-start rate limit in force (baseline or an "
+                                  "adaptive override while the heartbeat is fresh)", labels=["tenant", "tier"])
+        base = GaugeMetricFamily("qosagent_quota_baseline_rps", "Configured request-start rate limit",
+                                 labels=["tenant", "tier"])
+        tokens = GaugeMetricFamily("qosagent_quota_bucket_tokens", "Request tokens left in the tenant's bucket",
+                                   labels=["tenant", "tier"])
+        for t in part.tenants.values():
+            req.add_metric([t.tenant, t.tier, "admitted"], t.admitted)
+            req.add_metric([t.tenant, t.tier, "dropped"], t.dropped)
+            conn.add_metric([t.tenant, t.tier, "admitted"], t.conn_admitted)
+            conn.add_metric([t.tenant, t.tier, "dropped"], t.conn_dropped)
+            if t.limit is not None:
+                limit.add_metric([t.tenant, t.tier], t.limit.rps)
+            if t.baseline is not None:
+                base.add_metric([t.tenant, t.tier], t.baseline.rps)
+            if t.bucket_tokens is not None:
+                tokens.add_metric([t.tenant, t.tier], t.bucket_tokens)
+        um = self.unmatched_counts
+        req.add_metric([UNMATCHED, "none", "admitted"], um[0])
+        conn.add_metric([UNMATCHED, "none", "admitted"], um[2])
+        yield from (req, conn, limit, base, tokens)
+        passed = CounterMetricFamily("qosagent_quota_passed_packets", "Packets passed without a quota check, by "
+                                     "reason (unmatched: new connections and requests of no tenant)",
+                                     labels=["reason"])
+        for reason, n in sorted(self.passed.items()):
+            passed.add_metric([reason], n)
+        yield passed
+
+    def status(self, snapshot: Snapshot) -> dict[str, Any]:
+        part = snapshot.part("quota")
+        if not isinstance(part, QuotaPart):
+            return {}
+
+        def lim(x: TenantLimit | None) -> Any:
+            return None if x is None else {"rps": x.rps, "burst": x.burst}
+
+        return {
+            "interfaces": self.attached,
+            "pins": self.datapath.path if self.datapath else None,
+            "others_on_hook": self.others,
+            "unmatched_packets": part.unmatched_packets,
+            "passed": self.passed,
+            "tenants": [{
+                "tenant": t.tenant, "tier": t.tier, "limit": lim(t.limit), "baseline": lim(t.baseline),
+                "admitted": t.admitted, "dropped": t.dropped, "conn_admitted": t.conn_admitted,
+                "conn_dropped": t.conn_dropped, "admitted_rps": t.admitted_rps, "dropped_rps": t.dropped_rps,
+                "bucket_tokens": t.bucket_tokens,
+            } for t in part.tenants.values()],
+        }
+
+    @staticmethod
+    def render(status: dict[str, Any]) -> str:
+        def lim(x: Any) -> str:
+            return "-" if not x else f"{x['rps']:g}/{x['burst']}"
+
+        lines = [f"QUOTA on {', '.join(status.get('interfaces') or [])}  pins {status.get('pins')}  "
+                 f"unmatched packets {status.get('unmatched_packets', 0)}"]
+        for o in status.get("others_on_hook") or []:
+            lines.append(f"  {o}")
+        lines.append(f"{'TENANT':<16} {'TIER':<8} {'LIMIT':>10} {'BASELINE':>10} {'ADMIT/S':>8} {'DROP/S':>8} "
+                     f"{'ADMITTED':>9} {'DROPPED':>8} {'CONN_ADM':>8} {'CONN_DROP':>9} {'TOKENS':>7}")
+        for t in status.get("tenants", []):
+            tok = "-" if t.get("bucket_tokens") is None else f"{t['bucket_tokens']:.1f}"
+            lines.append(f"{t['tenant']:<16} {t['tier']:<8} {lim(t['limit']):>10} {lim(t['baseline']):>10} "
+                         f"{t['admitted_rps']:>8.1f} {t['dropped_rps']:>8.1f} {t['admitted']:>9} {t['dropped']:>8} "
+                         f"{t['conn_admitted']:>8} {t['conn_dropped']:>9} {tok:>7}")
+        return "\n".join(lines)

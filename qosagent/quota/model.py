@@ -26,4 +26,4 @@ class TenantQuota:
 @dataclass(frozen=True)
 class QuotaPart:
     tenants: Mapping[str, TenantQuota] = field(default_factory=dict)
-    unmatched_packets: int = 0
+    unmatched_packets: int = 0  # new connections and requests on watched ports that matched no tenant

@@ -1,0 +1,89 @@
+/* The quota classifier's maps, mirrored in qosagent/quota/layout.py. Change a struct here and there together,
+ * and bump QOS_QUOTA_LAYOUT: pins of another layout are then replaced, never adopted. */
+#ifndef QOS_QUOTA_H
+#define QOS_QUOTA_H
+
+#include <linux/types.h>
+
+#define QOS_QUOTA_LAYOUT 1
+
+/* Per-tenant state lives in arrays indexed by a slot the agent assigns (quota_slots: tenant -> slot) and the flow
+ * cache carries, so that a request costs one hashed lookup (the flow) and inlined array lookups. Slot 0 is the
+ * traffic of no tenant. */
+#define QOS_SLOTS 4096
+
+struct qos_slot_val {
+    __u32 slot;
+};
+
+/* A token bucket as GCRA: interval = 1e9/rate ns, tau = capacity * interval. tau 0 sheds every request. */
+struct qos_bucket_limit {
+    __u64 interval_ns;
+    __u64 tau_ns;
+};
+
+#define QOS_LIMIT_REQ 1      /* request starts are limited by req */
+#define QOS_LIMIT_CONN 2     /* new connections are limited by conn */
+#define QOS_LIMIT_OVERRIDE 4 /* override replaces req while the heartbeat is fresh */
+
+/* quota_limits[slot]. */
+struct qos_quota_limit {
+    struct qos_bucket_limit req;
+    struct qos_bucket_limit conn;
+    struct qos_bucket_limit override;
+    __u32 flags;
+    __u32 tenant; /* the slot's owner, for anyone reading the map */
+};
+
+/* quota_buckets[slot]: theoretical arrival times (ns, bpf_ktime_get_ns clock). */
+struct qos_quota_bucket {
+    __u64 req_tat;
+    __u64 conn_tat;
+};
+
+/* quota_counters[slot] (per CPU). Slot 0 counts what matched no tenant (always admitted). */
+struct qos_quota_count {
+    __u64 req_admitted;
+    __u64 req_dropped;
+    __u64 conn_admitted;
+    __u64 conn_dropped;
+};
+
+/* quota_stats: per-CPU packet counts by reason, indexed by QOS_STAT_*. */
+#define QOS_STAT_UNMATCHED 0       /* a new connection or request on a watched port, no tenant: passed */
+#define QOS_STAT_MALFORMED 1       /* truncated or inconsistent headers: passed */
+#define QOS_STAT_FRAGMENT 2        /* IP fragments: passed (TCP does not fragment; no port to classify by) */
+#define QOS_STAT_HEADER_INCOMPLETE 3 /* request start whose headers did not end inside the scanned bytes */
+#define QOS_STAT_OVERRIDE_EXPIRED 4  /* request checked against baseline because the heartbeat was stale */
+#define QOS_STAT_MAX 5
+
+struct qos_stat_val {
+    __u64 packets;
+};
+
+/* quota_config[0]: written by the agent; heartbeat_ns every tick. */
+#define QOS_CONF_HEADER_RULES 1 /* some tenant is matched by a header: scan unmatched request starts */
+struct qos_quota_conf {
+    __u64 heartbeat_ns;
+    __u64 heartbeat_timeout_ns;
+    __u32 flags;
+    __u32 pad;
+};
+
+/* quota_headers: FNV-1a 64 of lowercase(name) ":" value -> tenant. */
+struct qos_header_key {
+    __u64 hash;
+};
+
+/* quota_attach: what the agent attached, so that `qosagent detach` can remove it without a running agent. */
+struct qos_attach_key {
+    __u32 ifindex;
+    __u32 netns_ino; /* the network namespace the ifindex belongs to */
+};
+
+struct qos_attach_val {
+    __u8 created_clsact; /* the clsact qdisc was ours: delete it on detach */
+    __u8 pad[7];
+};
+
+#endif

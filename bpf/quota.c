@@ -1,0 +1,415 @@
+/* Per-tenant quotas at TC ingress: a cls_bpf direct-action classifier.
+ *
+ * A new connection (SYN) and a new HTTP/1.x request (a segment whose payload starts with a method token) each take
+ * a token from their tenant's bucket; over quota that segment is dropped and TCP retransmits it (back-pressure).
+ * Every other segment, and all traffic that matches no tenant, passes untouched (TC_ACT_UNSPEC: later filters
+ * still run). Buckets refill here from bpf_ktime_get_ns, so enforcement goes on with the last limits written when
+ * the agent is gone; adaptive overrides stop counting once the agent's heartbeat is older than its timeout.
+ *
+ * Defines from the loader: QOS_PIN_DIR (string), QOS_FLOWS (LRU entries), QOS_HDR_SCAN (bytes, power of two). */
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/pkt_cls.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+#include <uapi/linux/tcp.h>
+
+#include "qos_common.h"
+#include "qos_flow.h"
+#include "qos_quota.h"
+
+BPF_TABLE_PINNED("hash", struct qos_port_key, struct qos_tenant_val, tenant_ports, 4096, QOS_PIN_DIR "/tenant_ports");
+BPF_TABLE_PINNED7("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, 4096,
+                  QOS_PIN_DIR "/tenant_cidrs", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct qos_port_key, struct qos_watch_val, watched_ports, 1024, QOS_PIN_DIR "/watched_ports");
+BPF_TABLE_PINNED("lru_hash", struct qos_flow_key, struct qos_flow_val, tenant_flows, QOS_FLOWS,
+                 QOS_PIN_DIR "/tenant_flows");
+BPF_TABLE_PINNED("hash", struct qos_header_key, struct qos_tenant_val, quota_headers, 1024, QOS_PIN_DIR "/quota_headers");
+BPF_TABLE_PINNED("hash", struct qos_tenant_val, struct qos_slot_val, quota_slots, QOS_SLOTS, QOS_PIN_DIR "/quota_slots");
+BPF_TABLE_PINNED("array", __u32, struct qos_quota_limit, quota_limits, QOS_SLOTS, QOS_PIN_DIR "/quota_limits");
+BPF_TABLE_PINNED("array", __u32, struct qos_quota_bucket, quota_buckets, QOS_SLOTS, QOS_PIN_DIR "/quota_buckets");
+BPF_TABLE_PINNED("percpu_array", __u32, struct qos_quota_count, quota_counters, QOS_SLOTS,
+                 QOS_PIN_DIR "/quota_counters");
+BPF_TABLE_PINNED("percpu_array", __u32, struct qos_stat_val, quota_stats, QOS_STAT_MAX, QOS_PIN_DIR "/quota_stats");
+BPF_TABLE_PINNED("array", __u32, struct qos_quota_conf, quota_config, 1, QOS_PIN_DIR "/quota_config");
+BPF_TABLE_PINNED("hash", struct qos_attach_key, struct qos_attach_val, quota_attach, 256, QOS_PIN_DIR "/quota_attach");
+
+/* What quota_classify hands quota_header through a tail call: the header scan is its own program so that the
+ * verifier walks the scan loop once, not once per path through the parser. */
+struct scan_buf {
+    struct qos_flow_key flow;
+    __u32 payload_off;
+    __u32 payload_len;
+    __u64 hash;
+    __u32 state;
+    __u32 found;
+    __u8 b[QOS_HDR_SCAN];
+};
+BPF_PERCPU_ARRAY(quota_scan, struct scan_buf, 1);
+/* Pinned: a prog array empties when its last user-space reference goes, which would end header matching when the
+ * agent dies. */
+BPF_TABLE_PINNED("prog", __u32, __u32, quota_progs, 1, QOS_PIN_DIR "/quota_progs");
+#define QOS_PROG_HEADER 0
+
+#include "qos_tenant.h"
+
+#define FNV64_OFFSET 0xcbf29ce484222325ULL
+#define FNV64_PRIME 0x100000001b3ULL
+/* Clamp of every interval and tau (the agent writes no more): base + interval cannot overflow for centuries. */
+#define QOS_MAX_NS (1ULL << 60)
+
+struct pkt {
+    struct qos_flow_key flow;
+    __u32 payload_off;
+    __u32 payload_len;
+    __u8 syn; /* SYN without ACK: a new connection */
+};
+
+static __always_inline void stat_inc(__u32 reason)
+{
+    struct qos_stat_val *v = quota_stats.lookup(&reason);
+    if (v)
+        v->packets++;
+}
+
+/* Copy n bytes at off: straight from the linear area when it holds them (the usual case for headers at TC
+ * ingress), else through the helper (payload on loopback and veth is often not linear). */
+static __always_inline int load(struct __sk_buff *skb, __u32 off, void *to, __u32 n)
+{
+    void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+    if (off <= 1024 && data + off + n <= end) {
+        __builtin_memcpy(to, data + off, n);
+        return 0;
+    }
+    return bpf_skb_load_bytes(skb, off, to, n);
+}
+
+/* 0 parsed; 1 not TCP (pass silently); -1 malformed or fragment (pass, counted by the caller's reason). */
+static __always_inline int parse(struct __sk_buff *skb, struct pkt *p, __u32 *reason)
+{
+    __u32 l4, l3_payload;
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+        if (load(skb, ETH_HLEN, &ip, sizeof(ip)) < 0 || ip.version != 4 || ip.ihl < 5) {
+            *reason = QOS_STAT_MALFORMED;
+            return -1;
+        }
+        if (ip.protocol != IPPROTO_TCP)
+            return 1;
+        if (ip.frag_off & bpf_htons(0x3fff)) { /* MF or an offset */
+            *reason = QOS_STAT_FRAGMENT;
+            return -1;
+        }
+        __u32 hl = ip.ihl * 4, tot = bpf_ntohs(ip.tot_len);
+        if (tot < hl) {
+            *reason = QOS_STAT_MALFORMED;
+            return -1;
+        }
+        l4 = ETH_HLEN + hl;
+        l3_payload = tot - hl;
+        p->flow.raddr[10] = 0xff;
+        p->flow.raddr[11] = 0xff;
+        __builtin_memcpy(&p->flow.raddr[12], &ip.saddr, 4);
+        p->flow.laddr[10] = 0xff;
+        p->flow.laddr[11] = 0xff;
+        __builtin_memcpy(&p->flow.laddr[12], &ip.daddr, 4);
+    } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (load(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0 || ip6.version != 6) {
+            *reason = QOS_STAT_MALFORMED;
+            return -1;
+        }
+        __u8 nh = ip6.nexthdr;
+        l4 = ETH_HLEN + sizeof(ip6);
+        l3_payload = bpf_ntohs(ip6.payload_len);
+        /* Extension headers: hop-by-hop, routing, destination options, fragment, AH; a few are plenty. */
+        for (int i = 0; i < 6; i++) {
+            if (nh == IPPROTO_TCP)
+                break;
+            __u8 ext[8];
+            __u32 len;
+            if (nh != IPPROTO_HOPOPTS && nh != IPPROTO_ROUTING && nh != IPPROTO_DSTOPTS &&
+                nh != IPPROTO_FRAGMENT && nh != IPPROTO_AH)
+                return 1;
+            if (bpf_skb_load_bytes(skb, l4, ext, sizeof(ext)) < 0) {
+                *reason = QOS_STAT_MALFORMED;
+                return -1;
+            }
+            if (nh == IPPROTO_FRAGMENT) {
+                /* offset (13 bits) and M flag: anything but an atomic fragment */
+                if (((__u16)ext[2] << 8 | ext[3]) & 0xfff9) {
+                    *reason = QOS_STAT_FRAGMENT;
+                    return -1;
+                }
+                len = 8;
+            } else if (nh == IPPROTO_AH) {
+                len = ((__u32)ext[1] + 2) * 4;
+            } else {
+                len = ((__u32)ext[1] + 1) * 8;
+            }
+            if (l3_payload < len) {
+                *reason = QOS_STAT_MALFORMED;
+                return -1;
+            }
+            nh = ext[0];
+            l4 += len;
+            l3_payload -= len;
+        }
+        if (nh != IPPROTO_TCP)
+            return 1;
+        __builtin_memcpy(p->flow.raddr, &ip6.saddr, 16);
+        __builtin_memcpy(p->flow.laddr, &ip6.daddr, 16);
+    } else {
+        return 1;
+    }
+    struct tcphdr tcp;
+    if (load(skb, l4, &tcp, sizeof(tcp)) < 0 || tcp.doff < 5 || l3_payload < tcp.doff * 4u) {
+        *reason = QOS_STAT_MALFORMED;
+        return -1;
+    }
+    p->flow.rport = bpf_ntohs(tcp.source);
+    p->flow.lport = bpf_ntohs(tcp.dest);
+    p->payload_off = l4 + tcp.doff * 4;
+    p->payload_len = l3_payload - tcp.doff * 4;
+    p->syn = tcp.syn && !tcp.ack;
+    /* The IP length says there is more than the packet holds: a truncated capture, never a real segment. */
+    if (p->payload_off + p->payload_len > skb->len) {
+        *reason = QOS_STAT_MALFORMED;
+        return -1;
+    }
+    return 0;
+}
+
+#define M4(a, b, c, d) ((__u64)(a) | (__u64)(b) << 8 | (__u64)(c) << 16 | (__u64)(d) << 24)
+#define M8(a, b, c, d, e, f, g, h) (M4(a, b, c, d) | M4(e, f, g, h) << 32)
+
+/* An HTTP/1.x request line starts with a method token and a space (RFC 9112 3). */
+static __always_inline int is_request_start(struct __sk_buff *skb, struct pkt *p)
+{
+    __u64 w;
+    /* "GET / HTTP/1.1\r\n" is the shortest request line a client sends. */
+    if (p->payload_len < 16 || load(skb, p->payload_off, &w, 8) < 0)
+        return 0;
+    __u64 w4 = w & 0xffffffffULL, w5 = w & 0xffffffffffULL, w6 = w & 0xffffffffffffULL;
+    __u64 w7 = w & 0xffffffffffffffULL;
+    return w4 == M4('G', 'E', 'T', ' ') || w5 == (M4('P', 'O', 'S', 'T') | (__u64)' ' << 32) ||
+           w4 == M4('P', 'U', 'T', ' ') || w5 == (M4('H', 'E', 'A', 'D') | (__u64)' ' << 32) ||
+           w7 == (M4('D', 'E', 'L', 'E') | M4('T', 'E', ' ', 0) << 32) ||
+           w6 == (M4('P', 'A', 'T', 'C') | M4('H', ' ', 0, 0) << 32) ||
+           w == M8('O', 'P', 'T', 'I', 'O', 'N', 'S', ' ') || w == M8('C', 'O', 'N', 'N', 'E', 'C', 'T', ' ') ||
+           w6 == (M4('T', 'R', 'A', 'C') | M4('E', ' ', 0, 0) << 32);
+}
+
+/* A header line "Name: value" of this first segment whose hash names a tenant; QOS_UNMATCHED if none. The name is
+ * compared case-insensitively, the value exactly after leading blanks. Headers that continue in a later segment
+ * are not seen (counted as QOS_STAT_HEADER_INCOMPLETE). */
+#define SCAN_REQUEST_LINE 0
+#define SCAN_LINE_START 1
+#define SCAN_NAME 2
+#define SCAN_BLANKS 3
+#define SCAN_VALUE 4
+static __always_inline __u32 tenant_by_header(struct __sk_buff *skb, struct scan_buf *s)
+{
+    __u32 n = s->payload_len;
+    if (n > QOS_HDR_SCAN)
+        n = QOS_HDR_SCAN;
+    if (n < 16 || bpf_skb_load_bytes(skb, s->payload_off, s->b, n) < 0)
+        return QOS_UNMATCHED;
+    /* The scan state lives in map memory (volatile): the verifier then sees unknown values at every step and the
+     * paths of one iteration collapse into one state, instead of multiplying by every byte-dependent branch. */
+    volatile __u64 *hash = &s->hash;
+    volatile __u32 *state = &s->state;
+    volatile __u32 *found = &s->found;
+    *hash = FNV64_OFFSET;
+    *state = SCAN_REQUEST_LINE;
+    *found = QOS_UNMATCHED;
+    for (__u32 i = 0; i < QOS_HDR_SCAN; i++) {
+        if (i >= n)
+            break;
+        __u8 c = s->b[i];
+        __u32 st = *state;
+        if (c == '\n') {
+            if (st == SCAN_LINE_START)
+                return QOS_UNMATCHED; /* the blank line: headers ended without a match */
+            if (st == SCAN_VALUE) {
+                struct qos_header_key hk = {.hash = *hash};
+                struct qos_tenant_val *t = quota_headers.lookup(&hk);
+                if (t) {
+                    *found = t->tenant;
+                    break;
+                }
+            }
+            *state = SCAN_LINE_START;
+            *hash = FNV64_OFFSET;
+            continue;
+        }
+        if (c == '\r' || st == SCAN_REQUEST_LINE)
+            continue;
+        if (st == SCAN_LINE_START || st == SCAN_NAME) {
+            if (c == ':')
+                *state = SCAN_BLANKS;
+            else
+                *state = SCAN_NAME;
+            if (c >= 'A' && c <= 'Z')
+                c += 'a' - 'A';
+        } else if (st == SCAN_BLANKS) {
+            if (c == ' ' || c == '\t')
+                continue;
+            *state = SCAN_VALUE;
+        }
+        *hash = (*hash ^ c) * FNV64_PRIME;
+    }
+    if (*found == QOS_UNMATCHED)
+        stat_inc(QOS_STAT_HEADER_INCOMPLETE);
+    return *found;
+}
+
+/* GCRA: admit when the bucket (capacity tau/interval tokens) holds a token; lock-free with a bounded retry. */
+static __always_inline int take(__u64 *tat, __u64 now, const struct qos_bucket_limit *l)
+{
+    __u64 interval = l->interval_ns, tau = l->tau_ns;
+    if (interval > QOS_MAX_NS)
+        interval = QOS_MAX_NS;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __u64 old = *(volatile __u64 *)tat;
+        __u64 base = old > now ? old : now;
+        /* An old tat far in the future (clock or layout change) must not lock a tenant out forever. */
+        if (base - now > QOS_MAX_NS)
+            base = now;
+        __u64 next = base + interval;
+        if (next - now > tau)
+            return 0;
+        if (__sync_val_compare_and_swap(tat, old, next) == old)
+            return 1;
+    }
+    return 0; /* lost the race four times: others took the tokens; the segment is retransmitted */
+}
+
+static __always_inline void count(__u32 slot, int conn, int admitted)
+{
+    struct qos_quota_count *c = quota_counters.lookup(&slot);
+    if (!c)
+        return;
+    if (conn) {
+        if (admitted)
+            c->conn_admitted++;
+        else
+            c->conn_dropped++;
+    } else {
+        if (admitted)
+            c->req_admitted++;
+        else
+            c->req_dropped++;
+    }
+}
+
+static __always_inline __u16 slot_of(__u32 tenant)
+{
+    struct qos_tenant_val k = {.tenant = tenant};
+    struct qos_slot_val *s = tenant == QOS_UNMATCHED ? 0 : quota_slots.lookup(&k);
+    return s && s->slot < QOS_SLOTS ? s->slot : 0;
+}
+
+/* The verdict for one new connection (conn=1) or request (conn=0) of a tenant's slot. */
+static __always_inline int admit(__u32 slot, int conn)
+{
+    struct qos_quota_limit *lim = quota_limits.lookup(&slot);
+    if (!lim || !(lim->flags & (conn ? QOS_LIMIT_CONN : QOS_LIMIT_REQ | QOS_LIMIT_OVERRIDE)))
+        return 1;
+    struct qos_quota_bucket *b = quota_buckets.lookup(&slot);
+    if (!b)
+        return 1; /* cannot happen with an array; never black-hole */
+    __u64 now = bpf_ktime_get_ns();
+    if (conn)
+        return take(&b->conn_tat, now, &lim->conn);
+    if (lim->flags & QOS_LIMIT_OVERRIDE) {
+        __u32 zero = 0;
+        struct qos_quota_conf *cf = quota_config.lookup(&zero);
+        if (cf && cf->heartbeat_ns <= now && now - cf->heartbeat_ns <= cf->heartbeat_timeout_ns)
+            return take(&b->req_tat, now, &lim->override);
+        stat_inc(QOS_STAT_OVERRIDE_EXPIRED);
+    }
+    if (!(lim->flags & QOS_LIMIT_REQ))
+        return 1;
+    return take(&b->req_tat, now, &lim->req);
+}
+
+int quota_classify(struct __sk_buff *skb)
+{
+    struct pkt p = {};
+    __u32 reason = QOS_STAT_MALFORMED;
+    int r = parse(skb, &p, &reason);
+    if (r) {
+        if (r < 0)
+            stat_inc(reason);
+        return TC_ACT_UNSPEC;
+    }
+    /* Only new connections and new requests meet a bucket: every other segment passes here without a map
+     * lookup, which keeps an established flow's cost near the bare parse. */
+    int request = !p.syn && is_request_start(skb, &p);
+    if (!p.syn && !request)
+        return TC_ACT_UNSPEC;
+    struct qos_flow_val *fv = p.syn ? 0 : tenant_flows.lookup(&p.flow);
+    __u32 tenant, slot;
+    if (fv) {
+        tenant = fv->tenant;
+        slot = fv->slot;
+    } else {
+        struct qos_port_key wk = {.port = p.flow.lport};
+        if (!watched_ports.lookup(&wk))
+            return TC_ACT_UNSPEC;
+        struct qos_flow_val nv = {};
+        nv.tenant = qos_resolve_tenant(p.flow.lport, p.flow.raddr, &nv.via);
+        nv.slot = slot_of(nv.tenant);
+        tenant_flows.update(&p.flow, &nv);
+        tenant = nv.tenant;
+        slot = nv.slot;
+    }
+    if (p.syn) {
+        int ok = tenant == QOS_UNMATCHED || admit(slot, 1);
+        count(slot, 1, ok);
+        if (tenant == QOS_UNMATCHED)
+            stat_inc(QOS_STAT_UNMATCHED);
+        return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
+    }
+    if (tenant == QOS_UNMATCHED) {
+        __u32 zero = 0;
+        struct qos_quota_conf *cf = quota_config.lookup(&zero);
+        struct scan_buf *s = quota_scan.lookup(&zero);
+        if (cf && (cf->flags & QOS_CONF_HEADER_RULES) && s) {
+            s->flow = p.flow;
+            s->payload_off = p.payload_off;
+            s->payload_len = p.payload_len;
+            quota_progs.call(skb, QOS_PROG_HEADER);
+        }
+        /* No header rules, or the tail call is not in place (agent starting): unmatched. */
+        count(0, 0, 1);
+        stat_inc(QOS_STAT_UNMATCHED);
+        return TC_ACT_UNSPEC;
+    }
+    int ok = admit(slot, 0);
+    count(slot, 0, ok);
+    return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
+}
+
+/* Tail call of quota_classify for a request start on a connection no port or CIDR claimed. */
+int quota_header(struct __sk_buff *skb)
+{
+    __u32 zero = 0;
+    struct scan_buf *s = quota_scan.lookup(&zero);
+    if (!s)
+        return TC_ACT_UNSPEC;
+    __u32 tenant = tenant_by_header(skb, s);
+    if (tenant == QOS_UNMATCHED) {
+        count(0, 0, 1);
+        stat_inc(QOS_STAT_UNMATCHED);
+        return TC_ACT_UNSPEC;
+    }
+    struct qos_flow_val hv = {.tenant = tenant, .via = QOS_VIA_HEADER, .slot = slot_of(tenant)};
+    tenant_flows.update(&s->flow, &hv);
+    int ok = admit(hv.slot, 0);
+    count(hv.slot, 0, ok);
+    return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
+}

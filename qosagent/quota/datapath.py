@@ -1,0 +1,336 @@
+"""The classifier's kernel side: pinned maps adopted or replaced, the program loaded and attached, maps written
+from config, counters read back.
+
+Everything lives under <bpf.pin_root>/quota-v<LAYOUT>/ so that an agent of another layout never adopts these pins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from qosagent.config import Config
+from qosagent.ebpf import syscall
+from qosagent.ebpf.loader import compile_program
+from qosagent.quota import layout, tc
+from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
+from qosagent.quota.rules import Bucket, rules
+from qosagent.tenants import tenant_id
+
+log = logging.getLogger("qosagent.quota")
+
+PROG_PIN = "quota_classify"
+HEADER_PROG_PIN = "quota_header"
+
+
+def pin_dir(cfg: Config) -> str:
+    return os.path.join(cfg.bpf.pin_root, f"quota-v{layout.LAYOUT}")
+
+
+def incompatible_pins(path: str, flow_entries: int) -> list[str]:
+    """Why the pins at path cannot be adopted ([] when they can, or when there are none)."""
+    problems = []
+    for name, (spec, max_entries) in layout.map_specs(flow_entries).items():
+        p = os.path.join(path, name)
+        if not os.path.exists(p):
+            continue  # a map added later is created next to the adopted ones
+        try:
+            info = syscall.pinned_map_info(p)
+        except OSError as e:
+            problems.append(f"{name}: {e.strerror}")
+            continue
+        got = (info.type, info.key_size, info.value_size, info.max_entries)
+        want = (spec.type, spec.key_size, spec.value_size, max_entries)
+        if got != want:
+            problems.append(f"{name}: type/key/value/entries {got}, expected {want}")
+    return problems
+
+
+def read_attach(path: str) -> list[tuple[int, int, bool]]:
+    """(ifindex, netns inode, created_clsact) from a pinned quota_attach, without a loaded program."""
+    p = os.path.join(path, "quota_attach")
+    if not os.path.exists(p):
+        return []
+    fd = syscall.obj_get(p)
+    try:
+        items = syscall.map_items(fd, ctypes.sizeof(AttachKey), ctypes.sizeof(AttachVal))
+    finally:
+        os.close(fd)
+    out = []
+    for k, v in items:
+        key = AttachKey.from_buffer_copy(k)
+        out.append((key.ifindex, key.netns_ino, bool(AttachVal.from_buffer_copy(v).created_clsact)))
+    return out
+
+
+def remove_attachments(path: str, prio: int, handle: int, ifnames: Iterable[str] = ()) -> list[str]:
+    """Our filters and the clsacts we created, from the record in the pins (and by name on ifnames as well)."""
+    done: list[str] = []
+    here = tc.netns_ino()
+    with tc.IPRoute() as ipr:
+        seen: set[int] = set()
+        try:
+            recorded = read_attach(path) if os.path.isdir(path) else []
+        except (OSError, ValueError) as e:  # a record of another layout: fall back to the names
+            done.append(f"cannot read {path}/quota_attach ({e}); looking for our filter by name")
+            recorded = []
+        for idx, ino, created in recorded:
+            if ino != here:
+                done.append(f"skipped ifindex {idx}: attached in another network namespace (inode {ino})")
+                continue
+            links = ipr.get_links(idx) if ipr.link_lookup(index=idx) else []
+            if not links:
+                continue
+            seen.add(idx)
+            done += tc.remove(ipr, idx, links[0].get_attr("IFLA_IFNAME"), prio, handle, created)
+        for name in ifnames:
+            idx = tc.ifindex(ipr, name)
+            if idx is not None and idx not in seen:
+                done += tc.remove(ipr, idx, name, prio, handle, False)
+    return done
+
+
+def remove_pins(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return []
+    shutil.rmtree(path)
+    out = [f"removed pins {path}"]
+    parent = os.path.dirname(path)
+    try:
+        os.rmdir(parent)  # the pin root, when nothing else of ours is left in it
+        out.append(f"removed {parent}")
+    except OSError:
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One read of the maps."""
+
+    ktime_ns: int
+    counts: Mapping[int, tuple[int, int, int, int]]  # tenant id (0: none) -> req admitted, dropped, conn adm., dropped
+    stats: Mapping[str, int]
+    limits: Mapping[int, Any]  # tenant id -> QuotaLimit
+    buckets: Mapping[int, tuple[int, int]]  # tenant id -> (req_tat, conn_tat)
+    heartbeat_ns: int
+
+
+class Datapath:
+    """Loaded program + maps for one config; attach() puts it on the hook, close() only drops our fds."""
+
+    def __init__(self, cfg: Config):
+        from bcc import BPF
+
+        self.cfg = cfg
+        self.path = pin_dir(cfg)
+        problems = incompatible_pins(self.path, cfg.quota.flow_entries)
+        if problems:
+            log.warning("pins at %s have another layout, replacing them: %s", self.path, "; ".join(problems))
+            for line in remove_attachments(self.path, cfg.quota.tc_prio, cfg.quota.tc_handle,
+                                           cfg.quota.interfaces or ["lo"]):
+                log.info("%s", line)
+            remove_pins(self.path)
+        self.adopted = os.path.exists(os.path.join(self.path, "quota_limits"))
+        os.makedirs(self.path, exist_ok=True)
+        try:
+            self.bpf = compile_program("quota", {"QOS_PIN_DIR": f'"{self.path}"',
+                                                 "QOS_FLOWS": cfg.quota.flow_entries,
+                                                 "QOS_HDR_SCAN": cfg.quota.header_scan_bytes})
+            self.prog = self.bpf.load_func(b"quota_classify", BPF.SCHED_CLS)
+            self.header_prog = self.bpf.load_func(b"quota_header", BPF.SCHED_CLS)
+            self.bpf[b"quota_progs"][ctypes.c_int(0)] = ctypes.c_int(self.header_prog.fd)
+            self._pin_prog(PROG_PIN, self.prog.fd)
+            self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
+        except Exception:
+            # Pins created for a program that never ran go; adopted ones stay with the program still enforcing.
+            if not self.adopted:
+                remove_pins(self.path)
+            raise
+        self.overrides: dict[int, Bucket] = {}
+        self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
+
+    def _pin_prog(self, name: str, fd: int) -> None:
+        p = os.path.join(self.path, name)
+        if os.path.exists(p):
+            os.unlink(p)
+        syscall.obj_pin(fd, p)
+
+    # ---- config -> maps ----------------------------------------------------------------------------------
+    def write_config(self, cfg: Config, limits: Mapping[int, tuple[Bucket | None, Bucket | None]]) -> None:
+        """Sync every rule and baseline map with cfg in place (stale keys deleted); the flow cache is emptied when
+        the rules changed, since a cached tenant may no longer be right."""
+        self.cfg = cfg
+        r = rules(cfg)
+        b = self.bpf
+        changed = self._sync(b[b"tenant_ports"], {(p,): (t,) for p, t in r.ports.items()})
+        changed |= self._sync(b[b"tenant_cidrs"], {k: (t,) for k, t in r.cidrs.items()}, cidr=True)
+        changed |= self._sync(b[b"quota_headers"], {(h,): (t,) for h, t in r.headers.items()})
+        changed |= self._sync(b[b"watched_ports"], {(p,): (1,) for p in r.watched})
+        if changed:
+            b[b"tenant_flows"].clear()
+        self.baseline = dict(limits)
+        self._assign_slots([tenant_id(t.name) for t in cfg.tenants])
+        self._write_limits()
+        self.heartbeat(cfg, bool(r.headers))
+
+    def _sync(self, table: Any, want: Mapping[tuple[Any, ...], tuple[int, ...]], cidr: bool = False) -> bool:
+        def key_of(k: tuple[Any, ...]) -> Any:
+            if cidr:
+                plen, port, addr = k
+                key = table.Key()
+                key.prefixlen = plen
+                key.port = ((port & 0xFF) << 8) | (port >> 8)  # network byte order
+                ctypes.memmove(ctypes.addressof(key.addr), addr, 16)
+                return key
+            return table.Key(*k)
+
+        wanted = {bytes(key_of(k)): (key_of(k), v) for k, v in want.items()}
+        have = {bytes(k): k for k in table.keys()}
+        changed = False
+        for raw, k in have.items():
+            if raw not in wanted:
+                del table[k]
+                changed = True
+        for raw, (k, v) in wanted.items():
+            leaf = table.Leaf(*v)
+            cur = table.get(k)
+            if cur is None or bytes(cur) != bytes(leaf):
+                table[k] = leaf
+                changed = True
+        return changed
+
+    def _assign_slots(self, tids: list[int]) -> None:
+        """Keep the slot of every tenant that stays (adopted pins included); a freed slot is zeroed before reuse.
+        A tenant that leaves changes the rules, which empties the flow cache, so no flow keeps a stale slot."""
+        t = self.bpf[b"quota_slots"]
+        cur = {k.tenant: v.slot for k, v in t.items()}
+        keep = {tid: s for tid, s in cur.items() if tid in tids and 0 < s < layout.SLOTS}
+        free = iter(sorted(set(range(1, layout.SLOTS)) - set(keep.values())))
+        for tid in tids:
+            if tid not in keep:
+                keep[tid] = next(free)
+        for tid, s in cur.items():
+            if keep.get(tid) != s:
+                del t[t.Key(tid)]
+                if 0 < s < layout.SLOTS:
+                    for name in (b"quota_limits", b"quota_buckets", b"quota_counters"):
+                        self.bpf[name].clearitem(ctypes.c_uint32(s))
+        for tid, s in keep.items():
+            if cur.get(tid) != s:
+                t[t.Key(tid)] = t.Leaf(s)
+        self.slots = keep
+
+    def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
+        self.overrides = dict(overrides)
+        self._write_limits()
+
+    def _write_limits(self) -> None:
+        t = self.bpf[b"quota_limits"]
+        for tid, slot in self.slots.items():
+            req, conn = self.baseline.get(tid, (None, None))
+            lim = QuotaLimit()
+            lim.tenant = tid
+            if req is not None:
+                lim.req.interval_ns, lim.req.tau_ns = req.interval_ns, req.tau_ns
+                lim.flags |= layout.QOS_LIMIT_REQ
+            if conn is not None:
+                lim.conn.interval_ns, lim.conn.tau_ns = conn.interval_ns, conn.tau_ns
+                lim.flags |= layout.QOS_LIMIT_CONN
+            ovr = self.overrides.get(tid)
+            if ovr is not None:
+                lim.override.interval_ns, lim.override.tau_ns = ovr.interval_ns, ovr.tau_ns
+                lim.flags |= layout.QOS_LIMIT_OVERRIDE
+            key = ctypes.c_uint32(slot)
+            if bytes(t[key]) != bytes(lim):
+                t[key] = t.Leaf.from_buffer_copy(bytes(lim))
+
+    def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
+        """Tell the kernel the agent is alive: overrides hold for heartbeat_timeout from now."""
+        cfg = cfg or self.cfg
+        t = self.bpf[b"quota_config"]
+        cur = QuotaConf.from_buffer_copy(bytes(t[ctypes.c_int(0)]))
+        conf = QuotaConf()
+        conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
+        conf.heartbeat_timeout_ns = int(cfg.quota.heartbeat_timeout * 1e9)
+        if header_rules is None:
+            conf.flags = cur.flags
+        else:
+            conf.flags = layout.QOS_CONF_HEADER_RULES if header_rules else 0
+        t[ctypes.c_int(0)] = t.Leaf.from_buffer_copy(bytes(conf))
+
+    # ---- the hook ----------------------------------------------------------------------------------------
+    def attach(self, ifnames: Iterable[str]) -> list[str]:
+        """Put the program on each interface's ingress (replacing only our own filter); drop it from interfaces
+        recorded earlier and no longer named. Returns what changed."""
+        q = self.cfg.quota
+        rec = self.bpf[b"quota_attach"]
+        here = tc.netns_ino()
+        done = []
+        with tc.IPRoute() as ipr:
+            keep = set()
+            for name in ifnames:
+                idx = tc.ifindex(ipr, name)
+                if idx is None:
+                    raise OSError(f"interface {name!r} not found")
+                key = AttachKey(idx, here)
+                created = tc.ensure_clsact(ipr, idx)
+                old = rec.get(rec.Key(idx, here))
+                if created or old is None:
+                    val = AttachVal()
+                    val.created_clsact = int(created or (old is not None and old.created_clsact))
+                    rec[rec.Key(idx, here)] = rec.Leaf.from_buffer_copy(bytes(val))
+                tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle)
+                keep.add(idx)
+                done.append(f"{name}: attached{' (created clsact)' if created else ''}")
+            for k in list(rec.keys()):
+                if k.netns_ino == here and k.ifindex not in keep:
+                    links = ipr.get_links(k.ifindex) if ipr.link_lookup(index=k.ifindex) else []
+                    if links:
+                        done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
+                                          bool(rec[k].created_clsact))
+                    del rec[k]
+        return done
+
+    # ---- maps -> numbers ---------------------------------------------------------------------------------
+    def read(self) -> Reading:
+        b = self.bpf
+        counts = {}
+        counters, limit_t, bucket_t = b[b"quota_counters"], b[b"quota_limits"], b[b"quota_buckets"]
+        limits, buckets = {}, {}
+        for tid, slot in [(0, 0), *self.slots.items()]:
+            per_cpu = counters[ctypes.c_uint32(slot)]
+            counts[tid] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
+                           sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
+            if tid:
+                limits[tid] = QuotaLimit.from_buffer_copy(bytes(limit_t[ctypes.c_uint32(slot)]))
+                bk = bucket_t[ctypes.c_uint32(slot)]
+                buckets[tid] = (bk.req_tat, bk.conn_tat)
+        stats = {}
+        st = b[b"quota_stats"]
+        for i, reason in enumerate(layout.STAT_REASONS):
+            stats[reason] = sum(v.packets for v in st[ctypes.c_int(i)])
+        conf = b[b"quota_config"][ctypes.c_int(0)]
+        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns)
+
+    def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
+        """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""
+        out = {}
+        for k, v in self.bpf[b"tenant_flows"].items():
+            ra = ipaddress.IPv6Address(bytes(k.raddr))
+            la = ipaddress.IPv6Address(bytes(k.laddr))
+            r = str(ra.ipv4_mapped or ra)
+            loc = str(la.ipv4_mapped or la)
+            out[(r, k.rport, loc, k.lport)] = (v.tenant, layout.VIA.get(v.via, "?"))
+        return out
+
+    def close(self) -> None:
+        """Drop our references; what is pinned and attached stays (fail-static)."""
+        self.bpf.cleanup()
+

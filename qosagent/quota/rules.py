@@ -1,0 +1,133 @@
+"""From config to what the quota maps hold: tenant rules (the same rules the latency probes use) and limits.
+
+Pure functions over the config, so that every rule can be tested without a kernel.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from qosagent.config import Config, QuotaSpec, TenantConfig
+from qosagent.tenants import TenantLimit, tenant_id
+
+MAX_NS = 1 << 60  # QOS_MAX_NS: no interval or tau beyond it, so the kernel's arithmetic cannot overflow
+PORT_BITS = 16  # QOS_CIDR_PORT_BITS
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A GCRA token bucket: one token every interval_ns, at most tau_ns/interval_ns tokens."""
+
+    interval_ns: int
+    tau_ns: int
+
+    @property
+    def capacity(self) -> float:
+        return self.tau_ns / self.interval_ns if self.interval_ns else 0.0
+
+
+def bucket(rps: float, burst: int | None) -> Bucket:
+    """rps 0 sheds every request (tau 0); otherwise the bucket holds max(burst, 1) tokens."""
+    if rps <= 0:
+        return Bucket(1_000_000_000, 0)
+    interval = min(max(int(round(1e9 / rps)), 1), MAX_NS)
+    cap = max(burst or 0, 1)
+    return Bucket(interval, min(interval * cap, MAX_NS))
+
+
+def fnv1a64(data: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def header_hash(name: str, value: str) -> int:
+    """What the classifier computes from a header line: lowercase name, ':', the value after leading blanks."""
+    return fnv1a64(name.lower().encode() + b":" + value.encode())
+
+
+def mapped(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
+    """IPv4 as ::ffff:a.b.c.d, so one trie serves both families."""
+    if addr.version == 4:
+        return b"\0" * 10 + b"\xff\xff" + addr.packed
+    return addr.packed
+
+
+def cidr_key(port: int, cidr: str) -> tuple[int, int, bytes]:
+    """(prefixlen counted from the port, port, mapped address) for tenant_cidrs; port 0 = any watched port."""
+    net = ipaddress.ip_network(cidr, strict=False)
+    plen = net.prefixlen + (96 if net.version == 4 else 0)
+    return PORT_BITS + plen, port, mapped(net.network_address)
+
+
+@dataclass(frozen=True)
+class Rules:
+    ports: dict[int, int]  # local port -> tenant id (tenant_ports)
+    cidrs: dict[tuple[int, int, bytes], int]  # cidr_key -> tenant id (tenant_cidrs)
+    headers: dict[int, int]  # header_hash -> tenant id (quota_headers)
+    watched: list[int]  # watched_ports
+
+
+def rules(cfg: Config) -> Rules:
+    """A port alone claims it for the tenant; ports with CIDRs bind the CIDRs to those ports; a header applies on any
+    watched port (only to connections no port or CIDR claimed)."""
+    ports: dict[int, int] = {}
+    cidrs: dict[tuple[int, int, bytes], int] = {}
+    headers: dict[int, int] = {}
+    for t in cfg.tenants:
+        tid = tenant_id(t.name)
+        m = t.match
+        if m.ports and not m.cidrs and not m.header:
+            for p in m.ports:
+                ports[p] = tid
+        for c in m.cidrs:
+            for p in (m.ports or [0]):
+                cidrs[cidr_key(p, c)] = tid
+        if m.header:
+            headers[header_hash(m.header.name, m.header.value)] = tid
+    return Rules(ports, cidrs, headers, cfg.watched_ports())
+
+
+def _merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
+    tier = cfg.tiers[t.tier].quota
+    own = t.quota
+    if own is None and tier is None:
+        return None
+    fields = {}
+    for k in ("rps", "burst", "connections_per_s"):
+        v = getattr(own, k) if own is not None else None
+        fields[k] = v if v is not None else (getattr(tier, k) if tier is not None else None)
+    return QuotaSpec(**fields)
+
+
+@dataclass(frozen=True)
+class TenantQuotaSpec:
+    requests: TenantLimit | None  # None: request starts unlimited
+    connections: TenantLimit | None  # new connections; burst = one second of the rate, at least 1
+    floor: TenantLimit | None  # the tier's guaranteed floor: adaptive overrides never go below
+
+
+def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
+    """The configured quotas per tenant: the tenant's own fields, else its tier's defaults."""
+    out = {}
+    for t in cfg.tenants:
+        q = _merged(t, cfg)
+        req = conn = None
+        if q is not None and q.rps is not None:
+            req = TenantLimit(q.rps, q.burst if q.burst is not None else max(int(q.rps), 1))
+        if q is not None and q.connections_per_s is not None:
+            conn = TenantLimit(q.connections_per_s, max(int(q.connections_per_s), 1))
+        fl = cfg.tiers[t.tier].floor
+        floor = None
+        if fl is not None and fl.rps is not None:
+            floor = TenantLimit(fl.rps, fl.burst if fl.burst is not None else max(int(fl.rps), 1))
+        out[t.name] = TenantQuotaSpec(req, conn, floor)
+    return out
+
+
+def with_floor(limit: TenantLimit, floor: TenantLimit | None) -> TenantLimit:
+    if floor is None:
+        return limit
+    return TenantLimit(max(limit.rps, floor.rps), max(limit.burst, floor.burst))

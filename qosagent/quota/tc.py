@@ -1,0 +1,122 @@
+"""The classifier on clsact ingress through pyroute2, under the agent's own prio and handle.
+
+Only what qosagent created is ever replaced or deleted: its filter (prio, handle and name all match) and a clsact
+qdisc it created itself. Everything else on the hook is reported, never touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+INGRESS = "ffff:fff2"
+INGRESS_ID = 0xFFFFFFF2
+FILTER_NAME = "qosagent-quota"
+
+
+def netns_ino() -> int:
+    return os.stat("/proc/self/ns/net").st_ino & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Hooked:
+    """A filter on an ingress hook (ours or someone else's)."""
+
+    ifname: str
+    prio: int
+    handle: int
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.ifname} ingress pref {self.prio} handle {self.handle:#x} {self.kind} {self.name}".rstrip()
+
+
+def ifindex(ipr: IPRoute, name: str) -> int | None:
+    found = ipr.link_lookup(ifname=name)
+    return found[0] if found else None
+
+
+def ingress_filters(ipr: IPRoute, idx: int, ifname: str) -> list[Hooked]:
+    out = []
+    try:
+        msgs = ipr.get_filters(index=idx, parent=INGRESS_ID)
+    except NetlinkError as e:
+        if e.code in (errno.EINVAL, errno.ENOENT):  # no clsact/ingress qdisc: nothing hooked
+            return []
+        raise
+    for f in msgs:
+        if not f.get("handle"):
+            continue  # the chain/prio header the kernel lists before the filters
+        opts = f.get_attr("TCA_OPTIONS")
+        name = (opts.get_attr("TCA_BPF_NAME") if opts is not None and hasattr(opts, "get_attr") else None) or ""
+        out.append(Hooked(ifname, f["info"] >> 16, f["handle"], f.get_attr("TCA_KIND") or "?", name))
+    return out
+
+
+def is_ours(h: Hooked, prio: int, handle: int) -> bool:
+    return h.prio == prio and h.handle == handle and h.kind == "bpf" and h.name == FILTER_NAME
+
+
+def ensure_clsact(ipr: IPRoute, idx: int) -> bool:
+    """Add clsact; True when we created it. An existing one (EEXIST) belongs to someone else."""
+    try:
+        ipr.tc("add", "clsact", idx)
+        return True
+    except NetlinkError as e:
+        if e.code == errno.EEXIST:
+            return False
+        raise
+
+
+def attach(ipr: IPRoute, idx: int, prog_fd: int, prio: int, handle: int) -> None:
+    """Put our program in place, replacing only our own filter (an adopted one keeps its place: no second filter)."""
+    ipr.tc("replace-filter", "bpf", idx, handle, fd=prog_fd, name=FILTER_NAME, parent=INGRESS, classid=1,
+           direct_action=True, prio=prio)
+
+
+def remove(ipr: IPRoute, idx: int, ifname: str, prio: int, handle: int, created_clsact: bool) -> list[str]:
+    """Remove our filter (checked by prio, handle and name) and a clsact we created, if nothing else sits on it."""
+    done = []
+    for h in ingress_filters(ipr, idx, ifname):
+        if is_ours(h, prio, handle):
+            ipr.tc("del-filter", "bpf", idx, handle, parent=INGRESS, prio=prio)
+            done.append(f"removed filter {h}")
+    if created_clsact:
+        others = ingress_filters(ipr, idx, ifname)
+        if others:
+            done.append(f"kept clsact on {ifname}: other filters sit on it ({'; '.join(map(str, others))})")
+        else:
+            try:
+                ipr.tc("del", "clsact", idx)
+                done.append(f"removed clsact qdisc on {ifname} (qosagent created it)")
+            except NetlinkError as e:
+                if e.code not in (errno.EINVAL, errno.ENOENT):
+                    raise
+    return done
+
+
+def tcx_programs(ifname: str) -> list[str]:
+    """TCX ingress programs on an interface (kernels >= 6.6 run them before cls_bpf), from bpftool; [] if unknown."""
+    if not shutil.which("bpftool"):
+        return []
+    try:
+        out = subprocess.run(["bpftool", "-j", "net", "show", "dev", ifname], capture_output=True, text=True,
+                             timeout=5, check=True).stdout
+        data: Any = json.loads(out or "[]")
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+    progs = []
+    for section in data if isinstance(data, list) else [data]:
+        for entry in section.get("tcx", []) if isinstance(section, dict) else []:
+            if entry.get("kind", "").endswith("ingress"):
+                progs.append(f"{ifname} tcx ingress prog {entry.get('name', '?')} id {entry.get('prog_id', '?')}")
+    return progs

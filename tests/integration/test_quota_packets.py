@@ -1,0 +1,178 @@
+"""Odd packets through the real classifier with BPF_PROG_TEST_RUN: no crash, the right verdict, counted."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from qosagent.config import parse
+from qosagent.ebpf.testrun import test_run as prog_run
+from qosagent.quota import datapath as dp
+from qosagent.quota.capability import _baseline_buckets
+from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC
+from qosagent.tenants import UNMATCHED_ID, tenant_id
+from tests.quota_packets import ACK, SYN, eth, ipv4, ipv6, request, tcp
+
+pytestmark = pytest.mark.privileged
+
+C4, S4 = "10.1.2.3", "10.9.0.1"
+C6, S6 = "2001:db8::7", "2001:db8:ffff::1"
+
+
+def config(pin_root: str):
+    return parse({
+        "bpf": {"pin_root": pin_root},
+        "latency": {"ports": [8000]},
+        "quota": {"enabled": True},
+        "tenants": [
+            {"name": "portco", "tier": "gold", "match": {"ports": [8100]}, "quota": {"rps": 1, "burst": 1}},
+            {"name": "cidrco", "tier": "silver", "match": {"cidrs": ["10.1.0.0/16", "2001:db8::/48"]},
+             "quota": {"rps": 1000, "burst": 1000, "connections_per_s": 1}},
+            {"name": "hdrco", "tier": "bronze", "match": {"header": {"name": "X-Tenant-ID", "value": "acme"}},
+             "quota": {"rps": 1000, "burst": 1000}},
+        ],
+    }, "test")
+
+
+@pytest.fixture
+def prog(bpf):
+    cfg = config(f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}")
+    d = dp.Datapath(cfg)
+    try:
+        d.write_config(cfg, _baseline_buckets(cfg))
+        yield d
+    finally:
+        d.close()
+        dp.remove_pins(dp.pin_dir(cfg))
+
+
+def run(d, frame: bytes) -> int:
+    return prog_run(d.prog.fd, frame).retval
+
+
+def counts(d, name: str) -> tuple[int, int, int, int]:
+    return d.read().counts.get(tenant_id(name) if name != "unmatched" else UNMATCHED_ID, (0, 0, 0, 0))
+
+
+def test_truncated_headers_pass_and_are_counted(prog):
+    # The kernel refuses to test-run an IP frame shorter than its IP header; a non-IP frame of 14 bytes runs.
+    with pytest.raises(OSError):
+        run(prog, ipv4(C4, S4, b"")[:14 + 12])
+    assert run(prog, eth(0x88B5)) == TC_ACT_UNSPEC
+    syn = tcp(40000, 8100, SYN)
+    long_ihl = bytearray(ipv4(C4, S4, syn))
+    long_ihl[14] = 0x4F  # a 60-byte IP header (options) in a frame that ends before the options do
+    assert run(prog, bytes(long_ihl)[:14 + 20 + 20]) == TC_ACT_UNSPEC
+    assert run(prog, ipv4(C4, S4, syn)[:14 + 20 + 10]) == TC_ACT_UNSPEC  # TCP header cut
+    assert run(prog, ipv6(C6, S6, syn, ext=[(0, b"\x01\x04\0\0\0\0")])[:14 + 40 + 4]) == TC_ACT_UNSPEC
+    # The IP length claims more than the frame holds.
+    assert run(prog, ipv4(C4, S4, tcp(40000, 8100, payload=request()), tot_len=1400)) == TC_ACT_UNSPEC
+    assert prog.read().stats["malformed"] == 4
+    assert counts(prog, "portco") == (0, 0, 0, 0)
+
+
+def test_ip_options_and_quota_verdicts(prog):
+    opts = b"\x01" * 8  # NOPs: the TCP header starts 8 bytes later
+    frame = ipv4(C4, S4, tcp(40000, 8100, payload=request()), options=opts)
+    assert run(prog, frame) == TC_ACT_UNSPEC  # the one token
+    assert run(prog, frame) == TC_ACT_SHOT  # over quota: dropped, TCP retransmits
+    # Segments that are not request starts are never dropped, over quota or not.
+    assert run(prog, ipv4(C4, S4, tcp(40000, 8100, payload=b"body of the request " * 10), options=opts)) \
+        == TC_ACT_UNSPEC
+    assert run(prog, ipv4(C4, S4, tcp(40000, 8100, ACK), options=opts)) == TC_ACT_UNSPEC  # empty payload
+    assert counts(prog, "portco") == (1, 1, 0, 0)
+    assert prog.flows()[(C4, 40000, S4, 8100)] == (tenant_id("portco"), "port")
+
+
+def test_ipv6_extension_headers_and_cidr(prog):
+    ext = [(0, b"\x01\x04\0\0\0\0"), (60, b"\x01\x04\0\0\0\0")]  # hop-by-hop, destination options
+    assert run(prog, ipv6(C6, S6, tcp(40001, 8000, payload=request(method="POST")), ext=ext)) == TC_ACT_UNSPEC
+    assert counts(prog, "cidrco")[:2] == (1, 0)
+    # Connections: 1/s with a burst of 1, from v4 and v6 alike (one tenant, one bucket).
+    assert run(prog, ipv4(C4, S4, tcp(40002, 8000, SYN))) == TC_ACT_UNSPEC
+    assert run(prog, ipv6(C6, S6, tcp(40003, 8000, SYN), ext=ext)) == TC_ACT_SHOT
+    assert counts(prog, "cidrco")[2:] == (1, 1)
+    # Unknown next header after the extension headers (no TCP): passed silently.
+    assert run(prog, ipv6(C6, S6, b"\0" * 8, ext=ext, proto=17)) == TC_ACT_UNSPEC
+
+
+def test_fragments_pass_and_are_counted(prog):
+    more = 0x2000
+    assert run(prog, ipv4(C4, S4, tcp(40000, 8100, payload=request()), frag=more)) == TC_ACT_UNSPEC
+    assert run(prog, ipv4(C4, S4, b"x" * 64, frag=185)) == TC_ACT_UNSPEC  # a later fragment: no TCP header
+    frag6 = [(44, b"\x00\x08\0\0\0\x01")]  # offset 1 (x 8 bytes)
+    assert run(prog, ipv6(C6, S6, b"x" * 64, ext=frag6)) == TC_ACT_UNSPEC
+    atomic6 = [(44, b"\0\0\0\0\0\x02")]  # offset 0, no more fragments: a whole packet, classified
+    assert run(prog, ipv6(C6, S6, tcp(40004, 8000, payload=request()), ext=atomic6)) == TC_ACT_UNSPEC
+    st = prog.read().stats
+    assert st["fragment"] == 3
+    assert counts(prog, "portco") == (0, 0, 0, 0)
+    assert counts(prog, "cidrco")[0] == 1
+
+
+def test_header_match_and_header_split_across_segments(prog):
+    cut = request(headers={"User-Agent": "t", "X-Tenant-ID": "acme"})
+    first = cut[:cut.index(b"X-Ten") + 5]
+    # The header continues in a later segment: the request is unmatched (passed) and counted as incomplete.
+    assert run(prog, ipv4("10.200.0.1", S4, tcp(41000, 8000, payload=first))) == TC_ACT_UNSPEC
+    assert run(prog, ipv4("10.200.0.1", S4, tcp(41000, 8000, payload=cut[len(first):]))) == TC_ACT_UNSPEC
+    r = prog.read()
+    assert r.stats["header_incomplete"] == 1
+    assert r.counts[UNMATCHED_ID][0] == 1
+    assert counts(prog, "hdrco") == (0, 0, 0, 0)
+    # The next request on the connection carries it whole; the name matches in any case.
+    whole = request(headers={"x-tenant-id": "acme"})
+    assert run(prog, ipv4("10.200.0.1", S4, tcp(41000, 8000, payload=whole))) == TC_ACT_UNSPEC
+    assert counts(prog, "hdrco")[0] == 1
+    assert prog.flows()[("10.200.0.1", 41000, S4, 8000)] == (tenant_id("hdrco"), "header")
+    # Another value, or the header only in the body (after the blank line), is not a match.
+    assert run(prog, ipv4("10.200.0.2", S4, tcp(41001, 8000, payload=request(headers={"X-Tenant-ID": "acm"})))) \
+        == TC_ACT_UNSPEC
+    body = request() + b"X-Tenant-ID: acme\r\n"
+    assert run(prog, ipv4("10.200.0.3", S4, tcp(41002, 8000, payload=body))) == TC_ACT_UNSPEC
+    assert counts(prog, "hdrco")[0] == 1
+    assert prog.read().counts[UNMATCHED_ID][0] == 3
+
+
+def test_unwatched_port_and_non_tcp_pass_uncounted(prog):
+    assert run(prog, ipv4(C4, S4, tcp(40000, 9999, payload=request()))) == TC_ACT_UNSPEC
+    assert run(prog, ipv4(C4, S4, b"\0" * 16, proto=17)) == TC_ACT_UNSPEC
+    r = prog.read()
+    assert sum(r.stats.values()) == 0
+    assert all(c == (0, 0, 0, 0) for c in r.counts.values())
+
+
+def test_override_holds_while_the_heartbeat_is_fresh_then_baseline(prog):
+    from qosagent.quota.layout import QuotaConf
+    from qosagent.quota.rules import bucket
+
+    tid = tenant_id("cidrco")  # baseline 1000/s
+    prog.set_overrides({tid: bucket(0, 0)})  # shed
+    prog.heartbeat()
+    frame = ipv4(C4, S4, tcp(40010, 8000, payload=request()))
+    assert run(prog, frame) == TC_ACT_SHOT
+    # The agent stops ticking: once the heartbeat is older than the timeout, the baseline applies again.
+    t = prog.bpf[b"quota_config"]
+    conf = QuotaConf.from_buffer_copy(bytes(t[0]))
+    conf.heartbeat_ns -= int(prog.cfg.quota.heartbeat_timeout * 1e9) + 1
+    t[0] = t.Leaf.from_buffer_copy(bytes(conf))
+    assert run(prog, frame) == TC_ACT_UNSPEC
+    assert prog.read().stats["override_expired"] == 1
+    assert counts(prog, "cidrco")[:2] == (1, 1)
+
+
+def test_a_program_that_fails_to_load_leaves_no_pins(bpf, tmp_path, monkeypatch):
+    import shutil as sh
+
+    from qosagent.ebpf.loader import BpfError, bpf_dir
+
+    broken = tmp_path / "bpf"
+    sh.copytree(bpf_dir(), broken)
+    (broken / "quota.c").write_text((broken / "quota.c").read_text() + "\nint quota_broken(struct __sk_buff *skb) {")
+    monkeypatch.setenv("QOSAGENT_BPF_DIR", str(broken))
+    cfg = config(f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(BpfError):
+        dp.Datapath(cfg)
+    assert not os.path.exists(cfg.bpf.pin_root)
