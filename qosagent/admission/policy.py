@@ -3,9 +3,10 @@
 No I/O and no clock: time comes in as `TickInput.now`, so tests drive it with synthetic traces and a fake clock.
 
 Two reasons change a limit:
-- latency: a tier whose quantile stays above its SLO for `breach_ticks` ticks is in breach; the tiers at or below
-  the most important breaching tier are cut, lowest weight first, one more tier per action while the breach
-  persists; recovery +raise_step per `healthy_ticks` healthy ticks, after `cooldown` since the tenant's last cut.
+- latency: a tier whose quantile stays above its SLO for `breach_ticks` ticks is in breach; each cut takes the
+  lowest-weight tier that still has headroom above its floor, never one above the most important breaching tier,
+  so the cut moves up the tiers only while the breach persists and the tiers below are at their floors; recovery
+  +raise_step per `healthy_ticks` healthy ticks, after `cooldown` since the tenant's last cut.
 - GPU memory: above `enter` on a serving GPU, new requests of the lowest tier are refused (limit 0, or the tier's
   floor when it has one), one more tier per `escalate_after`, until every serving GPU is below `exit`. An unknown
   GPU state never sheds.
@@ -87,9 +88,10 @@ class LoopState:
     tenants: Mapping[str, TenantState] = field(default_factory=dict)
     breach_streak: Mapping[str, int] = field(default_factory=dict)  # per tier
     healthy_streak: int = 0
-    escalation: int = 0  # latency actions taken in the current breach episode
+    escalation: int = 0  # cuts taken in the current breach episode
     ticks_since_cut: int = 1 << 30
     last_cut: float = -math.inf
+    last_change: float = -math.inf  # the last cut or raise
     gpu_pressure: bool = False
     shed_tiers: int = 0  # how many of the lowest tiers are shed
     last_shed: float = -math.inf
@@ -213,7 +215,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         healthy_streak += 1
     else:
         healthy_streak = 0
-    last_cut = prev.last_cut
+    last_cut, last_change = prev.last_cut, prev.last_change
     # After a cut, the next one waits breach_ticks ticks and a whole latency window, so each cut is seen working
     # (or not) before another: cutting on a window that still holds pre-cut requests overshoots.
     if breaching and since_cut >= policy.breach_ticks and now - last_cut >= inp.window_s:
@@ -231,7 +233,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
                     if new is not None:
                         cuts[name] = new
         with_headroom = [n for n in eligible if any(inp.tenants[c].tier == n for c in cuts)]
-        reach = set(with_headroom[: escalation + 1])
+        reach = set(with_headroom[:1])
         cause = {"breach_tier": driver, "observed_s": d.observed, "slo_s": d.slo, "quantile": policy.quantile,
                  "factor": round(factor, 4), "escalation": escalation}
         acted = False
@@ -243,6 +245,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
             cur = effective(t, s)
             origin = s.origin_rps if s.origin_rps is not None else (cur.rps if cur is not None else t.admitted_rps)
             states[name] = replace(s, limit=new, origin_rps=origin, last_cut=now)
+            last_change = now
             changes.append(Change(name, CUT, cur, new, SLO_BREACH, note(name, cause)))
             acted = True
         if acted:
@@ -251,7 +254,8 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
             last_cut = now
 
     # ---- latency: recovery after healthy_ticks, paced and after the cooldown ----
-    if not breaching and healthy_streak >= policy.healthy_ticks:
+    # A raise, like a cut, waits until the window no longer holds requests from before the last change.
+    if not breaching and healthy_streak >= policy.healthy_ticks and now - last_change >= inp.window_s:
         escalation = 0
         raised = False
         for name, t in inp.tenants.items():
@@ -274,6 +278,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
             raised = True
         if raised:
             healthy_streak = 0
+            last_change = now
 
     # ---- GPU memory pressure: shed tier by tier, with hysteresis ----
     g = inp.gpu
@@ -323,6 +328,7 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         escalation=escalation,
         ticks_since_cut=since_cut,
         last_cut=last_cut,
+        last_change=last_change,
         gpu_pressure=pressure,
         shed_tiers=shed_tiers,
         last_shed=last_shed,

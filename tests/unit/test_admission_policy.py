@@ -87,17 +87,17 @@ def test_breach_cuts_the_lower_tier_first_within_three_ticks() -> None:
 
 
 def test_persistent_breach_escalates_up_the_tiers() -> None:
-    loop = Loop(cfg())
+    loop = Loop(cfg(), floors={"bronze": 100.0, "silver": 100.0})
     per_tick: dict[int, list[str]] = {}
-    for i in range(9):
+    for i in range(15):
         out = loop.tick(gold_over())
         # The tier stays reported in breach between cuts (DVFS reads this), though cuts are paced.
         assert out.part.in_breach == ({"gold"} if i >= 2 else set())
     for tick, c in loop.changes:
-        per_tick.setdefault(tick, []).append(c.tenant)
-    # One action per breach_ticks ticks, each reaching one tier further up.
-    assert per_tick == {2: ["hobby"], 5: ["hobby", "mid"], 8: ["hobby", "mid", "acme"]}
-    assert loop.state.escalation == 3
+        per_tick.setdefault(tick, []).append(f"{c.tenant}={c.new.rps:g}")
+    # One cut per breach_ticks ticks; the next tier up only once the one below sits on its floor.
+    assert per_tick == {2: ["hobby=105"], 5: ["hobby=100"], 8: ["mid=105"], 11: ["mid=100"], 14: ["acme=105"]}
+    assert loop.state.escalation == 5
 
 
 def test_cuts_wait_for_the_latency_window_to_turn_over() -> None:
@@ -110,7 +110,7 @@ def test_cuts_wait_for_the_latency_window_to_turn_over() -> None:
 
 def test_a_breach_of_a_low_tier_never_cuts_a_higher_one() -> None:
     loop = Loop(cfg())
-    for _ in range(30):
+    for _ in range(100):
         loop.tick({"silver": SLO["silver"] * 2})
     assert {c.tenant for _, c in loop.changes} == {"hobby", "mid"}
     assert loop.limit("acme") == TenantLimit(200, 20)
@@ -178,6 +178,17 @@ def test_recovery_waits_for_healthy_ticks_and_cooldown_then_steps_ten_percent() 
             assert c.reason == "slo_recovered"
     assert raises[-1][1].action == "restore" and raises[-1][1].new == TenantLimit(200, 20)
     assert loop.state.tenants["hobby"].limit is None and loop.last is not None and loop.last.overrides == {}
+
+
+def test_raises_also_wait_for_the_latency_window() -> None:
+    loop = Loop(cfg(cooldown="100ms", healthy_ticks=2))
+    loop.window_s = 1.0
+    for _ in range(3):
+        loop.tick(gold_over())
+    for _ in range(60):
+        loop.tick()
+    ticks = [t for t, c in loop.changes]
+    assert len(ticks) >= 4 and all(b - a >= 10 for a, b in zip(ticks, ticks[1:]))
 
 
 def test_no_growth_for_a_tenant_using_less_than_half_its_limit() -> None:
