@@ -23,6 +23,7 @@ bench: setup-test
 	$(PY) bench/quota_bench.py
 	$(PY) -m bench.dvfs_collect
 	$(PY) bench/placement_bench.py
+	$(PY) -m bench.admission_decide
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

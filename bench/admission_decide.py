@@ -4,7 +4,7 @@ For N tenants (split over three tiers), builds one Snapshot with latency and quo
 capability's decide() + apply() (with a LimitsWriter that records nothing), against Agent.tick() with no
 capability enabled (GPU sampling from the fake backend, Snapshot build, publishing). Prints a Markdown table.
 
-    python bench/admission_decide.py [--rounds 300]
+    python -m bench.admission_decide [--rounds 300]
 """
 
 from __future__ import annotations
