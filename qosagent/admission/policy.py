@@ -232,14 +232,14 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
                     new = _cut_one(t, states[name], factor, policy)
                     if new is not None:
                         cuts[name] = new
-        with_headroom = [n for n in eligible if any(inp.tenants[c].tier == n for c in cuts)]
-        reach = set(with_headroom[:1])
+        # The lowest tier with headroom takes the whole cut; the next tier up waits until this one is at its floor.
+        lowest = next((n for n in eligible if any(inp.tenants[c].tier == n for c in cuts)), None)
         cause = {"breach_tier": driver, "observed_s": d.observed, "slo_s": d.slo, "quantile": policy.quantile,
                  "factor": round(factor, 4), "escalation": escalation}
         acted = False
         for name, new in cuts.items():
             t = inp.tenants[name]
-            if t.tier not in reach:
+            if t.tier != lowest:
                 continue
             s = states[name]
             cur = effective(t, s)
