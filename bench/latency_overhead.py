@@ -215,7 +215,7 @@ def main() -> None:
     print("| program | ns per event (median over pairs) |\n|---|---|")
     for name, vals in sorted(per_event.items()):
         print(f"| {name} | {statistics.median(vals):.0f} |")
-    print(f"\n| agent | median | max | target |\n|---|---|---|---|")
+    print("\n| agent | median | max | target |\n|---|---|---|---|")
     print(f"| CPU idle (% of one core) | {statistics.median(idle_cpu) * 100:.2f} | {max(idle_cpu) * 100:.2f} | <= 2 |")
     print(f"| CPU under load (% of one core) | {statistics.median(load_cpu) * 100:.2f} | {max(load_cpu) * 100:.2f} | - |")
     print(f"| RSS idle (MB) | {statistics.median(rss_idle):.0f} | {max(rss_idle):.0f} | <= 150 |")

@@ -8,7 +8,6 @@ clocks or power limits: the GPU is left exactly as found. Prints one JSON docume
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

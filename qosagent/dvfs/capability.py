@@ -126,9 +126,14 @@ class Dvfs(Capability):
         found = sensors.discover(fs, self.cfg.thermal_types, self.cfg.hwmon_names)
         pols = cpufreq.discover(fs, self.cfg.actuator)
         acting = [p for p in pols if p.actuator]
+        gpus = self._gpu_devices()
         if not found and not acting:
-            return Verdict(State.UNAVAILABLE, "no cpufreq policy with a frequency knob and no temperature sensor "
-                                              f"of types {self.cfg.thermal_types} or chips {self.cfg.hwmon_names}")
+            cpu_why = ("no cpufreq policy with a frequency knob and no temperature sensor "
+                       f"of types {self.cfg.thermal_types} or chips {self.cfg.hwmon_names}")
+            if not gpus:
+                return Verdict(State.UNAVAILABLE, cpu_why)
+            # A GPU VM often has no cpufreq and no CPU sensors: the GPU bands still run on NVML's readings.
+            return Verdict(State.DEGRADED, f"{self.cfg.mode}; {len(gpus)} GPU(s) only; CPU: {cpu_why}")
         parts = [self.cfg.mode]
         if acting:
             kinds = sorted({f"{p.actuator} ({p.driver})" for p in acting})
@@ -139,6 +144,12 @@ class Dvfs(Capability):
             why = pols[0].why if pols else "no cpufreq"
             return Verdict(State.DEGRADED, "; ".join(parts + [f"{why}: monitoring temperatures only"]))
         return Verdict(State.ACTIVE, "; ".join(parts + [f"{len(found)} sensors"]))
+
+    def _gpu_devices(self) -> list[Any]:
+        gpu = self.ctx.gpu
+        if not (self.cfg.gpu.enabled and self.cfg.gpu.bands) or isinstance(gpu, NoGpu):
+            return []
+        return gpu.devices()
 
     def start(self) -> None:
         fs = self.ctx.hostfs
@@ -157,7 +168,7 @@ class Dvfs(Capability):
             self.states[p.name] = policy.State()
         self.loads = sensors.LoadTracker(self.cfg.load_smoothing, {p.name: p.cpus for p in self.policies})
         gpu = self.ctx.gpu
-        if self.cfg.gpu.enabled and self.cfg.gpu.bands and not isinstance(gpu, NoGpu) and gpu.devices():
+        if self._gpu_devices():
             self.gpu = GpuActuator(gpu, self.originals, list(self.cfg.gpu.bands), self.cfg.gpu.temp_hysteresis_c,
                                    self.cfg.dwell)
 
@@ -167,7 +178,7 @@ class Dvfs(Capability):
         try:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
         except OSError as e:
-            raise CapabilityError(f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write")
+            raise CapabilityError(f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write") from None
         if not os.access(state_dir, os.W_OK):
             raise CapabilityError(f"state_dir {state_dir} is not writable; originals must be saved before any write")
         try:

@@ -133,9 +133,9 @@ class NvmlBackend:
         limit_mw = self._optional(errs, "power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
         sm = self._optional(errs, "sm_clock", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)
         memclk = self._optional(errs, "mem_clock", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM)
-        reasons_fn = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons"
-        )
+        # Renamed in newer NVML; the old name remains for older drivers.
+        reasons_fn = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                      or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
         reasons = self._optional(errs, "clock_event_reasons", reasons_fn, h)
         procs = self._optional(errs, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, h) or []
         lost = any(kind == GPU_LOST for _, kind in errs)

@@ -198,7 +198,7 @@ class Datapath:
             if raw not in wanted:
                 del table[k]
                 changed = True
-        for raw, (k, v) in wanted.items():
+        for k, v in wanted.values():
             leaf = table.Leaf(*v)
             cur = table.get(k)
             if cur is None or bytes(cur) != bytes(leaf):
@@ -279,7 +279,6 @@ class Datapath:
                 idx = tc.ifindex(ipr, name)
                 if idx is None:
                     raise OSError(f"interface {name!r} not found")
-                key = AttachKey(idx, here)
                 created = tc.ensure_clsact(ipr, idx)
                 old = rec.get(rec.Key(idx, here))
                 if created or old is None:

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from qosagent.capability import AgentContext
 from qosagent.dvfs.capability import Dvfs
 from qosagent.dvfs.gpuclocks import band_for
 from qosagent.dvfs.config import DvfsGpuConfig
@@ -155,3 +156,24 @@ def _snap(cap: Dvfs, gpu: FakeBackend):
     from qosagent.snapshot import Snapshot
 
     return Snapshot.build(1, 0.0, 0.0, {"dvfs": cap.collect(), "gpu": gpu.sample()})
+
+
+def test_gpu_only_host_runs_the_gpu_bands(tmp_path) -> None:
+    # A GPU VM as seen on a real H200: no cpufreq, no CPU temperature sensor, one GPU through NVML.
+    from qosagent.features import probe
+    from qosagent.hostfs import HostFS
+
+    (tmp_path / "host" / "sys").mkdir(parents=True)
+    fs = HostFS(tmp_path / "host")
+    gpu = FakeBackend.preset("single")
+    gpu.open()
+    clock = FakeClock()
+    cfg = make_config(tmp_path, CAPPED)
+    verdict = Dvfs(AgentContext(config=cfg, hostfs=fs, gpu=gpu, clock=clock)).probe(probe(fs))
+    assert verdict.state.value == "degraded" and "1 GPU(s) only" in verdict.reason
+    cap = make_dvfs(fs, cfg, clock, gpu)
+    heat(gpu, 85)
+    run(cap, gpu, clock)
+    assert gpu.gpus[0].power_limit_w == 595.0
+    cap.stop()
+    assert gpu.gpus[0].power_limit_w == 700.0
