@@ -293,9 +293,9 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         pressure, shed_tiers, last_shed, run_pre_cleanup = True, 1, now, True
     elif pressure and g.ratio < policy.gpu_pressure.exit:
         pressure, shed_tiers = False, 0
-    elif pressure and g.ratio > policy.gpu_pressure.enter and now - last_shed >= policy.gpu_pressure.escalate_after:
-        if shed_tiers < len(order):
-            shed_tiers, last_shed = shed_tiers + 1, now
+    elif (pressure and g.ratio > policy.gpu_pressure.enter and shed_tiers < len(order)
+          and now - last_shed >= policy.gpu_pressure.escalate_after):
+        shed_tiers, last_shed = shed_tiers + 1, now
     shed_set = set(order[:shed_tiers])
     gpu_note = {"gpu": g.gpu, "memory_used_ratio": g.ratio, "enter": policy.gpu_pressure.enter,
                 "exit": policy.gpu_pressure.exit, "shed_tiers": sorted(shed_set)}

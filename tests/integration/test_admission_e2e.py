@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.admission_harness import BRONZE, GOLD, SLO_MS, p95, results, scenario, wait_for, write_json
+from tests.integration.admission_harness import (
+    BRONZE,
+    GOLD,
+    SLO_MS,
+    p95,
+    results,
+    scenario,
+    wait_for,
+    write_json,
+)
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 

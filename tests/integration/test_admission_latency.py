@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.admission_harness import BRONZE, GOLD, SLO_MS, p95, results, scenario
+from tests.integration.admission_harness import (
+    BRONZE,
+    GOLD,
+    SLO_MS,
+    p95,
+    results,
+    scenario,
+)
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 

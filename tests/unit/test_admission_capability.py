@@ -20,7 +20,13 @@ from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import AgentContext, State
 from qosagent.config import ConfigError, parse_text
 from qosagent.daemon import Agent
-from qosagent.gpu.backend import GPU_LOST, NO_PERMISSION, NOT_SUPPORTED, GpuSample, GpuState
+from qosagent.gpu.backend import (
+    GPU_LOST,
+    NO_PERMISSION,
+    NOT_SUPPORTED,
+    GpuSample,
+    GpuState,
+)
 from qosagent.gpu.fake import FakeBackend
 from qosagent.hist import Histogram
 from qosagent.hostfs import HostFS
@@ -209,7 +215,7 @@ def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) ->
 
 
 def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
-    a, fake, w = agent(tmp_path)
+    a, fake, _ = agent(tmp_path)
     try:
         fake.gpus[0].memory_used = int(fake.gpus[0].memory_total * 0.95)
         a.tick()
@@ -276,7 +282,7 @@ def post_server() -> Iterator[tuple[str, list[str]]]:
     seen: list[str] = []
 
     class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             seen.append(self.path)
             self.send_response(204 if self.path == "/ok" else 500)
             self.end_headers()
