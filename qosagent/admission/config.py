@@ -1,8 +1,61 @@
 from __future__ import annotations
 
-from qosagent.configbase import Mode, Section
+from typing import Literal
+
+from pydantic import Field, HttpUrl, model_validator
+
+from qosagent.configbase import Duration, Mode, Section
+
+
+class PreCleanupConfig(Section):
+    """What runs once when a GPU enters memory pressure (e.g. ask the server to drop its prefix cache).
+
+    Exactly one of command (argv, run without a shell) or http_post (a URL posted to with an empty body)."""
+
+    command: list[str] | None = Field(default=None, min_length=1)
+    http_post: HttpUrl | None = None
+    timeout: Duration = 5.0
+
+    @model_validator(mode="after")
+    def _one_action(self) -> "PreCleanupConfig":
+        if (self.command is None) == (self.http_post is None):
+            raise ValueError("expected exactly one of command, http_post")
+        if not 0 < self.timeout <= 300:
+            raise ValueError("timeout: expected between 0s and 5m")
+        return self
+
+
+class GpuPressureConfig(Section):
+    # GPU indices that serve the tenants; empty means every GPU the backend reports.
+    gpus: list[int] = Field(default_factory=list)
+    enter: float = Field(default=0.90, gt=0, le=1, description="memory used ratio above which shedding starts")
+    exit: float = Field(default=0.85, gt=0, le=1, description="memory used ratio below which shedding ends")
+    # While a GPU stays above `enter`, one more tier is shed after each escalate_after.
+    escalate_after: Duration = 5.0
+    pre_cleanup: PreCleanupConfig | None = None
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "GpuPressureConfig":
+        if self.exit >= self.enter:
+            raise ValueError("exit must be below enter, or shedding would flap")
+        return self
 
 
 class AdmissionConfig(Section):
     enabled: bool = False
     mode: Mode = "dry-run"
+    # Which latency the SLO is held against: time to first response byte (streaming inference) or to the last.
+    signal: Literal["ttfb", "response"] = "ttfb"
+    quantile: float = Field(default=0.95, ge=0.5, le=0.999)
+    breach_ticks: int = Field(default=3, ge=1, le=1000)
+    healthy_ticks: int = Field(default=10, ge=1, le=10000)
+    # A tier is healthy below healthy_below x SLO, near its SLO at or above near_slo x SLO.
+    healthy_below: float = Field(default=0.9, gt=0, le=1)
+    near_slo: float = Field(default=0.8, gt=0, le=1)
+    cut: Literal["multiplicative", "gradient"] = "multiplicative"
+    cut_factor: float = Field(default=0.7, gt=0, lt=1)
+    raise_step: float = Field(default=0.10, gt=0, le=1)
+    cooldown: Duration = 5.0
+    # No adaptive cut goes below this rate, whatever the tier's floor: a cut must never black-hole a tenant.
+    min_rps: float = Field(default=1.0, gt=0)
+    gpu_pressure: GpuPressureConfig = GpuPressureConfig()

@@ -1,0 +1,101 @@
+"""From one Snapshot and the config to the decision's inputs (pure: reads only what it is given)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from qosagent.admission.policy import GpuInput, TenantInput, TickInput, TierInput
+from qosagent.config import Config, QuotaSpec
+from qosagent.gpu.backend import GpuState
+from qosagent.hist import Histogram
+from qosagent.latency.model import LatencyPart
+from qosagent.quota.model import QuotaPart
+from qosagent.snapshot import Snapshot
+from qosagent.tenants import TenantLimit
+
+
+def config_baseline(cfg: Config) -> dict[str, TenantLimit]:
+    """Configured limits (tenant quota, else its tier's) when no quota capability answers for them."""
+    out = {}
+    for t in cfg.tenants:
+        spec = t.quota or cfg.tiers[t.tier].quota
+        if spec is not None and spec.rps is not None:
+            burst = spec.burst if spec.burst is not None else max(1, int(spec.rps // 10))
+            out[t.name] = TenantLimit(spec.rps, burst)
+    return out
+
+
+def _floor_burst(floor: QuotaSpec | None) -> int:
+    # A floor without a burst admits one second's worth at once: the quota writer reads the floor the same way.
+    if floor is None or not floor.rps:
+        return 0
+    return floor.burst if floor.burst is not None else max(int(floor.rps), 1)
+
+
+def gpu_input(gpu: GpuState | None, serving: list[int]) -> GpuInput:
+    """The highest memory ratio over the serving GPUs that answered; unknown when none did."""
+    if gpu is None or not gpu.available:
+        return GpuInput.unknown(gpu.reason if gpu is not None else "no GPU data")
+    wanted = serving or [g.index for g in gpu.gpus]
+    best: tuple[float, int] | None = None
+    missing = []
+    for index in wanted:
+        sample = gpu.by_index(index)
+        ratio = sample.memory_used_ratio if sample is not None and not sample.lost else None
+        if ratio is None:
+            why = "absent" if sample is None else "lost" if sample.lost else \
+                ",".join(f"{f}:{k}" for f, k in sample.errors) or "no memory reading"
+            missing.append(f"GPU {index} {why}")
+            continue
+        if best is None or ratio > best[0]:
+            best = (ratio, index)
+    if best is None:
+        return GpuInput.unknown("; ".join(missing) or "no serving GPU")
+    return GpuInput(True, best[0], best[1], "; ".join(missing))
+
+
+def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit]) -> TickInput:
+    policy = cfg.admission
+    lat: LatencyPart | None = snap.part("latency")
+    quota: QuotaPart | None = snap.part("quota")
+    lat_tenants = lat.tenants if lat is not None else {}
+    quota_tenants = quota.tenants if quota is not None else {}
+
+    # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
+    windows: dict[str, dict[int, int]] = {}
+    tenants: dict[str, TenantInput] = {}
+    for t in cfg.tenants:
+        tl = lat_tenants.get(t.name)
+        tq = quota_tenants.get(t.name)
+        if tl is not None:
+            h = tl.ttfb_window if policy.signal == "ttfb" else tl.response_window
+            acc = windows.setdefault(t.tier, {})
+            for i, c in h.counts.items():
+                acc[i] = acc.get(i, 0) + c
+        floor = cfg.tiers[t.tier].floor
+        # Admitted rate from the classifier when quota runs; otherwise what completed, as the next best guess.
+        admitted = tq.admitted_rps if tq is not None else tl.rate_rps if tl is not None else None
+        tenants[t.name] = TenantInput(
+            name=t.name,
+            tier=t.tier,
+            baseline=baseline.get(t.name),
+            floor_rps=(floor.rps or 0.0) if floor is not None else 0.0,
+            floor_burst=_floor_burst(floor),
+            admitted_rps=admitted,
+            dropped_rps=tq.dropped_rps if tq is not None else None,
+            in_flight=tl.in_flight if tl is not None else None,
+        )
+    tiers = {}
+    for name in sorted({t.tier for t in cfg.tenants}):
+        tier = cfg.tiers[name]
+        observed = Histogram(windows[name]).quantile(policy.quantile) if name in windows else None
+        tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed)
+    rq = lat.runqueue_window if lat is not None else None
+    return TickInput(
+        now=snap.monotonic,
+        tiers=tiers,
+        tenants=tenants,
+        gpu=gpu_input(snap.part("gpu"), policy.gpu_pressure.gpus),
+        runqueue_p99=rq.quantile(0.99) if rq is not None else None,
+        window_s=lat.window_s if lat is not None else cfg.latency.window,
+    )

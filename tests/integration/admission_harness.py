@@ -1,0 +1,170 @@
+"""Plumbing for the admission integration tests: a network namespace of the test's own, the processes it starts
+inside it (server, clients, agent), the agent's config and status."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from qosagent.status import NoAgent, request
+from tests.conftest import agent_argv, agent_env
+
+LOAD = str(Path(__file__).with_name("admission_load.py"))
+GOLD, BRONZE = "127.0.0.2", "127.0.0.3"
+SLO_MS = 100.0
+# The server: 4 workers, 20 ms per request (200 requests/s at most). Alone, gold's P95 is ~26 ms; with bronze
+# flooding from 32 connections it is ~180 ms.
+WORKERS, SERVICE_MS = 4, 20
+
+
+@contextlib.contextmanager
+def netns() -> Iterator[str]:
+    name = f"qa-admission-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+class Procs:
+    """Processes the test started inside the namespace, each stopped by its own pid when the test ends."""
+
+    def __init__(self, ns: str):
+        self.ns = ns
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], env=agent_env(), **kw)
+        self.procs.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+    def server(self, port: int) -> subprocess.Popen[bytes]:
+        return self.start([sys.executable, LOAD, "server", str(port), str(WORKERS), str(SERVICE_MS)],
+                          stdout=subprocess.DEVNULL)
+
+    def client(self, port: int, src: str, threads: int, pause_ms: float, seconds: float, out: Path,
+               timeout: float = 5.0) -> subprocess.Popen[bytes]:
+        return self.start([sys.executable, LOAD, "client", "127.0.0.1", str(port), src, str(threads),
+                           str(pause_ms), str(seconds), str(timeout), str(out)])
+
+
+def results(p: subprocess.Popen[bytes], out: Path) -> list[tuple[float, float, bool]]:
+    """[start (CLOCK_MONOTONIC s), latency ms, ok] per request of a finished client."""
+    assert p.wait(120) == 0
+    return [tuple(r) for r in json.loads(out.read_text())]  # type: ignore[misc]
+
+
+def p95(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * 0.95))]
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # the agent re-reads the fake GPU file on change: never let it see half a file
+
+
+def wait_for(what: str, fn: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def config(tmp: Path, port: int, pin_root: str, quota: str, admission: str) -> Path:
+    """Gold and bronze on one server port, told apart by client address; the fake GPU driven by tmp/gpu.json."""
+    write_json(tmp / "gpu.json", {"preset": "single", "gpus": {"0": {"memory_used_ratio": 0.30}}})
+    path = tmp / "qosagent.yaml"
+    path.write_text(f"""
+interval: 100ms
+state_dir: {tmp / 'state'}
+metrics: {{listen: "127.0.0.1:{port + 1}"}}
+status: {{socket: {tmp / 'status.sock'}}}
+bpf: {{pin_root: {pin_root}}}
+gpu: {{backend: fake, fake_file: {tmp / 'gpu.json'}}}
+tiers:
+  gold:   {{slo_p99: {SLO_MS:g}ms, weight: 10}}
+  bronze: {{slo_p99: 5s, weight: 1, quota: {{rps: 400, burst: 40}}}}
+tenants:
+  - {{name: gold-app, tier: gold, match: {{cidrs: [{GOLD}/32], ports: [{port}]}}}}
+  - {{name: bronze-app, tier: bronze, match: {{cidrs: [{BRONZE}/32], ports: [{port}]}}}}
+latency: {{enabled: true, ports: [{port}], window: 1s}}
+quota: {quota}
+admission: {admission}
+""")
+    return path
+
+
+class Agent:
+    def __init__(self, procs: Procs, cfg: Path, tmp: Path):
+        self.cfg = cfg
+        self.sock = str(tmp / "status.sock")
+        self.log = open(tmp / "agent.log", "wb")
+        self.proc = procs.start(agent_argv("run", "--config", str(cfg)), stdout=self.log, stderr=subprocess.STDOUT)
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return request(self.sock, {"cmd": "status", "decisions": True}, timeout=5)
+        except (NoAgent, OSError):
+            return {}
+
+    def wait_ready(self) -> dict[str, Any]:
+        return wait_for("the agent's first ticks", lambda: (s := self.status()).get("seq", 0) > 1 and s, 60)
+
+    def decisions(self, target: str, *actions: str) -> list[dict[str, Any]]:
+        return [d for d in self.status().get("decisions", []) if d["capability"] == "admission"
+                and d["target"] == target and (not actions or d["action"] in actions)]
+
+    def close(self, ns: str) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+        self.log.close()
+        # Whatever a killed agent left (TC filter in the namespace, pins) goes the documented way.
+        subprocess.run(["ip", "netns", "exec", ns, *agent_argv("detach", "--config", str(self.cfg))],
+                       env=agent_env(), check=False, timeout=60, capture_output=True)
+
+
+@contextlib.contextmanager
+def scenario(tmp: Path, quota: str, admission: str) -> Iterator[tuple[Procs, Agent, int]]:
+    """The server and the agent running in a fresh namespace; everything stopped, detached and removed after."""
+    port = 20000 + secrets.randbelow(20000)
+    pin_root = f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}"
+    cfg = config(tmp, port, pin_root, quota, admission)
+    with netns() as ns:
+        procs = Procs(ns)
+        agent = None
+        try:
+            procs.server(port)
+            agent = Agent(procs, cfg, tmp)
+            yield procs, agent, port
+        finally:
+            if agent is not None:
+                agent.close(ns)
+            procs.stop_all()
+    assert not os.path.exists(pin_root), f"{pin_root} left behind"
