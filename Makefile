@@ -23,6 +23,7 @@ bench: setup-test
 	$(PY) bench/quota_bench.py
 	$(PY) -m bench.dvfs_collect
 	$(PY) bench/placement_bench.py
+	$(PY) bench/ship_metrics.py
 	$(PY) -m bench.admission_decide
 
 # The agent at work on this host alone: a namespace, a streaming server, two tenants, a quota (about 30 s).
