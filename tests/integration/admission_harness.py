@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 from qosagent.status import NoAgent, request
-from tests.conftest import agent_argv, agent_env
+from tests.conftest import agent_argv, agent_env, netns
 
 LOAD = str(Path(__file__).with_name("admission_load.py"))
 GOLD, BRONZE = "127.0.0.2", "127.0.0.3"
@@ -24,17 +24,6 @@ SLO_MS = 100.0
 # The server: 4 workers, 20 ms per request (200 requests/s at most). Alone, gold's P95 is ~26 ms; with bronze
 # flooding from 32 connections it is ~180 ms.
 WORKERS, SERVICE_MS = 4, 20
-
-
-@contextlib.contextmanager
-def netns() -> Iterator[str]:
-    name = f"qa-admission-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 class Procs:
@@ -156,7 +145,7 @@ def scenario(tmp: Path, quota: str, admission: str) -> Iterator[tuple[Procs, Age
     port = 20000 + secrets.randbelow(20000)
     pin_root = f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}"
     cfg = config(tmp, port, pin_root, quota, admission)
-    with netns() as ns:
+    with netns("admission") as ns:
         procs = Procs(ns)
         agent = None
         try:

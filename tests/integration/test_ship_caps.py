@@ -9,9 +9,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from typing import Iterator
 
 import pytest
 
+from tests.conftest import netns as make_netns
 from tests.conftest import require
 from tests.integration.test_ship_systemd import unit_settings
 
@@ -48,15 +50,10 @@ def unit_caps() -> list[str]:
 
 
 @pytest.fixture
-def netns(bpf: None):
+def netns(bpf: None) -> Iterator[str]:
     require(shutil.which("setpriv") is not None and shutil.which("ip") is not None, "setpriv or ip missing")
-    name = f"qa-ship-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+    with make_netns("ship") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 @pytest.fixture
