@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a host with a real NVIDIA GPU and no BPF toolchain: the agent's GPU paths end to end, read-only.
-# The agent runs with dvfs and placement in dry-run (nothing is clocked or pinned) next to a process that holds
+# The agent runs with dvfs, placement and admission in dry-run (nothing is clocked or pinned) next to a process that holds
 # GPU memory; topology, status and a scrape are saved under $1. Nothing on the GPU is changed.
 set -u
 out=${1:?output dir}
@@ -18,6 +18,14 @@ placement:
   mode: dry-run
   gpu_processes: true
   reconcile_interval: 1s
+tenants:
+  - {name: acme, tier: gold, match: {ports: [18001]}}
+  - {name: hobby, tier: bronze, match: {ports: [18002]}}
+# Thresholds far below the holder's real usage, so that real NVML readings drive a (dry-run) shed.
+admission:
+  enabled: true
+  mode: dry-run
+  gpu_pressure: {gpus: [0], enter: 0.01, exit: 0.005, pre_cleanup: {command: [/bin/true]}}
 YAML
 python3 -m qosagent check --config "$cfg" --json > "$out/check.json" 2>"$out/check.err"
 python3 -m qosagent topology --config "$cfg" --json > "$out/topology.json" 2>"$out/topology.err"
