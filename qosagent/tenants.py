@@ -6,6 +6,7 @@ maps keyed by it stay valid). Id 0 is traffic on a watched port that matches no 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
@@ -41,6 +42,49 @@ def tenant_table(cfg: Config) -> dict[int, TenantInfo]:
         tier = cfg.tiers[t.tier]
         table[tid] = TenantInfo(tid, t.name, t.tier, tier.weight, tier.slo_p99)
     return table
+
+
+CIDR_PORT_BITS = 16  # a qos_cidr_key's prefix counts the port before the address
+
+
+def mapped16(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> tuple[bytes, int]:
+    """A network as a 16-byte address and prefix length; IPv4 as ::ffff:a.b.c.d, the way the kernel reports peers."""
+    if isinstance(net, ipaddress.IPv4Network):
+        return b"\0" * 10 + b"\xff\xff" + net.network_address.packed, 96 + net.prefixlen
+    return net.network_address.packed, net.prefixlen
+
+
+@dataclass(frozen=True)
+class CidrEntry:
+    """One tenant_cidrs entry: (prefixlen counted from the port, port in host order or 0, 16-byte address)."""
+
+    prefixlen: int
+    port: int
+    addr: bytes
+    tenant: int
+
+
+def tenant_entries(cfg: Config) -> tuple[dict[int, int], list[CidrEntry]]:
+    """What tenant_ports and tenant_cidrs hold, for every program that resolves tenants (latency and quota alike,
+    so that a tenant's latency and its quota describe the same traffic).
+
+    A tenant matching ports alone claims those ports (tenant_ports). One matching CIDRs claims those client
+    addresses on each of its ports, or on every watched port (port 0) when it names none. Header rules are the
+    quota classifier's own map (only TC sees payload)."""
+    ports: dict[int, int] = {}
+    cidrs: list[CidrEntry] = []
+    for t in cfg.tenants:
+        tid = tenant_id(t.name)
+        m = t.match
+        if m.ports and not m.cidrs and not m.header:
+            for p in m.ports:
+                ports[p] = tid
+            continue
+        for c in m.cidrs:
+            addr, plen = mapped16(ipaddress.ip_network(c, strict=False))
+            for p in m.ports or [0]:
+                cidrs.append(CidrEntry(CIDR_PORT_BITS + plen, p, addr, tid))
+    return ports, cidrs
 
 
 @dataclass(frozen=True)

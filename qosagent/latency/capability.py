@@ -14,7 +14,7 @@ from qosagent.hist import Histogram
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.window import Window
-from qosagent.tenants import UNMATCHED_ID, TenantInfo, tenant_table
+from qosagent.tenants import UNMATCHED_ID, TenantInfo, tenant_entries, tenant_table
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -130,7 +130,7 @@ class Latency(Capability):
             table = tenant_table(cfg)
         except ValueError as e:
             raise CapabilityError(str(e)) from None
-        ports, cidrs = bm.tenant_entries(cfg)
+        ports, cidrs = tenant_entries(cfg)
         b = self.bpf
         self._sync(b[b"watched_ports"], {(p,): 1 for p in bm.watched(cfg)},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))

@@ -9,10 +9,9 @@ import ipaddress
 from dataclasses import dataclass
 
 from qosagent.config import Config, QuotaSpec, TenantConfig
-from qosagent.tenants import TenantLimit, tenant_id
+from qosagent.tenants import CIDR_PORT_BITS, TenantLimit, mapped16, tenant_entries, tenant_id
 
 MAX_NS = 1 << 60  # QOS_MAX_NS: no interval or tau beyond it, so the kernel's arithmetic cannot overflow
-PORT_BITS = 16  # QOS_CIDR_PORT_BITS
 
 
 @dataclass(frozen=True)
@@ -48,18 +47,10 @@ def header_hash(name: str, value: str) -> int:
     return fnv1a64(name.lower().encode() + b":" + value.encode())
 
 
-def mapped(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
-    """IPv4 as ::ffff:a.b.c.d, so one trie serves both families."""
-    if addr.version == 4:
-        return b"\0" * 10 + b"\xff\xff" + addr.packed
-    return addr.packed
-
-
 def cidr_key(port: int, cidr: str) -> tuple[int, int, bytes]:
     """(prefixlen counted from the port, port, mapped address) for tenant_cidrs; port 0 = any watched port."""
-    net = ipaddress.ip_network(cidr, strict=False)
-    plen = net.prefixlen + (96 if net.version == 4 else 0)
-    return PORT_BITS + plen, port, mapped(net.network_address)
+    addr, plen = mapped16(ipaddress.ip_network(cidr, strict=False))
+    return CIDR_PORT_BITS + plen, port, addr
 
 
 @dataclass(frozen=True)
@@ -73,20 +64,10 @@ class Rules:
 def rules(cfg: Config) -> Rules:
     """A port alone claims it for the tenant; ports with CIDRs bind the CIDRs to those ports; a header applies on any
     watched port (only to connections no port or CIDR claimed)."""
-    ports: dict[int, int] = {}
-    cidrs: dict[tuple[int, int, bytes], int] = {}
-    headers: dict[int, int] = {}
-    for t in cfg.tenants:
-        tid = tenant_id(t.name)
-        m = t.match
-        if m.ports and not m.cidrs and not m.header:
-            for p in m.ports:
-                ports[p] = tid
-        for c in m.cidrs:
-            for p in (m.ports or [0]):
-                cidrs[cidr_key(p, c)] = tid
-        if m.header:
-            headers[header_hash(m.header.name, m.header.value)] = tid
+    ports, entries = tenant_entries(cfg)
+    cidrs = {(e.prefixlen, e.port, e.addr): e.tenant for e in entries}
+    headers = {header_hash(t.match.header.name, t.match.header.value): tenant_id(t.name)
+               for t in cfg.tenants if t.match.header}
     return Rules(ports, cidrs, headers, cfg.watched_ports())
 
 

@@ -14,7 +14,7 @@ from qosagent.latency import bpfmaps as bm
 from qosagent.latency import export
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.window import Window
-from qosagent.tenants import tenant_id
+from qosagent.tenants import tenant_entries, tenant_id
 
 CFG = {
     "tenants": [
@@ -27,12 +27,12 @@ CFG = {
 
 
 def test_port_tenants_claim_their_ports() -> None:
-    ports, _ = bm.tenant_entries(parse(CFG, "t"))
+    ports, _ = tenant_entries(parse(CFG, "t"))
     assert ports == {18001: tenant_id("acme"), 18003: tenant_id("acme")}
 
 
 def test_cidr_tenants_are_ipv4_mapped_and_prefixed_by_the_port() -> None:
-    _, cidrs = bm.tenant_entries(parse(CFG, "t"))
+    _, cidrs = tenant_entries(parse(CFG, "t"))
     by = {(c.tenant, c.port, c.prefixlen): c.addr for c in cidrs}
     lab, edge = tenant_id("lab"), tenant_id("edge")
     # No port named: any watched port (0); IPv4 /16 -> 96 + 16 address bits after the 16 port bits.
