@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test run test bench clean install install-files install-agent demo
+.PHONY: setup setup-test run test lint bench clean install install-files install-agent demo
 
 setup:
 	@scripts/setup.sh
@@ -14,8 +14,11 @@ setup-test:
 run: setup
 	$(PY) -m qosagent run $(ARGS)
 
-test: setup-test
+test: setup-test lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup-test
+	$(VENV)/bin/ruff check .
 
 # Each benchmark prints its measurements (ratios against a baseline taken in the same run) for docs/PERFORMANCE.md.
 bench: setup-test

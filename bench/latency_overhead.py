@@ -217,7 +217,8 @@ def main() -> None:
         print(f"| {name} | {statistics.median(vals):.0f} |")
     print("\n| agent | median | max | target |\n|---|---|---|---|")
     print(f"| CPU idle (% of one core) | {statistics.median(idle_cpu) * 100:.2f} | {max(idle_cpu) * 100:.2f} | <= 2 |")
-    print(f"| CPU under load (% of one core) | {statistics.median(load_cpu) * 100:.2f} | {max(load_cpu) * 100:.2f} | - |")
+    print(f"| CPU under load (% of one core) | {statistics.median(load_cpu) * 100:.2f} "
+          f"| {max(load_cpu) * 100:.2f} | - |")
     print(f"| RSS idle (MB) | {statistics.median(rss_idle):.0f} | {max(rss_idle):.0f} | <= 150 |")
     print(f"| RSS under load (MB) | {statistics.median(rss_load):.0f} | {max(rss_load):.0f} | <= 150 |")
     print(f"| start to ready (s) | {statistics.median(ready):.2f} | {max(ready):.2f} | <= 3 |")

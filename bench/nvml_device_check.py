@@ -62,7 +62,8 @@ def main() -> int:
         "reason": last.reason,
         "errors_total": last.errors_total,
         "gpus": [
-            {k: (v if not isinstance(v, tuple) else [getattr(p, "__dict__", p) for p in v]) for k, v in g.__dict__.items()}
+            {k: (v if not isinstance(v, tuple) else [getattr(p, "__dict__", p) for p in v])
+             for k, v in g.__dict__.items()}
             for g in last.gpus
         ],
     }
@@ -70,7 +71,8 @@ def main() -> int:
     out["holder_pid_listed"] = holder.pid in pids
     for i in range(len(devs)):
         try:
-            out.setdefault("power", {})[i] = {"constraints_w": b.power_limit_constraints(i), "limit_w": b.power_limit(i)}
+            out.setdefault("power", {})[i] = {"constraints_w": b.power_limit_constraints(i),
+                                              "limit_w": b.power_limit(i)}
         except Exception as e:  # noqa: BLE001 - report whatever NVML says
             out.setdefault("power", {})[i] = {"error": f"{type(e).__name__}: {e}", "kind": getattr(e, "kind", None)}
     holder.kill()

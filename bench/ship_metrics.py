@@ -91,8 +91,8 @@ def main() -> None:
     for name, xs in results.items():
         m = statistics.median(xs)
         print(f"| {name} | {m * 1e3:.2f} ms | {m / base:.1f} |")
-    print(f"\nOne bcrypt check (cost 10) takes {one_bcrypt * 1e3:.0f} ms ({one_bcrypt / base:.0f}x a plain scrape): the "
-          "endpoint checks the hash once and then compares a SHA-256 of the credential that passed.")
+    print(f"\nOne bcrypt check (cost 10) takes {one_bcrypt * 1e3:.0f} ms ({one_bcrypt / base:.0f}x a plain scrape): "
+          "the endpoint checks the hash once and then compares a SHA-256 of the credential that passed.")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def _filesystems(fs: HostFS) -> set[str]:
 
 
 def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
-    f = Features(kernel=platform.release() if str(fs.root) == "/" else (fs.try_read("/proc/sys/kernel/osrelease") or ""))
+    on_host = str(fs.root) == "/"
+    f = Features(kernel=platform.release() if on_host else (fs.try_read("/proc/sys/kernel/osrelease") or ""))
     f.btf = fs.exists("/sys/kernel/btf/vmlinux")
     # BCC compiles against headers at this real path (a DaemonSet mounts /lib/modules at the same place).
     f.kernel_headers = os.path.exists(f"/lib/modules/{platform.release()}/build/include")

@@ -178,7 +178,8 @@ class Dvfs(Capability):
         try:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
         except OSError as e:
-            raise CapabilityError(f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write") from None
+            raise CapabilityError(
+                f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write") from None
         if not os.access(state_dir, os.W_OK):
             raise CapabilityError(f"state_dir {state_dir} is not writable; originals must be saved before any write")
         try:

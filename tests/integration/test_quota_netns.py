@@ -84,7 +84,8 @@ class Net:
             "latency": {"enabled": True, "ports": [8000], "runqueue": {"enabled": False}},
             "quota": {"enabled": True, "interfaces": ["vs", "lo"], "heartbeat_timeout": "2s"},
             "tenants": [
-                {"name": "flood", "tier": "bronze", "match": {"ports": [8100]}, "quota": {"rps": flood_rps, "burst": 10}},
+                {"name": "flood", "tier": "bronze", "match": {"ports": [8100]},
+                 "quota": {"rps": flood_rps, "burst": 10}},
                 {"name": "steady", "tier": "gold", "match": {"cidrs": [f"{STEADY}/32"]},
                  "quota": {"rps": 500, "burst": 100}},
                 {"name": "acme", "tier": "silver", "match": {"header": {"name": "X-Tenant-ID", "value": "acme"}},

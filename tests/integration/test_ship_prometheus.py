@@ -13,7 +13,6 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
