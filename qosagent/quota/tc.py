@@ -12,10 +12,24 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
+if TYPE_CHECKING:
+    from pyroute2 import IPRoute as _IPRoute
+
+
+def IPRoute() -> "_IPRoute":  # noqa: N802 - stands in for the class it returns
+    """A netlink socket. pyroute2 is imported on first use: it costs ~20 MB and ~0.25 s, which an agent with quota
+    disabled should not pay."""
+    from pyroute2 import IPRoute as ipr
+
+    return ipr()
+
+
+def _netlink_error() -> type[Exception]:
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    return NetlinkError
 
 INGRESS = "ffff:fff2"
 INGRESS_ID = 0xFFFFFFF2
@@ -40,16 +54,16 @@ class Hooked:
         return f"{self.ifname} ingress pref {self.prio} handle {self.handle:#x} {self.kind} {self.name}".rstrip()
 
 
-def ifindex(ipr: IPRoute, name: str) -> int | None:
+def ifindex(ipr: "_IPRoute", name: str) -> int | None:
     found = ipr.link_lookup(ifname=name)
     return found[0] if found else None
 
 
-def ingress_filters(ipr: IPRoute, idx: int, ifname: str) -> list[Hooked]:
+def ingress_filters(ipr: "_IPRoute", idx: int, ifname: str) -> list[Hooked]:
     out = []
     try:
         msgs = ipr.get_filters(index=idx, parent=INGRESS_ID)
-    except NetlinkError as e:
+    except _netlink_error() as e:
         if e.code in (errno.EINVAL, errno.ENOENT):  # no clsact/ingress qdisc: nothing hooked
             return []
         raise
@@ -66,24 +80,24 @@ def is_ours(h: Hooked, prio: int, handle: int) -> bool:
     return h.prio == prio and h.handle == handle and h.kind == "bpf" and h.name == FILTER_NAME
 
 
-def ensure_clsact(ipr: IPRoute, idx: int) -> bool:
+def ensure_clsact(ipr: "_IPRoute", idx: int) -> bool:
     """Add clsact; True when we created it. An existing one (EEXIST) belongs to someone else."""
     try:
         ipr.tc("add", "clsact", idx)
         return True
-    except NetlinkError as e:
+    except _netlink_error() as e:
         if e.code == errno.EEXIST:
             return False
         raise
 
 
-def attach(ipr: IPRoute, idx: int, prog_fd: int, prio: int, handle: int) -> None:
+def attach(ipr: "_IPRoute", idx: int, prog_fd: int, prio: int, handle: int) -> None:
     """Put our program in place, replacing only our own filter (an adopted one keeps its place: no second filter)."""
     ipr.tc("replace-filter", "bpf", idx, handle, fd=prog_fd, name=FILTER_NAME, parent=INGRESS, classid=1,
            direct_action=True, prio=prio)
 
 
-def remove(ipr: IPRoute, idx: int, ifname: str, prio: int, handle: int, created_clsact: bool) -> list[str]:
+def remove(ipr: "_IPRoute", idx: int, ifname: str, prio: int, handle: int, created_clsact: bool) -> list[str]:
     """Remove our filter (checked by prio, handle and name) and a clsact we created, if nothing else sits on it."""
     done = []
     for h in ingress_filters(ipr, idx, ifname):
@@ -98,7 +112,7 @@ def remove(ipr: IPRoute, idx: int, ifname: str, prio: int, handle: int, created_
             try:
                 ipr.tc("del", "clsact", idx)
                 done.append(f"removed clsact qdisc on {ifname} (qosagent created it)")
-            except NetlinkError as e:
+            except _netlink_error() as e:
                 if e.code not in (errno.EINVAL, errno.ENOENT):
                     raise
     return done
