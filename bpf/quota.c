@@ -187,23 +187,35 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p, __u32 *re
 }
 
 #define M4(a, b, c, d) ((__u64)(a) | (__u64)(b) << 8 | (__u64)(c) << 16 | (__u64)(d) << 24)
-#define M8(a, b, c, d, e, f, g, h) (M4(a, b, c, d) | M4(e, f, g, h) << 32)
 
-/* An HTTP/1.x request line starts with a method token and a space (RFC 9112 3). */
+/* An HTTP/1.x request line starts with a method token and a space (RFC 9112 3). One switch on the first four bytes
+ * (a jump through a few compares) instead of testing every method against the whole word. */
 static __always_inline int is_request_start(struct __sk_buff *skb, struct pkt *p)
 {
     __u64 w;
     /* "GET / HTTP/1.1\r\n" is the shortest request line a client sends. */
     if (p->payload_len < 16 || load(skb, p->payload_off, &w, 8) < 0)
         return 0;
-    __u64 w4 = w & 0xffffffffULL, w5 = w & 0xffffffffffULL, w6 = w & 0xffffffffffffULL;
-    __u64 w7 = w & 0xffffffffffffffULL;
-    return w4 == M4('G', 'E', 'T', ' ') || w5 == (M4('P', 'O', 'S', 'T') | (__u64)' ' << 32) ||
-           w4 == M4('P', 'U', 'T', ' ') || w5 == (M4('H', 'E', 'A', 'D') | (__u64)' ' << 32) ||
-           w7 == (M4('D', 'E', 'L', 'E') | M4('T', 'E', ' ', 0) << 32) ||
-           w6 == (M4('P', 'A', 'T', 'C') | M4('H', ' ', 0, 0) << 32) ||
-           w == M8('O', 'P', 'T', 'I', 'O', 'N', 'S', ' ') || w == M8('C', 'O', 'N', 'N', 'E', 'C', 'T', ' ') ||
-           w6 == (M4('T', 'R', 'A', 'C') | M4('E', ' ', 0, 0) << 32);
+    __u32 hi = w >> 32;
+    switch ((__u32)w) {
+    case M4('G', 'E', 'T', ' '):
+    case M4('P', 'U', 'T', ' '):
+        return 1;
+    case M4('P', 'O', 'S', 'T'):
+    case M4('H', 'E', 'A', 'D'):
+        return (hi & 0xff) == ' ';
+    case M4('P', 'A', 'T', 'C'):
+        return (hi & 0xffff) == M4('H', ' ', 0, 0);
+    case M4('T', 'R', 'A', 'C'):
+        return (hi & 0xffff) == M4('E', ' ', 0, 0);
+    case M4('D', 'E', 'L', 'E'):
+        return (hi & 0xffffff) == M4('T', 'E', ' ', 0);
+    case M4('O', 'P', 'T', 'I'):
+        return hi == M4('O', 'N', 'S', ' ');
+    case M4('C', 'O', 'N', 'N'):
+        return hi == M4('E', 'C', 'T', ' ');
+    }
+    return 0;
 }
 
 /* A header line "Name: value" of this first segment whose hash names a tenant; QOS_UNMATCHED if none. The name is
