@@ -98,6 +98,21 @@ def test_ipv6_extension_headers_and_cidr(prog):
     assert run(prog, ipv6(C6, S6, b"\0" * 8, ext=ext, proto=17)) == TC_ACT_UNSPEC
 
 
+METHODS = ("GET", "PUT", "POST", "HEAD", "PATCH", "TRACE", "DELETE", "OPTIONS", "CONNECT")
+
+
+def test_every_method_takes_a_token_and_near_misses_do_not(prog):
+    for i, method in enumerate(METHODS):
+        assert run(prog, ipv4(C4, S4, tcp(41000 + i, 8000, payload=request(method=method)))) == TC_ACT_UNSPEC
+    assert counts(prog, "cidrco")[:2] == (len(METHODS), 0)
+    # A method's letters without the space, one more letter, or lower case: a body segment, passed uncounted.
+    for i, line in enumerate(("GETS", "PUTS", "POSTS", "HEADS", "PATCHY", "TRACED", "DELETED", "OPTIONSX",
+                              "CONNECTS", "get", "POST\t", "DELET")):
+        payload = f"{line} / HTTP/1.1\r\nHost: server\r\n\r\n".encode()
+        assert run(prog, ipv4(C4, S4, tcp(42000 + i, 8000, payload=payload))) == TC_ACT_UNSPEC
+    assert counts(prog, "cidrco")[:2] == (len(METHODS), 0)
+
+
 def test_fragments_pass_and_are_counted(prog):
     more = 0x2000
     assert run(prog, ipv4(C4, S4, tcp(40000, 8100, payload=request()), frag=more)) == TC_ACT_UNSPEC
