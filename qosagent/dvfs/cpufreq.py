@@ -12,6 +12,7 @@ import errno
 from dataclasses import dataclass
 from typing import Callable
 
+from qosagent.cpulist import parse_cpulist
 from qosagent.dvfs.rollback import Originals
 from qosagent.hostfs import HostFS, HostFSError
 
@@ -44,13 +45,11 @@ def ints(text: str | None) -> tuple[int, ...]:
 
 
 def _cpulist(text: str | None) -> tuple[int, ...]:
-    """'0-3,6' or '0 1 2' (related_cpus uses spaces, cpulists use ranges)."""
-    out: list[int] = []
-    for tok in (text or "").replace(",", " ").split():
-        lo, _, hi = tok.partition("-")
-        if lo.isdigit() and (not hi or hi.isdigit()):
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(sorted(set(out)))
+    """A policy's CPUs; an unreadable list means no CPUs (the policy is then monitored only)."""
+    try:
+        return tuple(sorted(parse_cpulist(text or "")))
+    except ValueError:
+        return ()
 
 
 def _policy_dirs(fs: HostFS) -> list[str]:

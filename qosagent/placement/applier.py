@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from qosagent.hostfs import HostFS
-from qosagent.placement.cpulist import format_cpulist, parse_cpulist
+from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.discovery import numa_pages, proc_start
 
 log = logging.getLogger("qosagent.placement")

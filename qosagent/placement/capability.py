@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
 from qosagent.placement import applier
 from qosagent.placement.config import PlacementConfig
-from qosagent.placement.cpulist import format_cpulist, parse_cpulist
+from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology

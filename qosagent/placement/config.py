@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from qosagent.configbase import Duration, Mode, Section
-from qosagent.placement.cpulist import parse_cpulist
+from qosagent.cpulist import parse_cpulist
 
 
 class Selector(Section):

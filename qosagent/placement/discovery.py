@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Mapping
 
 from qosagent.hostfs import HostFS
 from qosagent.placement.config import Selector
-from qosagent.placement.cpulist import parse_cpulist
+from qosagent.cpulist import parse_cpulist
 
 
 @dataclass(frozen=True)

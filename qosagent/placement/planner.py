@@ -11,7 +11,7 @@ import collections
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-from qosagent.placement.cpulist import format_cpulist
+from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import ProcInfo
 from qosagent.placement.topology import Topology
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from qosagent.gpu.backend import GpuDevice, normalize_bus_id
 from qosagent.hostfs import HostFS
-from qosagent.placement.cpulist import format_cpulist, parse_cpulist
+from qosagent.cpulist import format_cpulist, parse_cpulist
 
 log = logging.getLogger("qosagent.placement")
 

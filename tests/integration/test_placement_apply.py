@@ -18,7 +18,7 @@ from qosagent.gpu.backend import GpuState, NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.placement import applier
 from qosagent.placement.capability import Placement
-from qosagent.placement.cpulist import format_cpulist
+from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import thread_cpus
 from qosagent.placement.topology import read_topology
 from qosagent.snapshot import Snapshot

@@ -5,7 +5,7 @@ import pytest
 from qosagent.gpu.backend import GpuDevice
 from qosagent.gpu.fake import FakeBackend, with_device
 from qosagent.hostfs import HostFS
-from qosagent.placement.cpulist import parse_cpulist
+from qosagent.cpulist import parse_cpulist
 from qosagent.placement.discovery import ProcInfo
 from qosagent.placement.planner import Policy, plan
 from qosagent.placement.topology import read_topology

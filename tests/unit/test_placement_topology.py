@@ -8,7 +8,7 @@ from qosagent.cli import main
 from qosagent.gpu.backend import GpuDevice
 from qosagent.gpu.fake import FakeBackend, with_device
 from qosagent.hostfs import HostFS
-from qosagent.placement.cpulist import format_cpulist, parse_cpulist
+from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.topology import read_topology
 from tests.placement_trees import numa_tree, pci_device, two_socket_8gpu
 

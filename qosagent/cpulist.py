@@ -1,4 +1,6 @@
-"""The kernel's cpulist notation ("0-3,8,10-11"), used by sysfs, /proc/PID/status and cgroup cpusets."""
+"""The kernel's cpulist notation ("0-3,8,10-11"), used by sysfs, /proc/PID/status and cgroup cpusets.
+
+cpufreq's related_cpus lists CPUs separated by spaces ("0 1 2 3"); the same parser reads both."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Iterable
 def parse_cpulist(text: str) -> frozenset[int]:
     """CPUs of a cpulist; an empty string is the empty set. Raises ValueError on anything else."""
     out: set[int] = set()
-    for part in text.strip().split(","):
+    for part in text.replace(" ", ",").strip().split(","):
         part = part.strip()
         if not part:
             continue
