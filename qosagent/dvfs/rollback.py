@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qosagent import statefile
+
 log = logging.getLogger("qosagent.dvfs")
 
 FILE_NAME = "dvfs-originals.json"
@@ -71,20 +73,11 @@ class Originals:
         if self.path is None:
             return
         if not self.entries:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            statefile.remove(self.path)
             return
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        data = {"version": VERSION, "host_root": self.host_root,
-                "entries": [{"key": k, "original": e.original, "ours": e.ours} for k, e in self.entries.items()]}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        statefile.save_json(self.path, {
+            "version": VERSION, "host_root": self.host_root,
+            "entries": [{"key": k, "original": e.original, "ours": e.ours} for k, e in self.entries.items()]})
 
     def original(self, key: str) -> str | None:
         e = self.entries.get(key)

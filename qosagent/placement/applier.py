@@ -16,6 +16,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from qosagent import statefile
 from qosagent.hostfs import HostFS
 from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.discovery import numa_pages, proc_start
@@ -180,18 +181,11 @@ class OriginalsStore:
         if not self.entries:
             self.remove()
             return
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({str(p): o.as_json() for p, o in self.entries.items()}, f)
-        os.replace(tmp, self.path)
+        statefile.save_json(self.path, {str(p): o.as_json() for p, o in self.entries.items()})
 
     def remove(self) -> None:
         if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            statefile.remove(self.path)
 
 
 def restore(fs: HostFS, pid: int, orig: Original) -> AffinityResult:
