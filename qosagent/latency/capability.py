@@ -42,6 +42,7 @@ class Latency(Capability):
         self.bpf: Any = None
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
+        self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
         self._window: Window[bm.Raw] | None = None
         self._runq_next = 0.0
 
@@ -141,6 +142,7 @@ class Latency(Capability):
         self._sync(b[b"tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in cidrs},
                    self._cidr_key, lambda t, v: t.Leaf(tenant=v))
         self._known.update(table)
+        self._tenants = table
 
     @staticmethod
     def _cidr_key(t: Any, k: tuple[int, int, bytes]) -> Any:
@@ -189,7 +191,7 @@ class Latency(Capability):
             self._runq_next = now + RUNQ_REFRESH_S
             self._refresh_runq_threads()
         cfg = self.ctx.config
-        current = tenant_table(cfg)
+        current = self._tenants
         # Configured tenants, and any a reload removed that still have counts since start.
         ids = set(current) | {t for (t, _kind) in raw.hist} | {t for (t, _what) in raw.counters}
         tenants = {}
@@ -276,7 +278,7 @@ class Latency(Capability):
         from qosagent.latency import export
 
         part = snapshot.part(self.name)
-        slo = {info.name: info.slo_p99 for info in tenant_table(self.ctx.config).values()}
+        slo = {info.name: info.slo_p99 for info in self._tenants.values()}
         out = export.status(part, slo)
         out["mode"] = self.mode
         out["programs"] = self.programs

@@ -15,7 +15,7 @@ from qosagent.quota import tc
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
 from qosagent.snapshot import Snapshot
-from qosagent.tenants import UNMATCHED_ID, TenantLimit, tenant_id, tenant_table
+from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, tenant_id, tenant_table
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -67,10 +67,10 @@ class LimitsWriter:
         self.quota = quota
 
     def baseline(self) -> Mapping[str, TenantLimit]:
-        return {n: s.requests for n, s in baseline(self.quota.ctx.config).items() if s.requests is not None}
+        return {n: s.requests for n, s in self.quota.specs.items() if s.requests is not None}
 
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
-        specs = baseline(self.quota.ctx.config)
+        specs = self.quota.specs
         out = {}
         for name, lim in limits.items():
             if name not in specs:  # e.g. removed by a reload the caller has not seen yet
@@ -97,6 +97,17 @@ class Quota(Capability):
         self.unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
+        # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
+        self.specs: dict[str, Any] = {}
+        self.table: dict[int, TenantInfo] = {}
+
+    @staticmethod
+    def _derive(cfg: Config) -> tuple[dict[str, Any], dict[int, TenantInfo]]:
+        try:
+            table = tenant_table(cfg)
+        except ValueError as e:
+            raise CapabilityError(str(e)) from None
+        return baseline(cfg), {tid: info for tid, info in table.items() if tid != UNMATCHED_ID}
 
     def probe(self, features: "Features") -> Verdict:
         if os.geteuid() != 0:
@@ -130,6 +141,7 @@ class Quota(Capability):
 
     def start(self) -> None:
         cfg = self.ctx.config
+        self.specs, self.table = self._derive(cfg)
         try:
             self.datapath = dp.Datapath(cfg)
             self.datapath.write_config(cfg, _baseline_buckets(cfg))
@@ -155,12 +167,10 @@ class Quota(Capability):
                 old_t, old = t, c
         span = now - old_t
         cfg = self.ctx.config
-        specs = baseline(cfg)
+        specs = self.specs
         fresh = r.ktime_ns - r.heartbeat_ns <= int(cfg.quota.heartbeat_timeout * 1e9)
         tenants = {}
-        for tid, info in tenant_table(cfg).items():
-            if tid == UNMATCHED_ID:
-                continue
+        for tid, info in self.table.items():
             c = r.counts.get(tid, (0, 0, 0, 0))
             o = old.get(tid, (0, 0, 0, 0))
             spec = specs.get(info.name)
@@ -203,6 +213,7 @@ class Quota(Capability):
             raise CapabilityError(f"cannot list interfaces: {e}") from e
         if missing:
             raise CapabilityError(f"interface(s) not found: {', '.join(missing)}")
+        derived = self._derive(config)
         self.overrides = {n: v for n, v in self.overrides.items() if n in {t.name for t in config.tenants}}
         try:
             d.write_config(config, _baseline_buckets(config))
@@ -212,6 +223,7 @@ class Quota(Capability):
         except Exception as e:  # noqa: BLE001
             raise CapabilityError(f"updating the quota maps failed: {e}") from e
         self.attached = names
+        self.specs, self.table = derived
 
     def stop(self) -> None:
         """A clean stop removes everything (only a dead agent leaves the classifier enforcing)."""
