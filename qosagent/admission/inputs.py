@@ -10,19 +10,15 @@ from qosagent.gpu.backend import GpuState
 from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
 from qosagent.quota.model import QuotaPart
+from qosagent.quota.rules import baseline as quota_baseline
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit
 
 
 def config_baseline(cfg: Config) -> dict[str, TenantLimit]:
-    """Configured limits (tenant quota, else its tier's) when no quota capability answers for them."""
-    out = {}
-    for t in cfg.tenants:
-        spec = t.quota or cfg.tiers[t.tier].quota
-        if spec is not None and spec.rps is not None:
-            burst = spec.burst if spec.burst is not None else max(1, int(spec.rps // 10))
-            out[t.name] = TenantLimit(spec.rps, burst)
-    return out
+    """Configured request limits when no quota capability answers for them: read exactly as the classifier
+    would (each field from the tenant, else its tier; the same burst default), so dry-run shows real numbers."""
+    return {name: spec.requests for name, spec in quota_baseline(cfg).items() if spec.requests is not None}
 
 
 def _floor_burst(floor: QuotaSpec | None) -> int:
