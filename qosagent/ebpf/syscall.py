@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from dataclasses import dataclass
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _SYS_BPF = 321  # x86_64
+BPF_MAP_LOOKUP_ELEM = 1
+BPF_MAP_UPDATE_ELEM = 2
+BPF_MAP_GET_NEXT_KEY = 4
+BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_OBJ_GET_INFO_BY_FD = 15
@@ -23,7 +28,9 @@ def bpf(cmd: int, attr: ctypes.Structure) -> int:
     return int(ret)
 
 
-class _ObjGetAttr(ctypes.Structure):
+class _ObjAttr(ctypes.Structure):
+    """BPF_OBJ_PIN and BPF_OBJ_GET share one attribute layout."""
+
     _fields_ = [("pathname", ctypes.c_uint64), ("bpf_fd", ctypes.c_uint32), ("file_flags", ctypes.c_uint32),
                 ("path_fd", ctypes.c_int32)]
 
@@ -49,7 +56,7 @@ class _ProgInfo(ctypes.Structure):
 def obj_get(path: str) -> int:
     """An fd for the object pinned at path (caller closes it)."""
     p = ctypes.create_string_buffer(path.encode())
-    attr = _ObjGetAttr(pathname=ctypes.addressof(p))
+    attr = _ObjAttr(pathname=ctypes.addressof(p))
     return bpf(BPF_OBJ_GET, attr)
 
 
@@ -85,16 +92,6 @@ def pinned_map_info(path: str) -> MapInfo:
         os.close(fd)
 
 
-BPF_MAP_LOOKUP_ELEM = 1
-BPF_MAP_GET_NEXT_KEY = 4
-BPF_OBJ_PIN = 6
-
-
-class _PinAttr(ctypes.Structure):
-    _fields_ = [("pathname", ctypes.c_uint64), ("bpf_fd", ctypes.c_uint32), ("file_flags", ctypes.c_uint32),
-                ("path_fd", ctypes.c_int32)]
-
-
 class _ElemAttr(ctypes.Structure):
     _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
                 ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
@@ -102,7 +99,7 @@ class _ElemAttr(ctypes.Structure):
 
 def obj_pin(fd: int, path: str) -> None:
     p = ctypes.create_string_buffer(path.encode())
-    bpf(BPF_OBJ_PIN, _PinAttr(pathname=ctypes.addressof(p), bpf_fd=fd))
+    bpf(BPF_OBJ_PIN, _ObjAttr(pathname=ctypes.addressof(p), bpf_fd=fd))
 
 
 def map_items(fd: int, key_size: int, value_size: int) -> list[tuple[bytes, bytes]]:
@@ -117,20 +114,17 @@ def map_items(fd: int, key_size: int, value_size: int) -> list[tuple[bytes, byte
         try:
             bpf(BPF_MAP_GET_NEXT_KEY, attr)
         except OSError as e:
-            if e.errno == 2:  # ENOENT: the end
+            if e.errno == errno.ENOENT:  # the end
                 return out
             raise
         try:
             bpf(BPF_MAP_LOOKUP_ELEM, _ElemAttr(map_fd=fd, key=ctypes.addressof(key), value=ctypes.addressof(val)))
         except OSError as e:
-            if e.errno != 2:  # deleted meanwhile
+            if e.errno != errno.ENOENT:  # deleted meanwhile
                 raise
         else:
             out.append((key.raw, val.raw[:value_size]))
         prev = ctypes.create_string_buffer(key.raw, key_size)
-
-
-BPF_MAP_UPDATE_ELEM = 2
 
 
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
@@ -139,7 +133,7 @@ def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
     try:
         bpf(BPF_MAP_LOOKUP_ELEM, _ElemAttr(map_fd=fd, key=ctypes.addressof(k), value=ctypes.addressof(v)))
     except OSError as e:
-        if e.errno == 2:
+        if e.errno == errno.ENOENT:
             return None
         raise
     return v.raw
