@@ -86,12 +86,13 @@ class Histogram:
     def __sub__(self, older: "Histogram") -> "Histogram":
         """What was added since `older` (counters only grow; a reset reads as everything new)."""
         out = {}
+        before = older.counts.get
         for i, c in self.counts.items():
-            d = c - older.counts.get(i, 0)
+            d = c - before(i, 0)
             if d > 0:
                 out[i] = d
-        if any(c < older.counts.get(i, 0) for i, c in self.counts.items()):
-            return self
+            elif d < 0:
+                return self
         return Histogram(out, max(self.sum_ns - older.sum_ns, 0))
 
     def quantile(self, q: float) -> float | None:

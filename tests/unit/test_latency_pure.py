@@ -50,13 +50,21 @@ def test_watched_ports_include_tenant_and_multiplexed_ports() -> None:
 def test_per_cpu_values_are_summed_over_cpus() -> None:
     assert bm.per_cpu_value_size(16, 4) == 64
     assert bm.per_cpu_value_size(4, 3) == 24  # each CPU's slot is 8-byte aligned
-    hist_raw = struct.pack("<QQQQ", 2, 300, 1, 50)
-    ctr_raw = struct.pack("<QQ", 5, 7)
-    raw = bm.assemble([(bm.HistKey(7, bm.KIND_TTFB, 100), hist_raw), (bm.HistKey(7, bm.KIND_TTFB, 101), hist_raw)],
-                      [(bm.CounterKey(7, bm.C_STARTED), ctr_raw)])
-    assert raw.hist[(7, bm.KIND_TTFB)] == {100: 3, 101: 3}
-    assert raw.sums[(7, bm.KIND_TTFB)] == 700
-    assert raw.counters[(7, bm.C_STARTED)] == 12
+    # Two CPUs; values entry after entry, CPU after CPU, as BPF_MAP_LOOKUP_BATCH hands them out.
+    hist_keys = bm.HIST_KEY.pack(7, bm.KIND_TTFB, 100) + bm.HIST_KEY.pack(7, bm.KIND_TTFB, 101)
+    hist_values = struct.pack("<8Q", 2, 300, 1, 50, 4, 10, 0, 0)
+    ctr_keys = bm.COUNTER_KEY.pack(7, bm.C_STARTED) + bm.COUNTER_KEY.pack(8, bm.C_CONNS)
+    ctr_values = struct.pack("<4Q", 5, 7, 0, 1)
+    raw = bm.assemble([(hist_keys, hist_values, 2)], [(ctr_keys, ctr_values, 2), (b"", b"", 0)])
+    assert raw.hist[(7, bm.KIND_TTFB)] == {100: 3, 101: 4}
+    assert raw.sums[(7, bm.KIND_TTFB)] == 360
+    assert raw.counters == {(7, bm.C_STARTED): 12, (8, bm.C_CONNS): 1}
+
+
+def test_per_cpu_sums_add_each_field_over_any_number_of_cpus() -> None:
+    values = struct.pack("<6Q", 1, 2, 3, 10, 20, 30)  # two entries of one field on three CPUs
+    assert bm.per_cpu_sums(values, 2, 1) == [[6, 60]]
+    assert bm.per_cpu_sums(b"", 0, 2) == [[], []]
 
 
 def test_window_subtracts_the_checkpoint_one_span_ago() -> None:
