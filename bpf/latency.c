@@ -55,12 +55,9 @@ static __always_inline int qos_port_watched(__u16 lport)
 #define LAT_C_MUX_CONNS 7      /* of those, on multiplexed ports (HTTP/2, gRPC): requests overlap, not timed */
 #define LAT_C_OVERLAPPED 8     /* requests whose bytes arrived while the previous response was still being written */
 #define LAT_C_LOST 9           /* observations dropped because lat_hist was full */
+#define LAT_C_UNTRACKED 10     /* connections not tracked: the socket table had no free slot for them */
 
 #define MSG_PEEK_FLAG 2
-
-struct lat_sock_key {
-    __u64 sk;
-};
 
 struct lat_sock {
     __u64 start_ns;     /* the current request's first bytes: arrived at the socket, else read */
@@ -107,11 +104,88 @@ struct lat_pid_val {
     __u64 v;
 };
 
-#ifndef LAT_MAX_SOCKS
-#define LAT_MAX_SOCKS 65536
+/* Tracked sockets. A hash map would cost a call chain per lookup (~50-100 ns on machines with retpolines and return
+ * thunks, and three lookups per request on the busiest path); instead a table of buckets of LAT_SOCK_WAYS slots,
+ * chosen by a hash of the socket pointer, in BPF arrays, whose lookups the verifier inlines. lat_sock_tags holds
+ * each slot's socket (0: free), lat_socks its state. A socket whose bucket is full is not tracked, and counted
+ * (LAT_C_UNTRACKED): with 65 536 slots, about 3 in 1000 connections at 10 000 tracked at once. Sized by
+ * latency.socket_slots. */
+#ifndef LAT_SOCK_BUCKETS_LOG2 /* from latency.socket_slots */
+#define LAT_SOCK_BUCKETS_LOG2 14
 #endif
+#define LAT_SOCK_WAYS 4
+#define LAT_MAX_SOCKS (LAT_SOCK_WAYS << LAT_SOCK_BUCKETS_LOG2)
+#define LAT_SOCK_RESERVED 1ULL  /* a slot being filled: never a socket pointer, so no lookup matches it */
 
-BPF_F_TABLE("lru_hash", struct lat_sock_key, struct lat_sock, lat_socks, LAT_MAX_SOCKS, 0);
+struct lat_sock_bucket {
+    __u64 sk[LAT_SOCK_WAYS];
+};
+
+BPF_ARRAY(lat_sock_tags, struct lat_sock_bucket, LAT_MAX_SOCKS / LAT_SOCK_WAYS);
+BPF_ARRAY(lat_socks, struct lat_sock, LAT_MAX_SOCKS);
+
+static __always_inline __u32 lat_sock_bucket_of(__u64 sk)
+{
+#if LAT_SOCK_BUCKETS_LOG2 == 0
+    return 0;
+#else
+    /* Fibonacci hashing: the top bits of the product mix every bit of the (cache-line aligned) pointer. */
+    return (__u32)((sk * 0x9E3779B97F4A7C15ULL) >> (64 - LAT_SOCK_BUCKETS_LOG2));
+#endif
+}
+
+static __always_inline struct lat_sock *lat_sock_at(__u32 bucket, __u32 way)
+{
+    __u32 i = bucket * LAT_SOCK_WAYS + way;
+    return lat_socks.lookup(&i);
+}
+
+static __always_inline struct lat_sock *lat_tracked(__u64 sk)
+{
+    __u32 b = lat_sock_bucket_of(sk);
+    struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
+    if (!t)
+        return 0;
+#pragma unroll
+    for (__u32 w = 0; w < LAT_SOCK_WAYS; w++)
+        if (t->sk[w] == sk)
+            return lat_sock_at(b, w);
+    return 0;
+}
+
+/* Track sk with state *init; 0 when its bucket is full. The slot is reserved, filled, then published, so that an
+ * event on another CPU never sees a half-written state under this socket's tag. */
+static __always_inline int lat_track(__u64 sk, const struct lat_sock *init)
+{
+    __u32 b = lat_sock_bucket_of(sk);
+    struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
+    if (!t)
+        return 0;
+#pragma unroll
+    for (__u32 w = 0; w < LAT_SOCK_WAYS; w++) {
+        if (t->sk[w] != 0 || __sync_val_compare_and_swap(&t->sk[w], 0, LAT_SOCK_RESERVED) != 0)
+            continue;
+        struct lat_sock *s = lat_sock_at(b, w);
+        if (s)
+            *s = *init;
+        __sync_lock_test_and_set(&t->sk[w], sk);
+        return 1;
+    }
+    return 0;
+}
+
+static __always_inline void lat_untrack(__u64 sk)
+{
+    __u32 b = lat_sock_bucket_of(sk);
+    struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
+    if (!t)
+        return;
+#pragma unroll
+    for (__u32 w = 0; w < LAT_SOCK_WAYS; w++)
+        if (t->sk[w] == sk)
+            __sync_val_compare_and_swap(&t->sk[w], sk, 0);
+}
+
 BPF_F_TABLE("percpu_hash", struct lat_hist_key, struct lat_hist_val, lat_hist, 16384, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("percpu_hash", struct lat_counter_key, struct lat_counter_val, lat_counters, 4096, BPF_F_NO_PREALLOC);
 /* Ports whose protocol runs requests concurrently on one connection (latency.multiplexed_ports). Without the
@@ -122,33 +196,6 @@ BPF_HASH(lat_mux_ports, struct qos_port_key, struct qos_watch_val, 1024);
  * spares an update and a delete per wait on the scheduler's hottest path. */
 BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
 BPF_HASH(runq_pids, struct lat_pid_key, struct lat_pid_val, 65536);
-
-/* Most socket events on a host are on sockets we do not track. A counting filter over a hash of the socket pointer
- * answers "not tracked" with one array load (inlined by the verifier) before any hash lookup. A slot may stay
- * non-zero after an LRU eviction: a false "maybe", which the hash lookup then settles. */
-#define LAT_FILTER_SLOTS 65536
-
-struct lat_filter_val {
-    __u32 n;
-};
-
-BPF_ARRAY(lat_filter, struct lat_filter_val, LAT_FILTER_SLOTS);
-
-static __always_inline struct lat_filter_val *lat_filter_slot(__u64 sk)
-{
-    /* socket objects are at least cache-line aligned: the low 6 bits carry nothing */
-    int i = (int)(((sk >> 6) ^ (sk >> 22)) & (LAT_FILTER_SLOTS - 1));
-    return lat_filter.lookup(&i);
-}
-
-static __always_inline struct lat_sock *lat_tracked(__u64 sk)
-{
-    struct lat_filter_val *f = lat_filter_slot(sk);
-    if (!f || !f->n)
-        return 0;
-    struct lat_sock_key k = {.sk = sk};
-    return lat_socks.lookup(&k);
-}
 
 static __always_inline void lat_count(__u32 tenant, __u32 what)
 {
@@ -225,11 +272,11 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
         lat_count(s->tenant, LAT_C_EXTRA_READS);
         return;
     }
-    __u64 now = bpf_ktime_get_ns();
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
     s->tenant = lat_request_tenant(s);
-    s->start_ns = s->arrived_ns ? s->arrived_ns : now;
+    /* With the arrival clock the request's start is already stamped: no clock read (a helper call) here. */
+    s->start_ns = s->arrived_ns ? s->arrived_ns : bpf_ktime_get_ns();
     s->arrived_ns = 0;
     s->state = LAT_WAITING;
     if (s->flags & LAT_F_OVERLAP) {
@@ -268,7 +315,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
     if (args->protocol != IPPROTO_TCP)
         return 0;
-    struct lat_sock_key k = {.sk = (__u64)args->skaddr};
+    __u64 sk = (__u64)args->skaddr;
     if (args->newstate == BPF_TCP_ESTABLISHED) {
         /* Server side only: a child socket goes SYN_RECV -> ESTABLISHED; `sport` is then the listening port. */
         if (args->oldstate != BPF_TCP_SYN_RECV || !qos_port_watched(args->sport))
@@ -294,10 +341,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 #endif
         struct qos_port_key pk = {.port = args->sport};
         s.state = lat_mux_ports.lookup(&pk) ? LAT_MUX : LAT_IDLE;
-        if (lat_socks.update(&k, &s) == 0) {
-            struct lat_filter_val *f = lat_filter_slot(k.sk);
-            if (f)
-                __sync_fetch_and_add(&f->n, 1);
+        if (!lat_track(sk, &s)) {
+            lat_count(s.tenant, LAT_C_UNTRACKED);
+            return 0;
         }
         lat_count(s.tenant, LAT_C_CONNS);
         if (s.state == LAT_MUX)
@@ -306,17 +352,14 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     }
     if (args->newstate != BPF_TCP_CLOSE)
         return 0;
-    struct lat_sock *s = lat_socks.lookup(&k);
+    struct lat_sock *s = lat_tracked(sk);
     if (!s)
         return 0;
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
     else if (s->state == LAT_WAITING && !(s->flags & LAT_F_UNTIMED))
         lat_count(s->tenant, LAT_C_UNPAIRED_CLOSE);
-    lat_socks.delete(&k);
-    struct lat_filter_val *f = lat_filter_slot(k.sk);
-    if (f && f->n)
-        __sync_fetch_and_add(&f->n, -1);
+    lat_untrack(sk);
     return 0;
 }
 
@@ -338,13 +381,17 @@ RAW_TRACEPOINT_PROBE(sk_data_ready)
  * argument is the socket and whose return value is the byte count. The flags of tcp_recvmsg moved between kernel
  * versions, so MSG_PEEK reads are not filtered here (rare on servers; documented). */
 /* The socket of each thread's tcp_recvmsg/tcp_sendmsg call in progress, for its return probe. */
-BPF_F_TABLE("lru_hash", struct lat_pid_key, struct lat_sock_key, kp_sk, 16384, 0);
+struct kp_sock {
+    __u64 sk;
+};
+
+BPF_F_TABLE("lru_hash", struct lat_pid_key, struct kp_sock, kp_sk, 16384, 0);
 
 /* Entry of both tcp_recvmsg and tcp_sendmsg: remember the socket for the return probe. */
 int kp_tcp_enter(struct pt_regs *ctx)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key k = {.sk = PT_REGS_PARM1(ctx)};
+    struct kp_sock k = {.sk = PT_REGS_PARM1(ctx)};
     if (lat_tracked(k.sk))
         kp_sk.update(&t, &k);
     return 0;
@@ -354,7 +401,7 @@ int kp_tcp_enter(struct pt_regs *ctx)
 static __always_inline __u64 kp_exit(void)
 {
     struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct lat_sock_key *k = kp_sk.lookup(&t);
+    struct kp_sock *k = kp_sk.lookup(&t);
     if (!k)
         return 0;
     __u64 sk = k->sk;

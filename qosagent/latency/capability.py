@@ -79,6 +79,7 @@ class Latency(Capability):
             defines["QOS_KPROBE"] = 1
         if self.arrival:
             defines["QOS_ARRIVAL"] = 1
+        defines["LAT_SOCK_BUCKETS_LOG2"] = (self.ctx.config.latency.socket_slots // 4).bit_length() - 1
         defines.update(_flows_defines(self.ctx.config))
         try:
             self.bpf = compile_program("latency", defines)
@@ -93,8 +94,9 @@ class Latency(Capability):
         from bcc.utils import get_possible_cpus
 
         ncpus = len(get_possible_cpus())
-        self._hist_reader = self._reader(b"lat_hist", bm.HistKey, bm.per_cpu_value_size(bm.HIST_VALUE.size, ncpus))
-        self._counter_reader = self._reader(b"lat_counters", bm.CounterKey,
+        self._hist_reader = self._reader(b"lat_hist", bm.HIST_KEY.size,
+                                         bm.per_cpu_value_size(bm.HIST_VALUE.size, ncpus))
+        self._counter_reader = self._reader(b"lat_counters", bm.COUNTER_KEY.size,
                                             bm.per_cpu_value_size(bm.COUNTER_VALUE.size, ncpus))
         self._fill_maps(self.ctx.config)
         self.programs = self._program_ids()
@@ -103,10 +105,10 @@ class Latency(Capability):
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
 
-    def _reader(self, table: bytes, key_type: type, value_size: int) -> Any:
+    def _reader(self, table: bytes, key_size: int, value_size: int) -> Any:
         from qosagent.ebpf.batch import BatchReader
 
-        return BatchReader(self.bpf[table].map_fd, key_type, value_size)
+        return BatchReader(self.bpf[table].map_fd, key_size, value_size)
 
     def attached(self) -> int:
         if self.bpf is None:
@@ -179,7 +181,7 @@ class Latency(Capability):
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:
-        return bm.assemble(self._hist_reader, self._counter_reader)
+        return bm.assemble(self._hist_reader.chunks(), self._counter_reader.chunks())
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
@@ -237,6 +239,7 @@ class Latency(Capability):
             connections=c(raw, bm.C_CONNS),
             multiplexed_connections=c(raw, bm.C_MUX_CONNS),
             lost=c(raw, bm.C_LOST),
+            untracked=c(raw, bm.C_UNTRACKED),
         )
 
     def _refresh_runq_threads(self) -> None:

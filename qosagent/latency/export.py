@@ -53,6 +53,9 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
                                 "byte (a request read in pieces, or pipelined requests timed as one)", labels=labels)
     conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
                                 labels=labels)
+    untracked = CounterMetricFamily("qosagent_connections_untracked", "Server-side connections on watched ports not "
+                                    "tracked because the kernel's socket table had no free slot for them",
+                                    labels=labels)
     mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
                               "(their requests overlap by protocol: counted, not timed)", labels=labels)
     overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
@@ -75,6 +78,7 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
         extra.add_metric(lv, t.extra_reads)
         conns.add_metric(lv, t.connections)
         mux.add_metric(lv, t.multiplexed_connections)
+        untracked.add_metric(lv, t.untracked)
         overlapped.add_metric(lv, t.overlapped)
         lost.add_metric(lv, t.lost)
         inflight.add_metric(lv, t.in_flight)
@@ -84,7 +88,8 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
                 if v is not None:
                     fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
             fam.add_metric(lv, h.count, h.sum_ns / 1e9)
-    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, overlapped, lost, inflight, ttfb_w, resp_w)
+    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, untracked, overlapped, lost, inflight, ttfb_w,
+                resp_w)
     if part.runqueue is not None:
         rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
                                    "watched ports waited runnable for a CPU, since start")
@@ -118,7 +123,7 @@ def status(part: LatencyPart | None, slo_p99: dict[str, float]) -> dict[str, Any
             "tenant": t.tenant, "tier": t.tier, "requests": t.requests, "rate_rps": round(t.rate_rps, 3),
             "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,
             "extra_reads": t.extra_reads, "connections": t.connections,
-            "multiplexed_connections": t.multiplexed_connections, "lost": t.lost,
+            "multiplexed_connections": t.multiplexed_connections, "untracked": t.untracked, "lost": t.lost,
             "ttfb": _quantiles(t.ttfb_window), "response": resp_w,
             "ttfb_total": _quantiles(t.ttfb), "response_total": _quantiles(t.response),
             "slo_p99": slo or None, "slo": slo_state(resp_w["p99"], slo),

@@ -27,6 +27,7 @@ class TenantLatency:
     connections: int = 0  # server-side connections tracked since start
     multiplexed_connections: int = 0  # of those, on latency.multiplexed_ports: counted, their requests not timed
     lost: int = 0  # observations the kernel dropped because its histogram map was full
+    untracked: int = 0  # connections not tracked because the kernel's socket table had no free slot
 
 
 @dataclass(frozen=True)
