@@ -1,8 +1,14 @@
-"""What the latency probes cost: nginx + wrk on loopback with and without the agent, per-event BPF cost, agent CPU,
-RSS and start-to-ready time. Run as root: `python -m bench.latency_overhead [--pairs N] [--seconds S]`.
+"""What the latency probes cost: nginx + wrk on loopback with and without the probes, per-event BPF cost, agent CPU,
+RSS and start-to-ready time. Run as root: `python -m bench.latency_overhead [--pairs N] [--window S]`.
 
-Throughput is compared in interleaved pairs (without, with) inside one run and summarised by the median ratio, so
-the noise of a shared machine hits both sides alike. Prints a markdown block for docs/PERFORMANCE.md.
+Throughput: one long wrk run against nginx while an in-process agent (the daemon's own Agent, ticking every
+`interval` in a thread) has its probes attached and detached in alternating windows; nginx's stub_status request
+counter gives each window's rate, and each (without, with) pair of neighbouring windows gives a ratio, summarised by
+the median. Windows of a fraction of a second inside one run keep the drift of a shared VM (seconds-long swings of
+10-30 % in wrk's own rate) out of the pairs, which separate wrk runs with an agent started and stopped between them
+could not. Detached, the agent does nothing: no probes fire and no tick runs, as without an agent.
+Start-to-ready, CPU and RSS come from the real `qosagent run` process. Prints a markdown block for
+docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +46,10 @@ http {{
   server {{
     listen 127.0.0.1:{port};
     location / {{ return 200 "ok\\n"; }}
+  }}
+  server {{
+    listen 127.0.0.1:{status_port};
+    location / {{ stub_status; }}
   }}
 }}
 """
@@ -127,10 +139,130 @@ def prog_stats(ids: list[int]) -> dict[int, tuple[str, int, int]]:
     return out
 
 
+def nginx_requests(status_port: int) -> int:
+    """nginx's count of requests served so far (stub_status: active / accepts handled requests / reading...)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{status_port}/", timeout=5) as r:
+        return int(r.read().decode().splitlines()[2].split()[2])
+
+
+class Toggled:
+    """The daemon's Agent in this process, with its latency probes attached or detached at will and its tick loop
+    running only while attached."""
+
+    def __init__(self, tmp: Path, watched: int, runq: bool):
+        sys.path.insert(0, str(REPO))
+        from qosagent.config import parse
+        from qosagent.daemon import Agent
+        from qosagent.hostfs import HostFS
+
+        cfg = parse(yaml_config(tmp, watched, runq, free_port()), "bench")
+        self.agent = Agent(cfg, HostFS("/"))
+        self.agent.start()
+        lat = next(c for c in self.agent.capabilities if c.name == "latency")
+        if lat.mode != "tracepoint":
+            raise RuntimeError(f"the bench toggles tracepoints; the latency probes run in {lat.mode} mode")
+        self.bpf = lat.bpf
+        self.raw = list(self.bpf.raw_tracepoint_fds)
+        self.tps = list(self.bpf.tracepoint_fds)
+        self.interval = cfg.interval
+        self.on = threading.Event()
+        self.on.set()
+        self.ticks = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval):
+            if self.on.is_set():
+                self.agent.tick()
+                self.ticks += 1
+
+    def attach(self) -> None:
+        for tp in self.raw:  # BCC names RAW_TRACEPOINT_PROBE(x) raw_tracepoint__x, TRACEPOINT_PROBE(c, e) ...__c__e
+            self.bpf.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
+        for tp in self.tps:
+            self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+        self.on.set()
+
+    def detach(self) -> None:
+        self.on.clear()
+        for tp in self.raw:
+            self.bpf.detach_raw_tracepoint(tp)
+        for tp in self.tps:
+            self.bpf.detach_tracepoint(tp)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+        if not self.on.is_set():
+            self.attach()  # the agent's stop detaches what it attached
+        self.agent.stop()
+
+
+def yaml_config(tmp: Path, watched: int, runq: bool, mport: int) -> dict:
+    import yaml
+
+    return yaml.safe_load(AGENT_CONF.format(mport=mport, tmp=tmp, watched=watched, runq=str(runq).lower()))
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of whole processes (all their threads), probes' run time included: BPF programs
+    run in the context of the process whose read or write fires them."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Window:
+    rps: float
+    cpu_per_request_s: float
+
+
+def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path,
+                       args: argparse.Namespace) -> list[tuple[Window, Window]]:
+    """(without, with) for each pair of neighbouring windows of one wrk run: the request rate nginx saw, and the
+    CPU time nginx, wrk and the agent spent per request (what other load on a shared machine does not change)."""
+    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue)
+    workers = [int(p) for p in Path(f"/proc/{nginx_pid}/task/{nginx_pid}/children").read_text().split()]
+    total_s = 2 + args.pairs * 2 * (args.window + 0.15) + 5
+    wrk_proc = subprocess.Popen(["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{int(total_s)}s",
+                                 f"http://127.0.0.1:{port}/"], stdout=subprocess.DEVNULL)
+    pairs = []
+    try:
+        time.sleep(1.5)  # wrk's connections up (established while attached: the probes track them)
+        for pair in range(args.pairs):
+            rates = {}
+            # Alternate which side comes first, so a trend in the machine's speed favours neither.
+            for attached in ((False, True) if pair % 2 == 0 else (True, False)):
+                if attached and not t.on.is_set():
+                    t.attach()
+                elif not attached and t.on.is_set():
+                    t.detach()
+                time.sleep(0.1)  # past the switch
+                pids = workers + [wrk_proc.pid, os.getpid()]
+                c0, t0, u0 = nginx_requests(status_port), time.monotonic(), cpu_s(pids)
+                time.sleep(args.window)
+                c1, t1, u1 = nginx_requests(status_port), time.monotonic(), cpu_s(pids)
+                rates[attached] = Window((c1 - c0) / (t1 - t0), (u1 - u0) / max(c1 - c0, 1))
+            pairs.append((rates[False], rates[True]))
+        if wrk_proc.poll() is not None:
+            raise RuntimeError("wrk ended before the last window: the windows did not all see load")
+    finally:
+        wrk_proc.terminate()
+        wrk_proc.wait(10)
+        t.close()
+    return pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--seconds", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=40, help="pairs of (without, with) windows in one wrk run")
+    ap.add_argument("--window", type=float, default=0.5, help="seconds per window")
+    ap.add_argument("--restarts", type=int, default=3, help="agent processes started for ready time, CPU and RSS")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--connections", type=int, default=8)
     ap.add_argument("--no-runqueue", action="store_true", help="measure with latency.runqueue.enabled: false")
@@ -141,22 +273,21 @@ def main() -> None:
         if not shutil.which(tool):
             sys.exit(f"{tool} is not installed (make setup-test installs it)")
     tmp = Path(tempfile.mkdtemp(prefix="qosagent-bench-"))
-    port = free_port()
-    (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, port=port))
+    port, status_port = free_port(), free_port()
+    (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, port=port, status_port=status_port))
     nginx = subprocess.Popen(["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)])
     stats_path = Path("/proc/sys/kernel/bpf_stats_enabled")
     stats_before = stats_path.read_text().strip()
     try:
         time.sleep(0.5)
         wrk(port, 1, args.threads, args.connections)  # warm up nginx and the page cache
-        ratios, base_rps, with_rps, ready, idle_cpu, load_cpu, rss_idle, rss_load = [], [], [], [], [], [], [], []
+        pairs = throughput_windows(port, status_port, nginx.pid, tmp, args)
+        ready, idle_cpu, load_cpu, rss_idle, rss_load = [], [], [], [], []
         per_event: dict[str, list[float]] = {}
+        per_request: dict[str, list[float]] = {}
         probe_ns_per_req: list[float] = []
         cpu_ns_per_req: list[float] = []
-        for pair in range(args.pairs):
-            # Alternate which side runs first, so a drift in the machine's load does not favour one side.
-            if pair % 2 == 0:
-                without = wrk(port, args.seconds, args.threads, args.connections)
+        for _ in range(args.restarts):
             agent = Agent(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue)
             try:
                 ready.append(agent.ready_s)
@@ -166,7 +297,7 @@ def main() -> None:
                 idle_cpu.append((agent.cpu_s() - c0) / (time.monotonic() - t0))
                 rss_idle.append(agent.rss_mb())
                 c0, t0 = agent.cpu_s(), time.monotonic()
-                with_ = wrk(port, args.seconds, args.threads, args.connections)
+                wrk(port, 3, args.threads, args.connections)
                 load_cpu.append((agent.cpu_s() - c0) / (time.monotonic() - t0))
                 rss_load.append(agent.rss_mb())
                 # Per-event cost in a run of its own: bpf_stats timing slows every BPF program it measures.
@@ -182,40 +313,48 @@ def main() -> None:
                     total_ns += d_ns
                     if d_cnt:
                         per_event.setdefault(name, []).append(d_ns / d_cnt)
+                        per_request.setdefault(name, []).append(d_cnt / (stats_rps * 2))
                 # Noise-free view of the same cost: BPF time per request against the CPU time a request gets.
                 requests = stats_rps * 2
                 probe_ns_per_req.append(total_ns / requests)
                 cpu_ns_per_req.append(os.cpu_count() * 2 * 1e9 / requests)
             finally:
                 agent.stop()
-            if pair % 2 == 1:
-                without = wrk(port, args.seconds, args.threads, args.connections)
-            base_rps.append(without)
-            with_rps.append(with_)
-            ratios.append(with_ / without)
     finally:
         stats_path.write_text(stats_before)
         nginx.terminate()
         nginx.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
 
+    ratios = [w.rps / wo.rps for wo, w in pairs]
     med = statistics.median(ratios)
-    print(f"### Latency probes ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared, kernel "
-          f"{os.uname().release})\n")
-    print(f"nginx (1 worker, `return 200`) on loopback, wrk -t{args.threads} -c{args.connections} -d{args.seconds}s, "
-          f"{args.pairs} interleaved pairs (order alternating), run-queue probes "
-          f"{'off' if args.no_runqueue else 'on'}{', nginx port not watched' if args.unwatched else ''}.\n")
-    print("| pair | without (req/s) | with (req/s) | ratio |\n|---|---|---|---|")
-    for i, (a, b, r) in enumerate(zip(base_rps, with_rps, ratios), 1):
-        print(f"| {i} | {a:,.0f} | {b:,.0f} | {r:.3f} |")
-    print(f"\n**Median ratio {med:.3f}** ({(1 - med) * 100:+.1f} % fewer req/s; target <= 3 %).\n")
+    q = statistics.quantiles(ratios, n=4)
+    # CPU per request without / with: below 1 when the probes cost CPU, comparable with the req/s ratio (both CPUs
+    # are saturated, so req/s is the inverse of CPU per request) but blind to other load on the machine.
+    cpu_ratios = [wo.cpu_per_request_s / w.cpu_per_request_s for wo, w in pairs if w.cpu_per_request_s > 0]
+    cmed = statistics.median(cpu_ratios)
+    cq = statistics.quantiles(cpu_ratios, n=4)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"### Latency probes ({when}, {os.cpu_count()} CPUs shared, kernel {os.uname().release})\n")
+    print(f"nginx (1 worker, `return 200`) on loopback, one run of wrk -t{args.threads} -c{args.connections}; "
+          f"{args.pairs} pairs of {args.window:g} s windows without and with the probes attached (order alternating), "
+          f"run-queue probes {'off' if args.no_runqueue else 'on'}"
+          f"{', nginx port not watched' if args.unwatched else ''}.\n")
+    base = [wo.rps for wo, _ in pairs]
+    print(f"Without: median {statistics.median(base):,.0f} req/s (range {min(base):,.0f}-{max(base):,.0f}); "
+          f"req/s with/without per pair: quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}, range "
+          f"{min(ratios):.3f}-{max(ratios):.3f}.\n")
+    print(f"**Median ratio {med:.3f}** ({(1 - med) * 100:+.1f} % fewer req/s; target <= 3 %).\n")
+    print(f"CPU time per request (nginx + wrk + agent), without/with: **median {cmed:.3f}** "
+          f"({(1 / cmed - 1) * 100:+.1f} % more CPU per request), quartiles {cq[0]:.3f} / {cq[1]:.3f} / "
+          f"{cq[2]:.3f}.\n")
     pr, cr = statistics.median(probe_ns_per_req), statistics.median(cpu_ns_per_req)
     print(f"BPF run time per request: **{pr:,.0f} ns** of ~{cr:,.0f} ns CPU per request "
           f"({os.cpu_count()} CPUs x run / requests): **{pr / cr * 100:.1f} %** of the machine's CPU time.\n")
-    print("| program | ns per event (median over pairs) |\n|---|---|")
+    print("| program | ns per event | events per request |\n|---|---|---|")
     for name, vals in sorted(per_event.items()):
-        print(f"| {name} | {statistics.median(vals):.0f} |")
-    print("\n| agent | median | max | target |\n|---|---|---|---|")
+        print(f"| {name} | {statistics.median(vals):.0f} | {statistics.median(per_request[name]):.2f} |")
+    print(f"\n| agent ({args.restarts} `qosagent run` processes) | median | max | target |\n|---|---|---|---|")
     print(f"| CPU idle (% of one core) | {statistics.median(idle_cpu) * 100:.2f} | {max(idle_cpu) * 100:.2f} | <= 2 |")
     print(f"| CPU under load (% of one core) | {statistics.median(load_cpu) * 100:.2f} "
           f"| {max(load_cpu) * 100:.2f} | - |")
