@@ -35,9 +35,10 @@ Claim = tuple[int, int]  # (tenant id, slot); latency's slots are always 0
 def read_claims(fd: int) -> dict[int, Claim]:
     """The claimed ports in the array: BPF_MAP_LOOKUP_BATCH in chunks (16 calls, not QOS_PORTS lookups)."""
     out = {}
+    unclaimed = bytes(4)  # tenant 0; most of the array
     for key, raw in BatchReader(fd, PortKey, ctypes.sizeof(PortTenant), chunk=PORTS // 16):
-        v = PortTenant.from_buffer_copy(raw)
-        if v.tenant:
+        if raw[:4] != unclaimed:
+            v = PortTenant.from_buffer_copy(raw)
             out[key.port] = (v.tenant, v.slot)
     return out
 
