@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from qosagent.ebpf import syscall
-from qosagent.quota.layout import QOS_LIMIT_OVERRIDE, QuotaLimit
+from qosagent.quota.layout import LAYOUT, QOS_LIMIT_OVERRIDE, QuotaLimit
 from qosagent.quota.rules import bucket
 from qosagent.status import NoAgent, request
 from qosagent.tenants import tenant_id
@@ -257,7 +257,7 @@ def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
     assert "other filter: lo ingress pref 1 handle 0x7" in check.stdout, check.stdout
     net.start_agent()
     assert "other filter: lo ingress pref 1" in net.status()["capabilities"]["quota"]["reason"]
-    pins = os.path.join(net.pin_root, "quota-v1")
+    pins = os.path.join(net.pin_root, f"quota-v{LAYOUT}")
 
     # An adaptive override (2/s) is in force while the heartbeat is fresh; then the agent dies.
     write_override(pins, "flood", 2, 1)
