@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -19,8 +18,8 @@ import yaml
 
 from qosagent.config import parse
 from qosagent.ebpf import syscall
-from qosagent.status import NoAgent, request
 from tests.conftest import agent_argv, agent_env, netns, require
+from tests.integration.quota_agent import start_quota_agent
 
 pytestmark = pytest.mark.privileged
 
@@ -46,7 +45,6 @@ class Env:
         }))
 
     def in_ns(self, *argv: str) -> list[str]:
-        # nsenter, not `ip netns exec`: that remounts /sys, hiding the host's bpffs
         return ["nsenter", f"--net=/run/netns/{self.ns}", *argv]
 
     def leave_v1(self) -> int:
@@ -64,21 +62,7 @@ class Env:
         return (self.tmp / "agent.log").read_text()
 
     def start_agent(self) -> None:
-        with open(self.tmp / "agent.log", "a") as log:
-            self.agent = subprocess.Popen(self.in_ns(*agent_argv("run", "--config", str(self.config))),
-                                          env=agent_env(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            assert self.agent.poll() is None, self.log()
-            try:
-                st = request(self.socket, {"cmd": "status"}, timeout=2)
-                if st.get("seq", 0) > 0 and "quota" in st:
-                    assert st["capabilities"]["quota"]["state"] == "active", st["capabilities"]
-                    return
-            except (NoAgent, OSError):
-                pass
-            time.sleep(0.2)
-        raise AssertionError("agent not ready in 60 s\n" + self.log())
+        self.agent = start_quota_agent(self.ns, self.config, self.socket, self.tmp / "agent.log")
 
 
 @pytest.fixture
