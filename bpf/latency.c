@@ -16,8 +16,9 @@
 #include "qos_hist.h"
 #include "qos_flow.h"
 
-/* Filled from config by the agent (qosagent/latency/bpfmaps.py), with the same layouts the quota classifier uses. */
-BPF_HASH(tenant_ports, struct qos_port_key, struct qos_tenant_val, 4096);
+/* Filled from config by the agent (qosagent/latency/capability.py), with the same layouts the quota classifier uses
+ * (tenant_ports' slots stay 0 here: latency has no quota arrays). */
+BPF_TABLE("array", __u32, struct qos_port_tenant, tenant_ports, QOS_PORTS);
 BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, 4096, BPF_F_NO_PREALLOC);
 BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
 #include "qos_tenant.h"

@@ -19,7 +19,7 @@
 #include "qos_flow.h"
 #include "qos_quota.h"
 
-BPF_TABLE_PINNED("hash", struct qos_port_key, struct qos_tenant_val, tenant_ports, 4096, QOS_PIN_DIR "/tenant_ports");
+BPF_TABLE_PINNED("array", __u32, struct qos_port_tenant, tenant_ports, QOS_PORTS, QOS_PIN_DIR "/tenant_ports");
 BPF_TABLE_PINNED7("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, 4096,
                   QOS_PIN_DIR "/tenant_cidrs", BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", struct qos_port_key, struct qos_watch_val, watched_ports, 1024, QOS_PIN_DIR "/watched_ports");
@@ -368,9 +368,15 @@ int quota_classify(struct __sk_buff *skb)
     int request = !p.syn && is_request_start(skb, &p);
     if (!p.syn && !request)
         return TC_ACT_UNSPEC;
-    struct qos_flow_val *fv = p.syn ? 0 : tenant_flows.lookup(&p.flow);
+    /* Rule 1 of qos_tenant.h first: a port one tenant claims gives tenant and slot from one inlined array load,
+     * with no flow to look up or cache (a claimed port is always watched). */
+    struct qos_port_tenant *claim = qos_port_claim(p.flow.lport);
+    struct qos_flow_val *fv = claim || p.syn ? 0 : tenant_flows.lookup(&p.flow);
     __u32 tenant, slot;
-    if (fv) {
+    if (claim) {
+        tenant = claim->tenant;
+        slot = claim->slot;
+    } else if (fv) {
         tenant = fv->tenant;
         slot = fv->slot;
     } else {
@@ -378,7 +384,7 @@ int quota_classify(struct __sk_buff *skb)
         if (!watched_ports.lookup(&wk))
             return TC_ACT_UNSPEC;
         struct qos_flow_val nv = {};
-        nv.tenant = qos_resolve_tenant(p.flow.lport, p.flow.raddr, &nv.via);
+        nv.tenant = qos_tenant_by_addr(p.flow.lport, p.flow.raddr, &nv.via);
         nv.slot = slot_of(nv.tenant);
         tenant_flows.update(&p.flow, &nv);
         tenant = nv.tenant;

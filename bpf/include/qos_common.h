@@ -9,9 +9,20 @@
 
 #define QOS_UNMATCHED 0
 
-/* tenant_ports: a local port claimed by one tenant alone. */
+/* watched_ports, lat_mux_ports: a local port (host byte order). */
 struct qos_port_key {
     __u16 port;
+    __u16 pad;
+};
+
+/* tenant_ports: an array indexed by the local port (host byte order, a __u32 key), so that a port tenant costs one
+ * load the verifier inlines instead of a hashed lookup (a kernel call: tens of ns with retpolines). */
+#define QOS_PORTS 65536
+
+struct qos_port_tenant {
+    __u32 tenant; /* QOS_UNMATCHED: no single tenant claims the port */
+    __u16 slot;   /* the tenant's index in quota's arrays (qos_quota.h); always 0 in latency's copy, which has no
+                   * slots */
     __u16 pad;
 };
 

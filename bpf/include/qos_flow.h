@@ -1,5 +1,7 @@
 /* tenant_flows: a connection's tenant as the TC classifier resolved it (LRU, pinned), so that later packets cost
  * one lookup and the latency probes can attribute a socket the header rule claimed, which only TC can see.
+ * Only connections to a port no tenant claims alone are here: a claimed port's tenant and slot come from
+ * tenant_ports directly (cheaper than this lookup), and the latency probes resolve port tenants themselves.
  * Key it from the server's side: remote = the client. Ports in host byte order, addresses IPv4-mapped. */
 #ifndef QOS_FLOW_H
 #define QOS_FLOW_H

@@ -5,11 +5,11 @@
 
 #include <linux/types.h>
 
-#define QOS_QUOTA_LAYOUT 1
+#define QOS_QUOTA_LAYOUT 2
 
-/* Per-tenant state lives in arrays indexed by a slot the agent assigns (quota_slots: tenant -> slot) and the flow
- * cache carries, so that a request costs one hashed lookup (the flow) and inlined array lookups. Slot 0 is the
- * traffic of no tenant. */
+/* Per-tenant state lives in arrays indexed by a slot the agent assigns (quota_slots: tenant -> slot) and
+ * tenant_ports or the flow cache carries, so that a request of a port tenant costs inlined array lookups only, and
+ * one of a CIDR or header tenant one hashed lookup (the flow) more. Slot 0 is the traffic of no tenant. */
 #define QOS_SLOTS 4096
 
 struct qos_slot_val {

@@ -5,8 +5,8 @@
  *      bound to any watched port (tenant_cidrs, port 0);
  *   3. (TC only) an HTTP/1.x header value in the first segment of a request; see qos_quota.h.
  * BCC rewrites map calls only in the main file, so qosagent/ebpf/loader.py pastes our quoted includes into it.
- * Include this after declaring tenant_ports (qos_port_key -> qos_tenant_val) and tenant_cidrs (qos_cidr_key ->
- * qos_tenant_val, an LPM trie). Ports are in host byte order here; addresses IPv4-mapped. */
+ * Include this after declaring tenant_ports (an array of QOS_PORTS qos_port_tenant, __u32 key) and tenant_cidrs
+ * (qos_cidr_key -> qos_tenant_val, an LPM trie). Ports are in host byte order here; addresses IPv4-mapped. */
 #ifndef QOS_TENANT_H
 #define QOS_TENANT_H
 
@@ -20,13 +20,20 @@
 /* The bits of qos_cidr_key.prefixlen taken by the port before the address starts. */
 #define QOS_CIDR_PORT_BITS 16
 
+/* The tenant claiming a local port alone, or 0 when none does. */
+static __always_inline struct qos_port_tenant *qos_port_claim(__u16 lport)
+{
+    __u32 k = lport;
+    struct qos_port_tenant *c = tenant_ports.lookup(&k);
+    return c && c->tenant != QOS_UNMATCHED ? c : 0;
+}
+
 static __always_inline __u32 qos_tenant_by_port(__u16 lport, __u8 *via)
 {
-    struct qos_port_key pk = {.port = lport};
-    struct qos_tenant_val *t = tenant_ports.lookup(&pk);
-    if (t) {
+    struct qos_port_tenant *c = qos_port_claim(lport);
+    if (c) {
         *via = QOS_VIA_PORT;
-        return t->tenant;
+        return c->tenant;
     }
     return QOS_UNMATCHED;
 }

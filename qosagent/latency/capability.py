@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from qosagent.config import Config
+    from qosagent.ebpf.tenant_ports import TenantPorts
     from qosagent.features import Features
     from qosagent.snapshot import Snapshot
 
@@ -45,6 +46,7 @@ class Latency(Capability):
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
         self._window: Window[bm.Raw] | None = None
         self._runq_next = 0.0
+        self._ports: "TenantPorts | None" = None  # tenant_ports as written
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -98,6 +100,9 @@ class Latency(Capability):
                                          bm.per_cpu_value_size(bm.HIST_VALUE.size, ncpus))
         self._counter_reader = self._reader(b"lat_counters", bm.COUNTER_KEY.size,
                                             bm.per_cpu_value_size(bm.COUNTER_VALUE.size, ncpus))
+        from qosagent.ebpf.tenant_ports import TenantPorts
+
+        self._ports = TenantPorts(self.bpf[b"tenant_ports"].map_fd)  # a fresh map: all zero
         self._fill_maps(self.ctx.config)
         self.programs = self._program_ids()
         self._window = Window(self.ctx.config.latency.window)
@@ -139,8 +144,8 @@ class Latency(Capability):
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
         self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in cfg.latency.multiplexed_ports},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
-        self._sync(b[b"tenant_ports"], {(p,): tid for p, tid in ports.items()},
-                   lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(tenant=v))
+        assert self._ports is not None
+        self._ports.sync({p: (tid, 0) for p, tid in ports.items()})
         self._sync(b[b"tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in cidrs},
                    self._cidr_key, lambda t, v: t.Leaf(tenant=v))
         self._known.update(table)

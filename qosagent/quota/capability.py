@@ -240,10 +240,14 @@ class Quota(Capability):
 
     @classmethod
     def detach(cls, ctx: AgentContext) -> list[str]:
+        """What a dead agent left: ours and what an agent of another layout left (an upgrade that never started)."""
         cfg = ctx.config
-        path = dp.pin_dir(cfg)
         names = list(cfg.quota.interfaces) or ["lo"]
-        return dp.remove_attachments(path, cfg.quota.tc_prio, cfg.quota.tc_handle, names) + dp.remove_pins(path)
+        done = []
+        # Ours last: removing the last pin directory removes the pin root too.
+        for path in [*dp.other_layouts(cfg.bpf.pin_root), dp.pin_dir(cfg)]:
+            done += dp.remove_attachments(path, cfg.quota.tc_prio, cfg.quota.tc_handle, names) + dp.remove_pins(path)
+        return done
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:

@@ -1,7 +1,8 @@
 """The classifier's kernel side: pinned maps adopted or replaced, the program loaded and attached, maps written
 from config, counters read back.
 
-Everything lives under <bpf.pin_root>/quota-v<LAYOUT>/ so that an agent of another layout never adopts these pins.
+Everything lives under <bpf.pin_root>/quota-v<LAYOUT>/ so that an agent of another layout never adopts these pins;
+the directory an agent of another layout left is taken over at attach (its filters replaced, its pins removed).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import Any, Iterable, Mapping
 from qosagent.config import Config
 from qosagent.ebpf import syscall
 from qosagent.ebpf.loader import compile_program
+from qosagent.ebpf.tenant_ports import TenantPorts
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
 from qosagent.quota.rules import Bucket, rules
@@ -31,6 +34,17 @@ HEADER_PROG_PIN = "quota_header"
 
 def pin_dir(cfg: Config) -> str:
     return os.path.join(cfg.bpf.pin_root, f"quota-v{layout.LAYOUT}")
+
+
+def other_layouts(pin_root: str) -> list[str]:
+    """Pin directories of agents of other layouts (quota-v<N>, N not ours) under pin_root."""
+    try:
+        names = os.listdir(pin_root)
+    except FileNotFoundError:
+        return []
+    ours = f"quota-v{layout.LAYOUT}"
+    return sorted(os.path.join(pin_root, n) for n in names
+                  if n != ours and re.fullmatch(r"quota-v\d+", n) and os.path.isdir(os.path.join(pin_root, n)))
 
 
 def incompatible_pins(path: str, flow_entries: int) -> list[str]:
@@ -138,6 +152,17 @@ class Datapath:
                 log.info("%s", line)
             remove_pins(self.path)
         self.adopted = os.path.exists(os.path.join(self.path, "quota_limits"))
+        # An agent of another layout may still be enforcing: its filters are replaced by ours at attach (same prio
+        # and handle, no gap), taking over its record of the clsacts it created; then its pins go.
+        self.older = other_layouts(cfg.bpf.pin_root)
+        self.inherited: dict[tuple[int, int], bool] = {}
+        for old in self.older:
+            try:
+                for idx, ino, created in read_attach(old):
+                    self.inherited[(idx, ino)] = self.inherited.get((idx, ino), False) or created
+            except (OSError, ValueError) as e:
+                log.warning("cannot read %s/quota_attach (%s): only its filters on our interfaces are replaced",
+                            old, e)
         os.makedirs(self.path, exist_ok=True)
         try:
             self.bpf = compile_program("quota", {"QOS_PIN_DIR": f'"{self.path}"',
@@ -155,6 +180,8 @@ class Datapath:
             raise
         self.overrides: dict[int, Bucket] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
+        fd = self.bpf[b"tenant_ports"].map_fd
+        self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
     def _pin_prog(self, name: str, fd: int) -> None:
         p = os.path.join(self.path, name)
@@ -169,14 +196,17 @@ class Datapath:
         self.cfg = cfg
         r = rules(cfg)
         b = self.bpf
-        changed = self._sync(b[b"tenant_ports"], {(p,): (t,) for p, t in r.ports.items()})
+        # Claims that go or change tenant are released before slots move, so that no port points at a slot
+        # handed to another tenant; the claims' new values (with their slots) follow the assignment.
+        changed = self.ports.sync({p: c for p, c in self.ports.written.items() if r.ports.get(p) == c[0]})
+        self._assign_slots([tenant_id(t.name) for t in cfg.tenants])
+        changed |= self.ports.sync({p: (t, self.slots[t]) for p, t in r.ports.items()})
         changed |= self._sync(b[b"tenant_cidrs"], {k: (t,) for k, t in r.cidrs.items()}, cidr=True)
         changed |= self._sync(b[b"quota_headers"], {(h,): (t,) for h, t in r.headers.items()})
         changed |= self._sync(b[b"watched_ports"], {(p,): (1,) for p in r.watched})
         if changed:
             b[b"tenant_flows"].clear()
         self.baseline = dict(limits)
-        self._assign_slots([tenant_id(t.name) for t in cfg.tenants])
         self._write_limits()
         self.heartbeat(cfg, bool(r.headers))
 
@@ -208,7 +238,8 @@ class Datapath:
 
     def _assign_slots(self, tids: list[int]) -> None:
         """Keep the slot of every tenant that stays (adopted pins included); a freed slot is zeroed before reuse.
-        A tenant that leaves changes the rules, which empties the flow cache, so no flow keeps a stale slot."""
+        A tenant that leaves changes the rules, which empties the flow cache, so no flow keeps a stale slot (its
+        ports were released before this)."""
         t = self.bpf[b"quota_slots"]
         cur = {k.tenant: v.slot for k, v in t.items()}
         keep = {tid: s for tid, s in cur.items() if tid in tids and 0 < s < layout.SLOTS}
@@ -273,6 +304,12 @@ class Datapath:
         rec = self.bpf[b"quota_attach"]
         here = tc.netns_ino()
         done = []
+        for (idx, ino), created in self.inherited.items():  # then replaced, or removed below like our own
+            old = rec.get(rec.Key(idx, ino))
+            if old is None or (created and not old.created_clsact):
+                val = AttachVal()
+                val.created_clsact = int(created)
+                rec[rec.Key(idx, ino)] = rec.Leaf.from_buffer_copy(bytes(val))
         with tc.IPRoute() as ipr:
             keep = set()
             for name in ifnames:
@@ -295,6 +332,9 @@ class Datapath:
                         done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
                                           bool(rec[k].created_clsact))
                     del rec[k]
+        for old in self.older:
+            done += remove_pins(old)
+        self.older, self.inherited = [], {}
         return done
 
     # ---- maps -> numbers ---------------------------------------------------------------------------------

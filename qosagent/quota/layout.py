@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-LAYOUT = 1  # QOS_QUOTA_LAYOUT
+from qosagent.ebpf.tenant_ports import PORTS, PortTenant
+
+LAYOUT = 2  # QOS_QUOTA_LAYOUT
 SLOTS = 4096  # QOS_SLOTS; slot 0 is the traffic of no tenant
 
 QOS_LIMIT_REQ = 1
@@ -83,7 +85,7 @@ def map_specs(flow_entries: int) -> dict[str, tuple[MapSpec, int]]:
     """Every pinned map: its spec and max_entries (a pin that differs in any is not adopted)."""
     port, tval = 4, 4
     return {
-        "tenant_ports": (MapSpec(HASH, port, tval), 4096),
+        "tenant_ports": (MapSpec(ARRAY, 4, ctypes.sizeof(PortTenant)), PORTS),
         "tenant_cidrs": (MapSpec(LPM_TRIE, ctypes.sizeof(CidrKey), tval), 4096),
         "watched_ports": (MapSpec(HASH, port, 1), 1024),
         "tenant_flows": (MapSpec(LRU_HASH, ctypes.sizeof(FlowKey), ctypes.sizeof(FlowVal)), flow_entries),

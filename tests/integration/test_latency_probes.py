@@ -18,18 +18,20 @@ from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import KPROBES, Latency
 from qosagent.latency.model import LatencyPart
+from qosagent.tenants import tenant_id
 from tests.integration.latency_helpers import serving
 
-PORTS = (18011, 18012, 18013)
+PORTS = (18011, 18012, 18013, 18014, 18015)
 
 
-def config(lab_cidr: str) -> Any:
+def config(lab_cidr: str, solo_port: int = 18014) -> Any:
     return parse({
         "tenants": [
             {"name": "lab", "tier": "silver", "match": {"cidrs": [lab_cidr]}},
             {"name": "edge", "tier": "bronze", "match": {"ports": [18012], "cidrs": ["127.0.0.3/32"]}},
+            {"name": "solo", "tier": "gold", "match": {"ports": [solo_port]}},
         ],
-        "latency": {"ports": [18011, 18012], "multiplexed_ports": [18013]},
+        "latency": {"ports": [18011, 18012, 18014], "multiplexed_ports": [18013]},
     }, "test")
 
 
@@ -103,9 +105,10 @@ def test_tenants_resolve_by_port_then_client_address(latency: Latency, servers: 
     get(18011, "127.0.0.3", 4)  # edge's address, but not on edge's port: unmatched
     get(18012, "127.0.0.1", 1)  # unmatched
     get(18013, "127.0.0.1", 2)  # multiplexed port: counted as connections, never timed
-    part = settle(latency, {"lab": 3, "edge": 2, "unmatched": 5})
+    get(18014, "127.0.0.2", 2)  # lab's address on solo's port: the port comes first
+    part = settle(latency, {"lab": 3, "edge": 2, "unmatched": 5, "solo": 2})
     got = {name: t.requests for name, t in part.tenants.items()}
-    assert got == {"lab": 3, "edge": 2, "unmatched": 5}
+    assert got == {"lab": 3, "edge": 2, "unmatched": 5, "solo": 2}
     un = part.tenants["unmatched"]
     assert un.multiplexed_connections == 2 and un.connections == 7 and un.tier == "none"
     assert un.overlapped == 0
@@ -134,16 +137,24 @@ def test_a_request_sent_during_a_response_is_counted_overlapped_not_timed(latenc
 
 @pytest.mark.privileged
 def test_reload_rewrites_the_tenant_maps_in_place(latency: Latency, servers: None) -> None:
+    from qosagent.ebpf.tenant_ports import read_claims
+
     fd_before = latency.bpf[b"tenant_cidrs"].map_fd
-    latency.reload(config("127.0.0.4/32"))
-    latency.ctx.config = config("127.0.0.4/32")
+    ports = latency.bpf[b"tenant_ports"].map_fd
+    assert read_claims(ports) == {18014: (tenant_id("solo"), 0)}
+    latency.reload(config("127.0.0.4/32", solo_port=18015))
+    latency.ctx.config = config("127.0.0.4/32", solo_port=18015)
     assert latency.bpf[b"tenant_cidrs"].map_fd == fd_before
     assert len(list(latency.bpf[b"tenant_cidrs"].keys())) == 2  # lab's new address and edge's, nothing stale
+    assert read_claims(ports) == {18015: (tenant_id("solo"), 0)}  # solo's old port zeroed
     get(18011, "127.0.0.2", 2)  # lab's old address: unmatched now
     get(18011, "127.0.0.4", 1)
-    part = settle(latency, {"lab": 1, "unmatched": 2})
+    get(18014, "127.0.0.1", 1)  # solo's old port (still watched): unmatched now
+    get(18015, "127.0.0.1", 1)
+    part = settle(latency, {"lab": 1, "unmatched": 3, "solo": 1})
     assert part.tenants["lab"].requests == 1
-    assert part.tenants["unmatched"].requests == 2
+    assert part.tenants["unmatched"].requests == 3
+    assert part.tenants["solo"].requests == 1
 
 
 @pytest.mark.privileged

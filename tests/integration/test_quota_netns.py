@@ -21,11 +21,12 @@ import pytest
 import yaml
 
 from qosagent.ebpf import syscall
-from qosagent.quota.layout import QOS_LIMIT_OVERRIDE, QuotaLimit
+from qosagent.quota.layout import LAYOUT, QOS_LIMIT_OVERRIDE, QuotaLimit
 from qosagent.quota.rules import bucket
-from qosagent.status import NoAgent, request
+from qosagent.status import request
 from qosagent.tenants import tenant_id
 from tests.conftest import agent_argv, agent_env, require
+from tests.integration.quota_agent import start_quota_agent
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 
@@ -96,21 +97,7 @@ class Net:
         self.config.write_text(yaml.safe_dump(cfg))
 
     def start_agent(self) -> None:
-        log = open(self.tmp / "agent.log", "a")
-        self.agent = subprocess.Popen(self.in_srv(*agent_argv("run", "--config", str(self.config))), env=agent_env(),
-                                      stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            assert self.agent.poll() is None, self.log()
-            try:
-                st = request(self.socket, {"cmd": "status"}, timeout=2)
-                if st.get("seq", 0) > 0 and "quota" in st:
-                    assert st["capabilities"]["quota"]["state"] == "active", st["capabilities"]
-                    return
-            except (NoAgent, OSError):
-                pass
-            time.sleep(0.2)
-        raise AssertionError("agent not ready in 60 s\n" + self.log())
+        self.agent = start_quota_agent(self.srv, self.config, self.socket, self.tmp / "agent.log")
 
     def status(self) -> dict:
         return request(self.socket, {"cmd": "status"})
@@ -257,7 +244,7 @@ def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
     assert "other filter: lo ingress pref 1 handle 0x7" in check.stdout, check.stdout
     net.start_agent()
     assert "other filter: lo ingress pref 1" in net.status()["capabilities"]["quota"]["reason"]
-    pins = os.path.join(net.pin_root, "quota-v1")
+    pins = os.path.join(net.pin_root, f"quota-v{LAYOUT}")
 
     # An adaptive override (2/s) is in force while the heartbeat is fresh; then the agent dies.
     write_override(pins, "flood", 2, 1)

@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from qosagent.config import parse
+from qosagent.ebpf.tenant_ports import read_claims
 from qosagent.ebpf.testrun import test_run as prog_run
 from qosagent.quota import datapath as dp
 from qosagent.quota.capability import _baseline_buckets
@@ -21,13 +22,14 @@ C4, S4 = "10.1.2.3", "10.9.0.1"
 C6, S6 = "2001:db8::7", "2001:db8:ffff::1"
 
 
-def config(pin_root: str):
+def config(pin_root: str, portco_ports: tuple[int, ...] = (8100,), watched: tuple[int, ...] = (8000,)):
     return parse({
         "bpf": {"pin_root": pin_root},
-        "latency": {"ports": [8000]},
+        "latency": {"ports": list(watched)},
         "quota": {"enabled": True},
         "tenants": [
-            {"name": "portco", "tier": "gold", "match": {"ports": [8100]}, "quota": {"rps": 1, "burst": 1}},
+            {"name": "portco", "tier": "gold", "match": {"ports": list(portco_ports)},
+             "quota": {"rps": 1, "burst": 1, "connections_per_s": 1}},
             {"name": "cidrco", "tier": "silver", "match": {"cidrs": ["10.1.0.0/16", "2001:db8::/48"]},
              "quota": {"rps": 1000, "burst": 1000, "connections_per_s": 1}},
             {"name": "hdrco", "tier": "bronze", "match": {"header": {"name": "X-Tenant-ID", "value": "acme"}},
@@ -37,15 +39,23 @@ def config(pin_root: str):
 
 
 @pytest.fixture
-def prog(bpf):
-    cfg = config(f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}")
+def pin_root(bpf):
+    root = f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}"
+    try:
+        yield root
+    finally:
+        dp.remove_pins(dp.pin_dir(config(root)))
+
+
+@pytest.fixture
+def prog(pin_root):
+    cfg = config(pin_root)
     d = dp.Datapath(cfg)
     try:
         d.write_config(cfg, _baseline_buckets(cfg))
         yield d
     finally:
         d.close()
-        dp.remove_pins(dp.pin_dir(cfg))
 
 
 def run(d, frame: bytes) -> int:
@@ -83,13 +93,20 @@ def test_ip_options_and_quota_verdicts(prog):
         == TC_ACT_UNSPEC
     assert run(prog, ipv4(C4, S4, tcp(40000, 8100, ACK), options=opts)) == TC_ACT_UNSPEC  # empty payload
     assert counts(prog, "portco") == (1, 1, 0, 0)
-    assert prog.flows()[(C4, 40000, S4, 8100)] == (tenant_id("portco"), "port")
+    # New connections to the port: portco's connection bucket (1/s, burst 1).
+    assert run(prog, ipv4(C4, S4, tcp(40001, 8100, SYN), options=opts)) == TC_ACT_UNSPEC
+    assert run(prog, ipv4(C4, S4, tcp(40002, 8100, SYN), options=opts)) == TC_ACT_SHOT
+    assert counts(prog, "portco") == (1, 1, 1, 1)
+    # The port claims its connections (before cidrco's 10.1.0.0/16, which the client is in) straight from
+    # tenant_ports: nothing is cached for them.
+    assert prog.flows() == {}
 
 
 def test_ipv6_extension_headers_and_cidr(prog):
     ext = [(0, b"\x01\x04\0\0\0\0"), (60, b"\x01\x04\0\0\0\0")]  # hop-by-hop, destination options
     assert run(prog, ipv6(C6, S6, tcp(40001, 8000, payload=request(method="POST")), ext=ext)) == TC_ACT_UNSPEC
     assert counts(prog, "cidrco")[:2] == (1, 0)
+    assert prog.flows() == {(C6, 40001, S6, 8000): (tenant_id("cidrco"), "cidr")}  # an unclaimed port: cached
     # Connections: 1/s with a burst of 1, from v4 and v6 alike (one tenant, one bucket).
     assert run(prog, ipv4(C4, S4, tcp(40002, 8000, SYN))) == TC_ACT_UNSPEC
     assert run(prog, ipv6(C6, S6, tcp(40003, 8000, SYN), ext=ext)) == TC_ACT_SHOT
@@ -176,6 +193,53 @@ def test_override_holds_while_the_heartbeat_is_fresh_then_baseline(prog):
     assert run(prog, frame) == TC_ACT_UNSPEC
     assert prog.read().stats["override_expired"] == 1
     assert counts(prog, "cidrco")[:2] == (1, 1)
+
+
+def claims(d) -> dict[int, tuple[int, int]]:
+    return read_claims(d.bpf[b"tenant_ports"].map_fd)
+
+
+def test_a_reload_moves_a_port_claim_and_zeroes_the_old_port(prog):
+    tid = tenant_id("portco")
+    slot = prog.slots[tid]
+    assert slot > 0 and claims(prog) == {8100: (tid, slot)}
+    # portco moves to 8200; 8100 stays watched, so its traffic goes on to the client-address rules.
+    cfg = config(prog.cfg.bpf.pin_root, portco_ports=(8200,), watched=(8000, 8100))
+    prog.write_config(cfg, _baseline_buckets(cfg))
+    assert claims(prog) == {8200: (tid, slot)}  # the slot stays with the tenant
+    for port in (40000, 40001):  # still claimed, the second would be over portco's 1/s
+        assert run(prog, ipv4(C4, S4, tcp(port, 8100, payload=request()))) == TC_ACT_UNSPEC
+    assert counts(prog, "cidrco")[:2] == (2, 0)
+    assert prog.flows()[(C4, 40000, S4, 8100)] == (tenant_id("cidrco"), "cidr")
+    assert run(prog, ipv4(C4, S4, tcp(40002, 8200, payload=request()))) == TC_ACT_UNSPEC
+    assert run(prog, ipv4(C4, S4, tcp(40002, 8200, payload=request()))) == TC_ACT_SHOT
+    assert counts(prog, "portco") == (1, 1, 0, 0)
+
+
+def test_a_restarted_agent_adopts_the_port_claims_and_zeroes_the_ones_it_drops(pin_root):
+    tid = tenant_id("portco")
+    frame = ipv4(C4, S4, tcp(40000, 8100, payload=request()))
+    cfg = config(pin_root)
+    first = dp.Datapath(cfg)
+    first.write_config(cfg, _baseline_buckets(cfg))
+    slot = first.slots[tid]
+    assert run(first, frame) == TC_ACT_UNSPEC  # the one token
+    first.close()  # the agent dies; the pins stay
+
+    moved = config(pin_root, portco_ports=(8200,))
+    d = dp.Datapath(moved)
+    try:
+        assert d.adopted
+        assert d.ports.written == {8100: (tid, slot)}  # read back from the pinned array
+        run(d, frame)  # still portco's until the new config is written (the verdict depends on the time since)
+        d.write_config(moved, _baseline_buckets(moved))
+        assert claims(d) == {8200: (tid, slot)}
+        assert run(d, frame) == TC_ACT_UNSPEC  # 8100: claimed by no one and not watched
+        assert run(d, ipv4(C4, S4, tcp(40001, 8200, payload=request()))) in (TC_ACT_UNSPEC, TC_ACT_SHOT)
+        admitted, dropped, _, _ = counts(d, "portco")
+        assert admitted + dropped == 3  # the same slot throughout: counters continue
+    finally:
+        d.close()
 
 
 def test_a_program_that_fails_to_load_leaves_no_pins(bpf, tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def test_overrides_never_go_below_the_floor():
 
 
 def test_render_shows_every_tenant():
-    st = {"interfaces": ["eth0", "lo"], "pins": "/sys/fs/bpf/qosagent/quota-v1", "unmatched_packets": 3,
+    st = {"interfaces": ["eth0", "lo"], "pins": "/sys/fs/bpf/qosagent/quota-v2", "unmatched_packets": 3,
           "others_on_hook": ["other filter: lo ingress pref 1 handle 0x7 bpf"],
           "tenants": [{"tenant": "a", "tier": "gold", "limit": {"rps": 5.0, "burst": 2},
                        "baseline": {"rps": 50.0, "burst": 100}, "admitted": 10, "dropped": 2, "conn_admitted": 1,
