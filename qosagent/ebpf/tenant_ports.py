@@ -23,23 +23,21 @@ class PortTenant(ctypes.Structure):
     _fields_ = [("tenant", ctypes.c_uint32), ("slot", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
 
 
-class PortKey(ctypes.Structure):
-    """The array's __u32 key as a struct: BatchReader builds its keys from structs."""
-
-    _fields_ = [("port", ctypes.c_uint32)]
-
-
 Claim = tuple[int, int]  # (tenant id, slot); latency's slots are always 0
 
 
 def read_claims(fd: int) -> dict[int, Claim]:
     """The claimed ports in the array: BPF_MAP_LOOKUP_BATCH in chunks (16 calls, not QOS_PORTS lookups)."""
     out = {}
-    unclaimed = bytes(4)  # tenant 0; most of the array
-    for key, raw in BatchReader(fd, PortKey, ctypes.sizeof(PortTenant), chunk=PORTS // 16):
-        if raw[:4] != unclaimed:
-            v = PortTenant.from_buffer_copy(raw)
-            out[key.port] = (v.tenant, v.slot)
+    size = ctypes.sizeof(PortTenant)
+    for keys, values, n in BatchReader(fd, 4, size, chunk=PORTS // 16).chunks():
+        if not values.rstrip(b"\0"):  # most chunks: no port claimed
+            continue
+        ports = memoryview(keys).cast("I")
+        for i in range(n):
+            v = PortTenant.from_buffer_copy(values, i * size)
+            if v.tenant:
+                out[ports[i]] = (v.tenant, v.slot)
     return out
 
 
