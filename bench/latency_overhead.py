@@ -149,7 +149,7 @@ class Toggled:
     """The daemon's Agent in this process, with its latency probes attached or detached at will and its tick loop
     running only while attached."""
 
-    def __init__(self, tmp: Path, watched: int, runq: bool):
+    def __init__(self, tmp: Path, watched: int, runq: bool, tick: bool = True):
         sys.path.insert(0, str(REPO))
         from qosagent.config import parse
         from qosagent.daemon import Agent
@@ -165,6 +165,7 @@ class Toggled:
         self.raw = list(self.bpf.raw_tracepoint_fds)
         self.tps = list(self.bpf.tracepoint_fds)
         self.interval = cfg.interval
+        self.tick = tick
         self.on = threading.Event()
         self.on.set()
         self.ticks = 0
@@ -174,7 +175,7 @@ class Toggled:
 
     def _loop(self) -> None:
         while not self._done.wait(self.interval):
-            if self.on.is_set():
+            if self.on.is_set() and self.tick:
                 self.agent.tick()
                 self.ticks += 1
 
@@ -226,7 +227,7 @@ def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path,
                        args: argparse.Namespace) -> list[tuple[Window, Window]]:
     """(without, with) for each pair of neighbouring windows of one wrk run: the request rate nginx saw, and the
     CPU time nginx, wrk and the agent spent per request (what other load on a shared machine does not change)."""
-    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue)
+    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, tick=not args.no_tick)
     workers = [int(p) for p in Path(f"/proc/{nginx_pid}/task/{nginx_pid}/children").read_text().split()]
     total_s = 2 + args.pairs * 2 * (args.window + 0.15) + 5
     wrk_proc = subprocess.Popen(["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{int(total_s)}s",
@@ -258,6 +259,18 @@ def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path,
     return pairs
 
 
+def empty_programs(to: Path) -> str:
+    """bpf/ copied to `to`, each probe in latency.c returning before its first statement."""
+    shutil.copytree(REPO / "bpf", to, dirs_exist_ok=True)
+    src = (to / "latency.c").read_text()
+    out, n = re.subn(r"^((?:RAW_)?TRACEPOINT_PROBE\([^)]*\)\n\{\n)", r"\1    if (1)\n        return 0;\n", src,
+                     flags=re.M)
+    if n == 0:
+        raise RuntimeError("no TRACEPOINT_PROBE / RAW_TRACEPOINT_PROBE found in bpf/latency.c")
+    (to / "latency.c").write_text(out)
+    return str(to)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=40, help="pairs of (without, with) windows in one wrk run")
@@ -268,11 +281,18 @@ def main() -> None:
     ap.add_argument("--no-runqueue", action="store_true", help="measure with latency.runqueue.enabled: false")
     ap.add_argument("--unwatched", action="store_true",
                     help="watch another port than nginx's: every probe event a miss (the noise floor of the bench)")
+    ap.add_argument("--no-tick", action="store_true",
+                    help="probes attached but the agent never reads them: what the kernel side alone costs")
+    ap.add_argument("--empty-programs", action="store_true",
+                    help="every probe returns at once: what attaching to these hooks costs before any work (a copy "
+                         "of bpf/ with a return at the top of each probe, through QOSAGENT_BPF_DIR)")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "bpftool"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is not installed (make setup-test installs it)")
     tmp = Path(tempfile.mkdtemp(prefix="qosagent-bench-"))
+    if args.empty_programs:
+        os.environ["QOSAGENT_BPF_DIR"] = empty_programs(tmp / "bpf")  # read by the loader, here and in agents
     port, status_port = free_port(), free_port()
     (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, port=port, status_port=status_port))
     nginx = subprocess.Popen(["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)])
@@ -339,7 +359,9 @@ def main() -> None:
     print(f"nginx (1 worker, `return 200`) on loopback, one run of wrk -t{args.threads} -c{args.connections}; "
           f"{args.pairs} pairs of {args.window:g} s windows without and with the probes attached (order alternating), "
           f"run-queue probes {'off' if args.no_runqueue else 'on'}"
-          f"{', nginx port not watched' if args.unwatched else ''}.\n")
+          f"{', nginx port not watched' if args.unwatched else ''}"
+          f"{', every probe empty (returns at once)' if args.empty_programs else ''}"
+          f"{', agent tick off (maps never read)' if args.no_tick else ''}.\n")
     base = [wo.rps for wo, _ in pairs]
     print(f"Without: median {statistics.median(base):,.0f} req/s (range {min(base):,.0f}-{max(base):,.0f}); "
           f"req/s with/without per pair: quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}, range "

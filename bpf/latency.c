@@ -155,16 +155,23 @@ static __always_inline struct lat_sock *lat_tracked(__u64 sk)
 }
 
 /* Track sk with state *init; 0 when its bucket is full. The slot is reserved, filled, then published, so that an
- * event on another CPU never sees a half-written state under this socket's tag. */
+ * event on another CPU never sees a half-written state under this socket's tag. A slot still holding this pointer
+ * (a socket freed without its CLOSE seen, whose memory now holds a new socket) is taken over like the hash map's
+ * update would have: two slots with one tag would leave the stale one answering lookups. */
 static __always_inline int lat_track(__u64 sk, const struct lat_sock *init)
 {
     __u32 b = lat_sock_bucket_of(sk);
     struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
     if (!t)
         return 0;
+    __u64 want = 0;
+#pragma unroll
+    for (__u32 w = 0; w < LAT_SOCK_WAYS; w++)
+        if (t->sk[w] == sk)
+            want = sk;
 #pragma unroll
     for (__u32 w = 0; w < LAT_SOCK_WAYS; w++) {
-        if (t->sk[w] != 0 || __sync_val_compare_and_swap(&t->sk[w], 0, LAT_SOCK_RESERVED) != 0)
+        if (t->sk[w] != want || __sync_val_compare_and_swap(&t->sk[w], want, LAT_SOCK_RESERVED) != want)
             continue;
         struct lat_sock *s = lat_sock_at(b, w);
         if (s)
