@@ -67,7 +67,8 @@ struct qos_quota_conf {
     __u64 heartbeat_ns;
     __u64 heartbeat_timeout_ns;
     __u32 flags;
-    __u32 pad;
+    __u32 rules_gen; /* bumped after each rule change emptied tenant_flows: entries of the per-CPU flow front
+                      * (quota.c) filled under another generation are stale */
 };
 
 /* quota_headers: FNV-1a 64 of lowercase(name) ":" value -> tenant. */
