@@ -191,8 +191,9 @@ class Datapath:
 
     # ---- config -> maps ----------------------------------------------------------------------------------
     def write_config(self, cfg: Config, limits: Mapping[int, tuple[Bucket | None, Bucket | None]]) -> None:
-        """Sync every rule and baseline map with cfg in place (stale keys deleted); the flow cache is emptied when
-        the rules changed, since a cached tenant may no longer be right."""
+        """Sync every rule and baseline map with cfg in place (stale keys deleted); the flow cache is emptied and
+        its per-CPU front invalidated (rules_gen) when the rules changed, since a cached tenant may no longer be
+        right."""
         self.cfg = cfg
         r = rules(cfg)
         b = self.bpf
