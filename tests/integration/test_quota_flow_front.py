@@ -5,17 +5,15 @@ header claim lands in it, and a SYN reusing a 4-tuple clears it."""
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
 from qosagent.config import parse
-from qosagent.ebpf.testrun import test_run as prog_run
 from qosagent.quota import datapath as dp
 from qosagent.quota.capability import _baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC, FlowKey, QuotaConf
 from qosagent.tenants import UNMATCHED_ID, tenant_id
-from tests.quota_packets import SYN, ipv4, request, tcp
+from tests.quota_packets import SYN, counts, ipv4, loaded, request, run, scratch_pin_root, tcp
 
 pytestmark = pytest.mark.privileged
 
@@ -39,15 +37,6 @@ def config(pin_root: str, cidrco: str = NEAR, otherco: str = FAR):
 
 
 @pytest.fixture
-def pin_root(bpf):
-    root = f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}"
-    try:
-        yield root
-    finally:
-        dp.remove_pins(dp.pin_dir(config(root)))
-
-
-@pytest.fixture
 def one_cpu():
     """The front is per CPU: every test run of a test on one CPU, so that a packet meets what the last one left."""
     before = os.sched_getaffinity(0)
@@ -60,22 +49,9 @@ def one_cpu():
 
 
 @pytest.fixture
-def prog(pin_root, one_cpu):
-    cfg = config(pin_root)
-    d = dp.Datapath(cfg)
-    try:
-        d.write_config(cfg, _baseline_buckets(cfg))
+def prog(bpf, one_cpu):
+    with scratch_pin_root() as root, loaded(config(root)) as d:
         yield d
-    finally:
-        d.close()
-
-
-def run(d, frame: bytes) -> int:
-    return prog_run(d.prog.fd, frame).retval
-
-
-def counts(d, name: str) -> tuple[int, int, int, int]:
-    return d.read().counts.get(tenant_id(name) if name != "unmatched" else UNMATCHED_ID, (0, 0, 0, 0))
 
 
 def rules_gen(d) -> int:
@@ -140,25 +116,26 @@ def test_a_header_claimed_flow_stays_with_its_tenant_until_a_syn_reuses_the_tupl
     assert prog.flows()[(client, 41000, S4, 8000)] == (UNMATCHED_ID, "none")
 
 
-def test_only_a_rule_change_moves_the_generation_and_an_adopted_pin_keeps_it(pin_root, one_cpu):
-    cfg = config(pin_root)
-    first = dp.Datapath(cfg)
-    try:
-        first.write_config(cfg, _baseline_buckets(cfg))
-        gen = rules_gen(first)
-        assert gen == 1  # fresh pins: the first rules are a change
-        first.heartbeat()
-        first.write_config(cfg, _baseline_buckets(cfg))  # nothing changed
-        first.heartbeat()
-        assert rules_gen(first) == gen
-    finally:
-        first.close()
-    moved = config(pin_root, cidrco=FAR, otherco=NEAR)
-    d = dp.Datapath(moved)
-    try:
-        assert d.adopted and rules_gen(d) == gen
-        d.write_config(moved, _baseline_buckets(moved))
-        d.heartbeat()
-        assert rules_gen(d) == gen + 1
-    finally:
-        d.close()
+def test_only_a_rule_change_moves_the_generation_and_an_adopted_pin_keeps_it(bpf):
+    with scratch_pin_root() as pin_root:
+        cfg = config(pin_root)
+        first = dp.Datapath(cfg)
+        try:
+            first.write_config(cfg, _baseline_buckets(cfg))
+            gen = rules_gen(first)
+            assert gen == 1  # fresh pins: the first rules are a change
+            first.heartbeat()
+            first.write_config(cfg, _baseline_buckets(cfg))  # nothing changed
+            first.heartbeat()
+            assert rules_gen(first) == gen
+        finally:
+            first.close()
+        moved = config(pin_root, cidrco=FAR, otherco=NEAR)
+        d = dp.Datapath(moved)
+        try:
+            assert d.adopted and rules_gen(d) == gen
+            d.write_config(moved, _baseline_buckets(moved))
+            d.heartbeat()
+            assert rules_gen(d) == gen + 1
+        finally:
+            d.close()
