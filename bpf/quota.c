@@ -35,10 +35,32 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct qos_stat_val, quota_stats, QOS_ST
 BPF_TABLE_PINNED("array", __u32, struct qos_quota_conf, quota_config, 1, QOS_PIN_DIR "/quota_config");
 BPF_TABLE_PINNED("hash", struct qos_attach_key, struct qos_attach_val, quota_attach, 256, QOS_PIN_DIR "/quota_attach");
 
+/* quota_flow_l1: a per-CPU direct-mapped front for tenant_flows. A hashed map lookup is a kernel call (tens of ns
+ * with retpolines and safe-RET); a per-CPU array lookup is inlined by the verifier. A flow's segments mostly arrive
+ * on one CPU (RSS, RPS), so a request start of a CIDR or header tenant usually finds its flow here and skips the
+ * LRU. tenant_flows stays the cache of record (the latency probes read it); an entry here is a copy of a resolved
+ * tenant, valid while its gen equals quota_config.rules_gen, which the agent bumps after it emptied tenant_flows on
+ * a rule change. "Unmatched" is never held, so a header claiming a flow later is never hidden. Unpinned: every
+ * agent start loads a new program and starts with an empty one. Written only from TC (softirq, which does not nest
+ * on one CPU), so an entry is never torn. A hit does not touch the LRU entry's reference bit: under LRU pressure a
+ * flow hot here can be evicted there, and is then resolved again on its next miss here. */
+#define QOS_FLOW_WORDS 9
+_Static_assert(sizeof(struct qos_flow_key) == QOS_FLOW_WORDS * 4, "the flow front reads a flow key as words");
+#define QOS_FLOW_L1_BITS 12
+struct flow_l1 {
+    __u32 flow_w[QOS_FLOW_WORDS]; /* a struct qos_flow_key */
+    __u32 tenant; /* QOS_UNMATCHED: empty */
+    __u32 gen;
+    __u16 slot;
+    __u16 pad;
+};
+BPF_PERCPU_ARRAY(quota_flow_l1, struct flow_l1, 1 << QOS_FLOW_L1_BITS);
+
 /* What quota_classify hands quota_header through a tail call: the header scan is its own program so that the
  * verifier walks the scan loop once, not once per path through the parser. */
 struct scan_buf {
-    struct qos_flow_key flow;
+    struct qos_flow_key flow; /* first: word-aligned, read as words by the flow front */
+    __u32 gen; /* the rules generation quota_classify read before it looked at any flow state */
     __u32 payload_off;
     __u32 payload_len;
     __u64 hash;
@@ -60,7 +82,10 @@ BPF_TABLE_PINNED("prog", __u32, __u32, quota_progs, 1, QOS_PIN_DIR "/quota_progs
 #define QOS_MAX_NS (1ULL << 60)
 
 struct pkt {
-    struct qos_flow_key flow;
+    union { /* words: the flow front's hash and compare go 32 bits at a time */
+        struct qos_flow_key flow;
+        __u32 flow_w[QOS_FLOW_WORDS];
+    };
     __u32 payload_off;
     __u32 payload_len;
     __u8 syn; /* SYN without ACK: a new connection */
@@ -353,6 +378,47 @@ static __always_inline int admit(__u32 slot, int conn)
     return take(&b->req_tat, now, &lim->req);
 }
 
+/* The flow's entry in this CPU's flow front: its 9 words folded (rotate, xor), spread by a multiply (Fibonacci
+ * hashing), top bits taken. */
+static __always_inline struct flow_l1 *l1_entry(const __u32 *w)
+{
+    __u32 h = 0;
+#pragma unroll
+    for (int i = 0; i < QOS_FLOW_WORDS; i++)
+        h = (h << 5 | h >> 27) ^ w[i];
+    __u32 i = (h * 0x9e3779b1u) >> (32 - QOS_FLOW_L1_BITS);
+    return quota_flow_l1.lookup(&i);
+}
+
+/* Word by word, without a branch per word. */
+static __always_inline int l1_holds(const struct flow_l1 *e, const __u32 *w)
+{
+    __u32 d = 0;
+#pragma unroll
+    for (int i = 0; i < QOS_FLOW_WORDS; i++)
+        d |= e->flow_w[i] ^ w[i];
+    return d == 0;
+}
+
+/* Remember a resolved tenant; for an unmatched one only forget what the entry held for this flow (a SYN reusing
+ * the 4-tuple of a header-claimed connection starts unmatched again, as in tenant_flows). */
+static __always_inline void l1_fill(struct flow_l1 *e, const __u32 *w, __u32 tenant, __u16 slot, __u32 gen)
+{
+    if (!e)
+        return;
+    if (tenant == QOS_UNMATCHED) {
+        if (l1_holds(e, w))
+            e->tenant = QOS_UNMATCHED;
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < QOS_FLOW_WORDS; i++)
+        e->flow_w[i] = w[i];
+    e->tenant = tenant;
+    e->slot = slot;
+    e->gen = gen;
+}
+
 int quota_classify(struct __sk_buff *skb)
 {
     struct pkt p = {};
@@ -371,24 +437,39 @@ int quota_classify(struct __sk_buff *skb)
     /* Rule 1 of qos_tenant.h first: a port one tenant claims gives tenant and slot from one inlined array load,
      * with no flow to look up or cache (a claimed port is always watched). */
     struct qos_port_tenant *claim = qos_port_claim(p.flow.lport);
-    struct qos_flow_val *fv = claim || p.syn ? 0 : tenant_flows.lookup(&p.flow);
-    __u32 tenant, slot;
+    struct qos_quota_conf *cf = 0;
+    __u32 zero = 0, gen = 0, tenant, slot;
     if (claim) {
         tenant = claim->tenant;
         slot = claim->slot;
-    } else if (fv) {
-        tenant = fv->tenant;
-        slot = fv->slot;
     } else {
-        struct qos_port_key wk = {.port = p.flow.lport};
-        if (!watched_ports.lookup(&wk))
-            return TC_ACT_UNSPEC;
-        struct qos_flow_val nv = {};
-        nv.tenant = qos_tenant_by_addr(p.flow.lport, p.flow.raddr, &nv.via);
-        nv.slot = slot_of(nv.tenant);
-        tenant_flows.update(&p.flow, &nv);
-        tenant = nv.tenant;
-        slot = nv.slot;
+        /* The generation is read before any flow state: one read after the agent's bump comes after its rule sync
+         * and flow clear too, so an entry filled under that generation holds a tenant of the new rules. */
+        cf = quota_config.lookup(&zero);
+        gen = cf ? cf->rules_gen : 0;
+        struct flow_l1 *e = l1_entry(p.flow_w);
+        /* A SYN resolves afresh (a reused 4-tuple): it reads neither cache and refreshes both. */
+        if (!p.syn && e && e->tenant != QOS_UNMATCHED && e->gen == gen && l1_holds(e, p.flow_w)) {
+            tenant = e->tenant;
+            slot = e->slot;
+        } else {
+            struct qos_flow_val *fv = p.syn ? 0 : tenant_flows.lookup(&p.flow);
+            if (fv) {
+                tenant = fv->tenant;
+                slot = fv->slot;
+            } else {
+                struct qos_port_key wk = {.port = p.flow.lport};
+                if (!watched_ports.lookup(&wk))
+                    return TC_ACT_UNSPEC;
+                struct qos_flow_val nv = {};
+                nv.tenant = qos_tenant_by_addr(p.flow.lport, p.flow.raddr, &nv.via);
+                nv.slot = slot_of(nv.tenant);
+                tenant_flows.update(&p.flow, &nv);
+                tenant = nv.tenant;
+                slot = nv.slot;
+            }
+            l1_fill(e, p.flow_w, tenant, slot, gen);
+        }
     }
     if (p.syn) {
         int ok = tenant == QOS_UNMATCHED || admit(slot, 1);
@@ -398,11 +479,10 @@ int quota_classify(struct __sk_buff *skb)
         return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;
     }
     if (tenant == QOS_UNMATCHED) {
-        __u32 zero = 0;
-        struct qos_quota_conf *cf = quota_config.lookup(&zero);
         struct scan_buf *s = quota_scan.lookup(&zero);
         if (cf && (cf->flags & QOS_CONF_HEADER_RULES) && s) {
             s->flow = p.flow;
+            s->gen = gen;
             s->payload_off = p.payload_off;
             s->payload_len = p.payload_len;
             quota_progs.call(skb, QOS_PROG_HEADER);
@@ -432,6 +512,8 @@ int quota_header(struct __sk_buff *skb)
     }
     struct qos_flow_val hv = {.tenant = tenant, .via = QOS_VIA_HEADER, .slot = slot_of(tenant)};
     tenant_flows.update(&s->flow, &hv);
+    const __u32 *w = (const __u32 *)&s->flow;
+    l1_fill(l1_entry(w), w, tenant, hv.slot, s->gen);
     int ok = admit(hv.slot, 0);
     count(hv.slot, 0, ok);
     return ok ? TC_ACT_UNSPEC : TC_ACT_SHOT;

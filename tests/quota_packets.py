@@ -1,9 +1,21 @@
-"""Frames for the quota classifier's test runs and benchmark: Ethernet + IPv4/IPv6 + TCP built by hand."""
+"""Frames for the quota classifier's test runs and benchmark: Ethernet + IPv4/IPv6 + TCP built by hand; a loaded
+classifier to run them through."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import struct
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+from qosagent.config import Config
+from qosagent.ebpf.testrun import test_run
+from qosagent.quota import datapath as dp
+from qosagent.quota import layout
+from qosagent.quota.capability import _baseline_buckets
+from qosagent.tenants import UNMATCHED_ID, tenant_id
 
 ETH_IP, ETH_IP6 = 0x0800, 0x86DD
 SYN, ACK, PSH = 0x02, 0x10, 0x08
@@ -59,3 +71,33 @@ def ipv6(src: str, dst: str, l4: bytes, ext: list[tuple[int, bytes]] = (), proto
 def request(path: str = "/", headers: dict[str, str] | None = None, method: str = "GET") -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: server"] + [f"{k}: {v}" for k, v in (headers or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+@contextmanager
+def scratch_pin_root() -> Iterator[str]:
+    """A pin root of our own; the classifier's pins under it are removed afterwards, even on failure."""
+    root = f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}"
+    try:
+        yield root
+    finally:
+        dp.remove_pins(os.path.join(root, f"quota-v{layout.LAYOUT}"))
+
+
+@contextmanager
+def loaded(cfg: Config) -> Iterator[dp.Datapath]:
+    """The classifier loaded with cfg's maps written (pins stay: the caller's pin root fixture removes them)."""
+    d = dp.Datapath(cfg)
+    try:
+        d.write_config(cfg, _baseline_buckets(cfg))
+        yield d
+    finally:
+        d.close()
+
+
+def run(d: dp.Datapath, frame: bytes) -> int:
+    return test_run(d.prog.fd, frame).retval
+
+
+def counts(d: dp.Datapath, name: str) -> tuple[int, int, int, int]:
+    """A tenant's (requests admitted, dropped, connections admitted, dropped); name "unmatched": no tenant's."""
+    return d.read().counts.get(tenant_id(name) if name != "unmatched" else UNMATCHED_ID, (0, 0, 0, 0))

@@ -9,7 +9,8 @@
 
 /* Per-tenant state lives in arrays indexed by a slot the agent assigns (quota_slots: tenant -> slot) and
  * tenant_ports or the flow cache carries, so that a request of a port tenant costs inlined array lookups only, and
- * one of a CIDR or header tenant one hashed lookup (the flow) more. Slot 0 is the traffic of no tenant. */
+ * one of a CIDR or header tenant too when quota.c's per-CPU flow front holds the flow (else one hashed lookup, the
+ * flow in tenant_flows, more). Slot 0 is the traffic of no tenant. */
 #define QOS_SLOTS 4096
 
 struct qos_slot_val {
@@ -67,7 +68,8 @@ struct qos_quota_conf {
     __u64 heartbeat_ns;
     __u64 heartbeat_timeout_ns;
     __u32 flags;
-    __u32 pad;
+    __u32 rules_gen; /* bumped after each rule change emptied tenant_flows: entries of the per-CPU flow front
+                      * (quota.c) filled under another generation are stale */
 };
 
 /* quota_headers: FNV-1a 64 of lowercase(name) ":" value -> tenant. */

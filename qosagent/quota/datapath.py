@@ -191,8 +191,9 @@ class Datapath:
 
     # ---- config -> maps ----------------------------------------------------------------------------------
     def write_config(self, cfg: Config, limits: Mapping[int, tuple[Bucket | None, Bucket | None]]) -> None:
-        """Sync every rule and baseline map with cfg in place (stale keys deleted); the flow cache is emptied when
-        the rules changed, since a cached tenant may no longer be right."""
+        """Sync every rule and baseline map with cfg in place (stale keys deleted); the flow cache is emptied and
+        its per-CPU front invalidated (rules_gen) when the rules changed, since a cached tenant may no longer be
+        right."""
         self.cfg = cfg
         r = rules(cfg)
         b = self.bpf
@@ -205,7 +206,12 @@ class Datapath:
         changed |= self._sync(b[b"quota_headers"], {(h,): (t,) for h, t in r.headers.items()})
         changed |= self._sync(b[b"watched_ports"], {(p,): (1,) for p in r.watched})
         if changed:
+            # Then the generation, last: the classifier reads it before any flow state and tags what it puts in
+            # its per-CPU flow front with it. Bumped before the sync or the clear, a packet in between would read
+            # the new generation and still resolve by the old rules or an old tenant_flows entry, and that stale
+            # copy would outlive the reload.
             b[b"tenant_flows"].clear()
+            self._bump_rules_gen()
         self.baseline = dict(limits)
         self._write_limits()
         self.heartbeat(cfg, bool(r.headers))
@@ -282,12 +288,19 @@ class Datapath:
             if bytes(t[key]) != bytes(lim):
                 t[key] = t.Leaf.from_buffer_copy(bytes(lim))
 
+    def _bump_rules_gen(self) -> None:
+        t = self.bpf[b"quota_config"]
+        conf = QuotaConf.from_buffer_copy(bytes(t[ctypes.c_int(0)]))
+        conf.rules_gen = (conf.rules_gen + 1) & 0xFFFFFFFF  # continues from an adopted pin's value
+        t[ctypes.c_int(0)] = t.Leaf.from_buffer_copy(bytes(conf))
+
     def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
         """Tell the kernel the agent is alive: overrides hold for heartbeat_timeout from now."""
         cfg = cfg or self.cfg
         t = self.bpf[b"quota_config"]
         cur = QuotaConf.from_buffer_copy(bytes(t[ctypes.c_int(0)]))
         conf = QuotaConf()
+        conf.rules_gen = cur.rules_gen  # only a rule change moves it (write_config)
         conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
         conf.heartbeat_timeout_ns = int(cfg.quota.heartbeat_timeout * 1e9)
         if header_rules is None:

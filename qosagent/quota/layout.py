@@ -44,7 +44,7 @@ class QuotaCount(ctypes.Structure):
 
 class QuotaConf(ctypes.Structure):
     _fields_ = [("heartbeat_ns", ctypes.c_uint64), ("heartbeat_timeout_ns", ctypes.c_uint64),
-                ("flags", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+                ("flags", ctypes.c_uint32), ("rules_gen", ctypes.c_uint32)]
 
 
 class AttachKey(ctypes.Structure):

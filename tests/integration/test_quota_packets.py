@@ -9,12 +9,11 @@ import pytest
 
 from qosagent.config import parse
 from qosagent.ebpf.tenant_ports import read_claims
-from qosagent.ebpf.testrun import test_run as prog_run
 from qosagent.quota import datapath as dp
 from qosagent.quota.capability import _baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC
 from qosagent.tenants import UNMATCHED_ID, tenant_id
-from tests.quota_packets import ACK, SYN, eth, ipv4, ipv6, request, tcp
+from tests.quota_packets import ACK, SYN, counts, eth, ipv4, ipv6, loaded, request, run, scratch_pin_root, tcp
 
 pytestmark = pytest.mark.privileged
 
@@ -40,30 +39,14 @@ def config(pin_root: str, portco_ports: tuple[int, ...] = (8100,), watched: tupl
 
 @pytest.fixture
 def pin_root(bpf):
-    root = f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}"
-    try:
+    with scratch_pin_root() as root:
         yield root
-    finally:
-        dp.remove_pins(dp.pin_dir(config(root)))
 
 
 @pytest.fixture
 def prog(pin_root):
-    cfg = config(pin_root)
-    d = dp.Datapath(cfg)
-    try:
-        d.write_config(cfg, _baseline_buckets(cfg))
+    with loaded(config(pin_root)) as d:
         yield d
-    finally:
-        d.close()
-
-
-def run(d, frame: bytes) -> int:
-    return prog_run(d.prog.fd, frame).retval
-
-
-def counts(d, name: str) -> tuple[int, int, int, int]:
-    return d.read().counts.get(tenant_id(name) if name != "unmatched" else UNMATCHED_ID, (0, 0, 0, 0))
 
 
 def test_truncated_headers_pass_and_are_counted(prog):
