@@ -149,7 +149,7 @@ class Toggled:
     """The daemon's Agent in this process, with its latency probes attached or detached at will and its tick loop
     running only while attached."""
 
-    def __init__(self, tmp: Path, watched: int, runq: bool, tick: bool = True):
+    def __init__(self, tmp: Path, watched: int, runq: bool, tick: bool = True, arrival: bool = True):
         sys.path.insert(0, str(REPO))
         from qosagent.config import parse
         from qosagent.daemon import Agent
@@ -162,6 +162,9 @@ class Toggled:
         if lat.mode != "tracepoint":
             raise RuntimeError(f"the bench toggles tracepoints; the latency probes run in {lat.mode} mode")
         self.bpf = lat.bpf
+        if not arrival and b"sk_data_ready" in self.bpf.raw_tracepoint_fds:
+            # Without the arrival hook no request is ever stamped on arrival: each is timed from its first read.
+            self.bpf.detach_raw_tracepoint(b"sk_data_ready")
         self.raw = list(self.bpf.raw_tracepoint_fds)
         self.tps = list(self.bpf.tracepoint_fds)
         self.interval = cfg.interval
@@ -227,7 +230,8 @@ def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path,
                        args: argparse.Namespace) -> list[tuple[Window, Window]]:
     """(without, with) for each pair of neighbouring windows of one wrk run: the request rate nginx saw, and the
     CPU time nginx, wrk and the agent spent per request (what other load on a shared machine does not change)."""
-    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, tick=not args.no_tick)
+    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, tick=not args.no_tick,
+                arrival=not args.no_arrival)
     workers = [int(p) for p in Path(f"/proc/{nginx_pid}/task/{nginx_pid}/children").read_text().split()]
     total_s = 2 + args.pairs * 2 * (args.window + 0.15) + 5
     wrk_proc = subprocess.Popen(["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{int(total_s)}s",
@@ -283,6 +287,9 @@ def main() -> None:
                     help="watch another port than nginx's: every probe event a miss (the noise floor of the bench)")
     ap.add_argument("--no-tick", action="store_true",
                     help="probes attached but the agent never reads them: what the kernel side alone costs")
+    ap.add_argument("--no-arrival", action="store_true",
+                    help="windows without the sk_data_ready hook (requests timed from their first read): what the "
+                         "arrival clock costs; the agent processes keep it")
     ap.add_argument("--empty-programs", action="store_true",
                     help="every probe returns at once: what attaching to these hooks costs before any work (a copy "
                          "of bpf/ with a return at the top of each probe, through QOSAGENT_BPF_DIR)")
@@ -361,7 +368,8 @@ def main() -> None:
           f"run-queue probes {'off' if args.no_runqueue else 'on'}"
           f"{', nginx port not watched' if args.unwatched else ''}"
           f"{', every probe empty (returns at once)' if args.empty_programs else ''}"
-          f"{', agent tick off (maps never read)' if args.no_tick else ''}.\n")
+          f"{', agent tick off (maps never read)' if args.no_tick else ''}"
+          f"{', no arrival hook (requests timed from their first read)' if args.no_arrival else ''}.\n")
     base = [wo.rps for wo, _ in pairs]
     print(f"Without: median {statistics.median(base):,.0f} req/s (range {min(base):,.0f}-{max(base):,.0f}); "
           f"req/s with/without per pair: quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}, range "
