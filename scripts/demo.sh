@@ -26,13 +26,16 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+# Foreground only: a function run with & is a subshell, and its $! is that subshell, not the process; killing it
+# would orphan the agent (still attached) instead of stopping it. Background jobs call `ip netns exec` directly,
+# which execs the command in place, so $! is the process itself.
 in_ns() { ip netns exec "$ns" "$@"; }
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 step "a network namespace ($ns) with a streaming server: acme on :18001, hobby on :18002"
 ip netns add "$ns"
 in_ns ip link set lo up
-in_ns "$PY" scripts/demo_traffic.py serve 18001 18002 > "$work/server.log" 2>&1 &
+ip netns exec "$ns" "$PY" scripts/demo_traffic.py serve 18001 18002 > "$work/server.log" 2>&1 &
 server_pid=$!
 
 cat > "$work/config.yaml" <<YAML
@@ -52,7 +55,7 @@ YAML
 step "the agent, with this config:"
 sed 's/^/    /' "$work/config.yaml"
 # Inside the namespace the agent mounts its own tracefs and bpffs (ip netns exec gives it a private /sys).
-in_ns "$PY" -m qosagent run --config "$work/config.yaml" > "$work/agent.log" 2>&1 &
+ip netns exec "$ns" "$PY" -m qosagent run --config "$work/config.yaml" > "$work/agent.log" 2>&1 &
 agent_pid=$!
 metrics() { in_ns "$PY" -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen("http://127.0.0.1:9464" + sys.argv[1], timeout=5).read().decode())' "$1"; }
 for _ in $(seq 1 120); do
@@ -64,7 +67,7 @@ metrics /readyz >/dev/null || { echo "demo: the agent did not become ready" >&2;
 "$PY" -m qosagent status --socket "$work/status.sock" | sed -n '1,12p'
 
 step "load for ${SECONDS_OF_LOAD}s: acme 15 req/s (within its SLO), hobby 30 req/s against a quota of 10/s"
-in_ns "$PY" scripts/demo_traffic.py load --name acme --port 18001 --rps 15 --duration "$SECONDS_OF_LOAD" &
+ip netns exec "$ns" "$PY" scripts/demo_traffic.py load --name acme --port 18001 --rps 15 --duration "$SECONDS_OF_LOAD" &
 acme_pid=$!
 in_ns "$PY" scripts/demo_traffic.py load --name hobby --port 18002 --rps 30 --duration "$SECONDS_OF_LOAD"
 wait "$acme_pid"
