@@ -141,17 +141,31 @@ static __always_inline struct lat_sock *lat_sock_at(__u32 bucket, __u32 way)
     return lat_socks.lookup(&i);
 }
 
-static __always_inline struct lat_sock *lat_tracked(__u64 sk)
+/* sk's bucket of tags (its index in *b), or 0. */
+static __always_inline struct lat_sock_bucket *lat_bucket(__u64 sk, __u32 *b)
 {
-    __u32 b = lat_sock_bucket_of(sk);
-    struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
-    if (!t)
-        return 0;
+    *b = lat_sock_bucket_of(sk);
+    return lat_sock_tags.lookup(b);
+}
+
+/* The way of t that holds sk, LAT_SOCK_WAYS when none does. */
+static __always_inline __u32 lat_way(const struct lat_sock_bucket *t, __u64 sk)
+{
 #pragma unroll
     for (__u32 w = 0; w < LAT_SOCK_WAYS; w++)
         if (t->sk[w] == sk)
-            return lat_sock_at(b, w);
-    return 0;
+            return w;
+    return LAT_SOCK_WAYS;
+}
+
+static __always_inline struct lat_sock *lat_tracked(__u64 sk)
+{
+    __u32 b;
+    struct lat_sock_bucket *t = lat_bucket(sk, &b);
+    if (!t)
+        return 0;
+    __u32 w = lat_way(t, sk);
+    return w < LAT_SOCK_WAYS ? lat_sock_at(b, w) : 0;
 }
 
 /* Track sk with state *init; 0 when its bucket is full. The slot is reserved, filled, then published, so that an
@@ -160,15 +174,11 @@ static __always_inline struct lat_sock *lat_tracked(__u64 sk)
  * update would have: two slots with one tag would leave the stale one answering lookups. */
 static __always_inline int lat_track(__u64 sk, const struct lat_sock *init)
 {
-    __u32 b = lat_sock_bucket_of(sk);
-    struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
+    __u32 b;
+    struct lat_sock_bucket *t = lat_bucket(sk, &b);
     if (!t)
         return 0;
-    __u64 want = 0;
-#pragma unroll
-    for (__u32 w = 0; w < LAT_SOCK_WAYS; w++)
-        if (t->sk[w] == sk)
-            want = sk;
+    __u64 want = lat_way(t, sk) < LAT_SOCK_WAYS ? sk : 0;
 #pragma unroll
     for (__u32 w = 0; w < LAT_SOCK_WAYS; w++) {
         if (t->sk[w] != want || __sync_val_compare_and_swap(&t->sk[w], want, LAT_SOCK_RESERVED) != want)
@@ -180,18 +190,6 @@ static __always_inline int lat_track(__u64 sk, const struct lat_sock *init)
         return 1;
     }
     return 0;
-}
-
-static __always_inline void lat_untrack(__u64 sk)
-{
-    __u32 b = lat_sock_bucket_of(sk);
-    struct lat_sock_bucket *t = lat_sock_tags.lookup(&b);
-    if (!t)
-        return;
-#pragma unroll
-    for (__u32 w = 0; w < LAT_SOCK_WAYS; w++)
-        if (t->sk[w] == sk)
-            __sync_val_compare_and_swap(&t->sk[w], sk, 0);
 }
 
 BPF_F_TABLE("percpu_hash", struct lat_hist_key, struct lat_hist_val, lat_hist, 16384, BPF_F_NO_PREALLOC);
@@ -360,14 +358,17 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     }
     if (args->newstate != BPF_TCP_CLOSE)
         return 0;
-    struct lat_sock *s = lat_tracked(sk);
-    if (!s)
+    __u32 b;
+    struct lat_sock_bucket *t = lat_bucket(sk, &b);
+    __u32 w = t ? lat_way(t, sk) : LAT_SOCK_WAYS;
+    struct lat_sock *s = w < LAT_SOCK_WAYS ? lat_sock_at(b, w) : 0;
+    if (!t || !s)
         return 0;
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
     else if (s->state == LAT_WAITING && !(s->flags & LAT_F_UNTIMED))
         lat_count(s->tenant, LAT_C_UNPAIRED_CLOSE);
-    lat_untrack(sk);
+    __sync_val_compare_and_swap(&t->sk[w], sk, 0); /* the slot is free again */
     return 0;
 }
 
