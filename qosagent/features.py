@@ -53,7 +53,8 @@ class Features:
         return self.tracepoints.get(name, False)
 
 
-def _mount_types(fs: HostFS) -> dict[str, str]:
+def mount_types(fs: HostFS) -> dict[str, str]:
+    """Mount point -> filesystem type; a later mount on the same point shadows the earlier, as in the kernel."""
     text = fs.try_read("/proc/self/mounts") or ""
     out = {}
     for line in text.splitlines():
@@ -93,7 +94,7 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
     f.btf = fs.exists("/sys/kernel/btf/vmlinux")
     # BCC compiles against headers at this real path (a DaemonSet mounts /lib/modules at the same place).
     f.kernel_headers = os.path.exists(f"/lib/modules/{platform.release()}/build/include")
-    mounts = _mount_types(fs)
+    mounts = mount_types(fs)
     known = _filesystems(fs)
     for attr, path, fstype in (("tracefs", TRACEFS, "tracefs"), ("bpffs", BPFFS, "bpf")):
         if mounts.get(path) == fstype:
@@ -144,7 +145,7 @@ def ensure_mounted(fs: HostFS) -> list[str]:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    mounts = _mount_types(fs)
+    mounts = mount_types(fs)
     done = []
     for path, fstype in ((TRACEFS, "tracefs"), (BPFFS, "bpf")):
         if mounts.get(path) == fstype:

@@ -1,4 +1,4 @@
-"""The few bpf() commands bcc does not wrap, through ctypes: open a pin, describe a map or program, test-run."""
+"""The few bpf() commands bcc does not wrap, through ctypes: open a pin, describe a map or program, test-run, link."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_LINK_CREATE = 28
+# enum bpf_attach_type (UAPI)
+ATTACH_CGROUP_INET_INGRESS = 0
+ATTACH_CGROUP_SOCK_OPS = 3
 
 
 def bpf(cmd: int, attr: ctypes.Structure) -> int:
@@ -143,3 +147,18 @@ def map_update(fd: int, key: bytes, value: bytes) -> None:
     k = ctypes.create_string_buffer(key, len(key))
     v = ctypes.create_string_buffer(value, len(value))
     bpf(BPF_MAP_UPDATE_ELEM, _ElemAttr(map_fd=fd, key=ctypes.addressof(k), value=ctypes.addressof(v)))
+
+
+class _LinkCreateAttr(ctypes.Structure):
+    # After flags comes a union of per-target options (tracing cookies, netfilter hooks...); cgroup links use none,
+    # and zeros there are what the kernel requires of every byte a command does not use.
+    _fields_ = [("prog_fd", ctypes.c_uint32), ("target_fd", ctypes.c_uint32), ("attach_type", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("union", ctypes.c_uint8 * 48)]
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """A BPF link fd (caller owns it): the attachment lasts exactly as long as the last fd on the link.
+
+    Unlike BPF_PROG_ATTACH, nothing outlives a killed agent, so a crash cannot leave programs on the host.
+    """
+    return bpf(BPF_LINK_CREATE, _LinkCreateAttr(prog_fd=prog_fd, target_fd=target_fd, attach_type=attach_type))
