@@ -64,6 +64,7 @@ tenants:
     tier: gold
     match: {{ports: [{watched}]}}
 latency:
+  mode: {mode}
   ports: [{watched}]
   runqueue: {{enabled: {runq}}}
 """
@@ -85,11 +86,11 @@ def wrk(port: int, seconds: int, threads: int, conns: int) -> float:
 
 
 class Agent:
-    def __init__(self, tmp: Path, watched: int, runq: bool):
+    def __init__(self, tmp: Path, watched: int, runq: bool, mode: str):
         self.tmp = tmp
         self.mport = free_port()
         cfg = tmp / "agent.yaml"
-        cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, watched=watched, runq=str(runq).lower()))
+        cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, watched=watched, runq=str(runq).lower(), mode=mode))
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "qosagent", "run", "--config", str(cfg)], env=env,
@@ -149,24 +150,32 @@ class Toggled:
     """The daemon's Agent in this process, with its latency probes attached or detached at will and its tick loop
     running only while attached."""
 
-    def __init__(self, tmp: Path, watched: int, runq: bool, tick: bool = True, arrival: bool = True):
+    def __init__(self, tmp: Path, watched: int, runq: bool, mode: str, serving_cgroup: str | None,
+                 tick: bool = True, arrival: bool = True):
         sys.path.insert(0, str(REPO))
         from qosagent.config import parse
         from qosagent.daemon import Agent
         from qosagent.hostfs import HostFS
 
-        cfg = parse(yaml_config(tmp, watched, runq, free_port()), "bench")
+        cfg = parse(yaml_config(tmp, watched, runq, free_port(), mode), "bench")
         self.agent = Agent(cfg, HostFS("/"))
         self.agent.start()
         lat = next(c for c in self.agent.capabilities if c.name == "latency")
-        if lat.mode != "tracepoint":
-            raise RuntimeError(f"the bench toggles tracepoints; the latency probes run in {lat.mode} mode")
+        if lat.mode not in ("sockops", "tracepoint"):
+            raise RuntimeError(f"the bench toggles sockops links or tracepoints; the probes run in {lat.mode} mode")
+        self.lat = lat
         self.bpf = lat.bpf
+        if lat.mode == "sockops" and serving_cgroup:
+            # nginx listened before the agent started: its cgroup would be learned at its first response. Linked
+            # now, so that no window starts before it is (and so that empty programs, which learn nothing, work).
+            lat._ingress.attach(serving_cgroup)
+            lat.stop_learning()  # the root-wide learner would time the first windows' arrivals twice over
         if not arrival and b"sk_data_ready" in self.bpf.raw_tracepoint_fds:
             # Without the arrival hook no request is ever stamped on arrival: each is timed from its first read.
             self.bpf.detach_raw_tracepoint(b"sk_data_ready")
         self.raw = list(self.bpf.raw_tracepoint_fds)
         self.tps = list(self.bpf.tracepoint_fds)
+        self.ingress_paths: list[str] = []
         self.interval = cfg.interval
         self.tick = tick
         self.on = threading.Event()
@@ -187,6 +196,18 @@ class Toggled:
             self.bpf.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
         for tp in self.tps:
             self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+        if self.lat.mode == "sockops":
+            # The capability's own links, closed and made again: what an agent start and stop do to the hooks.
+            # The sockets keep the callbacks they were given, so with the links back they are timed again.
+            from qosagent.ebpf.syscall import ATTACH_CGROUP_SOCK_OPS, link_create
+
+            fd = os.open(self.lat.ctx.hostfs.path(self.lat._cgroup_root()), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                self.lat._sockops_link = link_create(self.bpf.funcs[b"lat_sockops"].fd, fd, ATTACH_CGROUP_SOCK_OPS)
+            finally:
+                os.close(fd)
+            for path in self.ingress_paths:
+                self.lat._ingress.attach(path)
         self.on.set()
 
     def detach(self) -> None:
@@ -195,6 +216,11 @@ class Toggled:
             self.bpf.detach_raw_tracepoint(tp)
         for tp in self.tps:
             self.bpf.detach_tracepoint(tp)
+        if self.lat.mode == "sockops":
+            os.close(self.lat._sockops_link)
+            self.ingress_paths = self.lat.cgroups()
+            for path in self.ingress_paths:
+                self.lat._ingress.detach(path)
 
     def close(self) -> None:
         self._done.set()
@@ -204,10 +230,10 @@ class Toggled:
         self.agent.stop()
 
 
-def yaml_config(tmp: Path, watched: int, runq: bool, mport: int) -> dict:
+def yaml_config(tmp: Path, watched: int, runq: bool, mport: int, mode: str) -> dict:
     import yaml
 
-    return yaml.safe_load(AGENT_CONF.format(mport=mport, tmp=tmp, watched=watched, runq=str(runq).lower()))
+    return yaml.safe_load(AGENT_CONF.format(mport=mport, tmp=tmp, watched=watched, runq=str(runq).lower(), mode=mode))
 
 
 def cpu_s(pids: list[int]) -> float:
@@ -226,12 +252,12 @@ class Window:
     cpu_per_request_s: float
 
 
-def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path,
-                       args: argparse.Namespace) -> list[tuple[Window, Window]]:
+def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path, serving_cgroup: str | None,
+                       args: argparse.Namespace) -> tuple[list[tuple[Window, Window]], str]:
     """(without, with) for each pair of neighbouring windows of one wrk run: the request rate nginx saw, and the
     CPU time nginx, wrk and the agent spent per request (what other load on a shared machine does not change)."""
-    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, tick=not args.no_tick,
-                arrival=not args.no_arrival)
+    t = Toggled(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, mode=args.mode,
+                serving_cgroup=serving_cgroup, tick=not args.no_tick, arrival=not args.no_arrival)
     workers = [int(p) for p in Path(f"/proc/{nginx_pid}/task/{nginx_pid}/children").read_text().split()]
     total_s = 2 + args.pairs * 2 * (args.window + 0.15) + 5
     wrk_proc = subprocess.Popen(["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{int(total_s)}s",
@@ -260,17 +286,23 @@ def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path,
         wrk_proc.terminate()
         wrk_proc.wait(10)
         t.close()
-    return pairs
+    return pairs, t.lat.mode
 
 
 def empty_programs(to: Path) -> str:
-    """bpf/ copied to `to`, each probe in latency.c returning before its first statement."""
+    """bpf/ copied to `to`, each probe in latency.c returning before its first statement: the tracepoint probes,
+    the ingress program, and the sock_ops sendmsg callback (connection set-up still picks the sockets, or no
+    per-socket callback would fire at all)."""
     shutil.copytree(REPO / "bpf", to, dirs_exist_ok=True)
     src = (to / "latency.c").read_text()
     out, n = re.subn(r"^((?:RAW_)?TRACEPOINT_PROBE\([^)]*\)\n\{\n)", r"\1    if (1)\n        return 0;\n", src,
                      flags=re.M)
-    if n == 0:
-        raise RuntimeError("no TRACEPOINT_PROBE / RAW_TRACEPOINT_PROBE found in bpf/latency.c")
+    out, m = re.subn(r"^(int lat_ingress\(struct __sk_buff \*skb\)\n\{\n)", r"\1    if (1)\n        return 1;\n", out,
+                     flags=re.M)
+    out, k = re.subn(r"^(static __always_inline void lat_ops_sendmsg\(struct bpf_sock_ops \*skops\)\n\{\n)",
+                     r"\1    if (1)\n        return;\n", out, flags=re.M)
+    if n == 0 or m != 1 or k != 1:
+        raise RuntimeError("bpf/latency.c no longer has the probes this bench empties")
     (to / "latency.c").write_text(out)
     return str(to)
 
@@ -293,6 +325,11 @@ def main() -> None:
     ap.add_argument("--empty-programs", action="store_true",
                     help="every probe returns at once: what attaching to these hooks costs before any work (a copy "
                          "of bpf/ with a return at the top of each probe, through QOSAGENT_BPF_DIR)")
+    ap.add_argument("--mode", default="auto", choices=("auto", "sockops", "tracepoint"),
+                    help="latency.mode of the agent (auto: sockops on kernels that have it)")
+    ap.add_argument("--root-cgroup", action="store_true",
+                    help="leave nginx in the bench's own cgroup (the root, on a host without systemd) instead of one "
+                         "of its own as a systemd service would have: sockops mode then hooks wrk's arrivals too")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "bpftool"):
         if not shutil.which(tool):
@@ -302,20 +339,33 @@ def main() -> None:
         os.environ["QOSAGENT_BPF_DIR"] = empty_programs(tmp / "bpf")  # read by the loader, here and in agents
     port, status_port = free_port(), free_port()
     (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, port=port, status_port=status_port))
-    nginx = subprocess.Popen(["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)])
+    serving_cgroup = None
+    nginx_argv = ["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)]
+    if not args.root_cgroup:
+        sys.path.insert(0, str(REPO))
+        from qosagent.ebpf.cgroups import cgroup2_mount
+        from qosagent.hostfs import HostFS
+
+        root = cgroup2_mount(HostFS("/"))
+        if root:
+            serving_cgroup = f"{root}/qosagent-bench-{os.getpid()}"
+            os.mkdir(serving_cgroup)
+            # In place before nginx opens its sockets: a socket belongs to the cgroup that created it.
+            nginx_argv = ["sh", "-c", f'echo $$ > {serving_cgroup}/cgroup.procs && exec "$@"', "sh"] + nginx_argv
+    nginx = subprocess.Popen(nginx_argv)
     stats_path = Path("/proc/sys/kernel/bpf_stats_enabled")
     stats_before = stats_path.read_text().strip()
     try:
         time.sleep(0.5)
         wrk(port, 1, args.threads, args.connections)  # warm up nginx and the page cache
-        pairs = throughput_windows(port, status_port, nginx.pid, tmp, args)
+        pairs, t_mode = throughput_windows(port, status_port, nginx.pid, tmp, serving_cgroup, args)
         ready, idle_cpu, load_cpu, rss_idle, rss_load = [], [], [], [], []
         per_event: dict[str, list[float]] = {}
         per_request: dict[str, list[float]] = {}
         probe_ns_per_req: list[float] = []
         cpu_ns_per_req: list[float] = []
         for _ in range(args.restarts):
-            agent = Agent(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue)
+            agent = Agent(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, mode=args.mode)
             try:
                 ready.append(agent.ready_s)
                 time.sleep(1.0)  # past the first ticks
@@ -351,6 +401,8 @@ def main() -> None:
         stats_path.write_text(stats_before)
         nginx.terminate()
         nginx.wait(timeout=10)
+        if serving_cgroup:
+            os.rmdir(serving_cgroup)
         shutil.rmtree(tmp, ignore_errors=True)
 
     ratios = [w.rps / wo.rps for wo, w in pairs]
@@ -369,7 +421,8 @@ def main() -> None:
           f"{', nginx port not watched' if args.unwatched else ''}"
           f"{', every probe empty (returns at once)' if args.empty_programs else ''}"
           f"{', agent tick off (maps never read)' if args.no_tick else ''}"
-          f"{', no arrival hook (requests timed from their first read)' if args.no_arrival else ''}.\n")
+          f"{', no arrival hook (requests timed from their first read)' if args.no_arrival else ''}; "
+          f"latency.mode {t_mode}, nginx in {serving_cgroup or 'the bench process cgroup'}.\n")
     base = [wo.rps for wo, _ in pairs]
     print(f"Without: median {statistics.median(base):,.0f} req/s (range {min(base):,.0f}-{max(base):,.0f}); "
           f"req/s with/without per pair: quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}, range "

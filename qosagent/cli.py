@@ -148,6 +148,7 @@ def _render_features(f: Any) -> str:
         f"bpffs {f.bpffs}, kprobes {yn[f.kprobes]}",
         "tracepoints: " + ", ".join(f"{k} {yn[v]}" for k, v in f.tracepoints.items()),
         f"tc: clsact {yn[f.clsact]}, cls_bpf {yn[f.cls_bpf]}, tcx {yn[f.tcx]}",
+        f"cgroup2: {f.cgroup2 or 'not mounted'}, sock_ops sendmsg callback {yn[f.sockops_sendmsg]}",
         "cpufreq: " + (", ".join(f"{p} {d['driver']}/{d['governor']}" for p, d in f.cpufreq.items()) or "none"),
         "thermal zones: " + (", ".join(f"{z} ({t})" for z, t in f.thermal_zones.items()) or "none"),
         "hwmon: " + (", ".join(f"{h} ({n})" for h, n in f.hwmon.items()) or "none"),

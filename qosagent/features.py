@@ -39,6 +39,8 @@ class Features:
     cls_bpf: bool = False
     clsact: bool = False
     tcx: bool = False
+    cgroup2: str = ""  # where the cgroup v2 hierarchy is mounted, "" when it is not
+    sockops_sendmsg: bool = False  # sock_ops' per-socket sendmsg callback (BPF_SOCK_OPS_TSTAMP_SENDMSG_CB, >= 6.15)
     cpufreq: dict[str, dict[str, str]] = field(default_factory=dict)  # policy -> driver, governor
     thermal_zones: dict[str, str] = field(default_factory=dict)  # zone -> type
     hwmon: dict[str, str] = field(default_factory=dict)  # hwmonN -> name
@@ -107,6 +109,11 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
         name = tp.split("/", 1)[1]
         # With tracefs unmounted, BTF still tells: every tracepoint has a btf_trace_<name> typedef.
         f.tracepoints[tp] = fs.exists(f"{TRACEFS}/events/{tp}") or b"\0btf_trace_" + name.encode() + b"\0" in btf_names
+    # The enumerator's name is in the running kernel's BTF strings exactly when its sock_ops has that callback.
+    f.sockops_sendmsg = b"\0BPF_SOCK_OPS_TSTAMP_SENDMSG_CB\0" in btf_names
+    from qosagent.ebpf.cgroups import cgroup2_mount
+
+    f.cgroup2 = cgroup2_mount(fs) or ""
     f.kprobes = fs.exists("/sys/bus/event_source/devices/kprobe") or "register_kprobe" in syms
     f.cls_bpf = "cls_bpf_classify" in syms or _module_file(fs, f.kernel, "net/sched/cls_bpf.ko")
     f.clsact = "clsact_init" in syms or "ingress_init" in syms or _module_file(fs, f.kernel, "net/sched/sch_ingress.ko")

@@ -5,12 +5,12 @@ Pure where it can be: the entries the tenant maps should hold are computed from 
 
 from __future__ import annotations
 
-import operator
-import struct
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from qosagent.config import Config
+from qosagent.hist import NBUCKETS
+from qosagent.tenants import UNMATCHED_ID
 
 # Histogram kinds and counters, as numbered in bpf/latency.c.
 KIND_TTFB = 0
@@ -29,37 +29,24 @@ C_LOST = 9
 C_UNTRACKED = 10
 
 
-HIST_KEY = struct.Struct("<IHH")  # struct lat_hist_key: tenant, kind, bucket
-COUNTER_KEY = struct.Struct("<II")  # struct lat_counter_key: tenant, what
-HIST_VALUE = struct.Struct("<QQ")  # count, sum_ns
-COUNTER_VALUE = struct.Struct("<Q")
+NCOUNTERS = 11  # LAT_NCOUNTERS
+ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
+COUNTS_SIZE = 8 * NCOUNTERS  # struct lat_counts
+MIN_SLOTS = 64
+
+
+def slots_for(tenants: int) -> int:
+    """LAT_SLOTS for a config with this many tenants: unmatched traffic's slot, the tenants', and as many again for
+    tenants later reloads add (a removed tenant keeps its slot: its counts since start stay reported)."""
+    need = 2 * (tenants + 1)
+    n = MIN_SLOTS
+    while n < need:
+        n *= 2
+    return n
 
 
 def watched(cfg: Config) -> list[int]:
     return sorted(set(cfg.watched_ports()) | set(cfg.latency.multiplexed_ports))
-
-
-def per_cpu_value_size(leaf_size: int, ncpus: int) -> int:
-    """The kernel hands per-CPU values out as one 8-byte-aligned slot per possible CPU."""
-    return ((leaf_size + 7) // 8 * 8) * ncpus
-
-
-def per_cpu_sums(values: bytes, n: int, fields: int) -> list[list[int]]:
-    """Per field, the sum over CPUs of each of n per-CPU values of `fields` u64s each, as the kernel hands them out
-    (entry after entry, CPU after CPU). Whole columns at a time: slicing and map() stay in C, where a loop over
-    entries and CPUs in Python cost most of a tick under load."""
-    if n == 0:
-        return [[] for _ in range(fields)]
-    q = memoryview(values).cast("Q")
-    stride = len(q) // n
-    ncpus = stride // fields
-    out = []
-    for f in range(fields):
-        acc = list(q[f::stride])
-        for cpu in range(1, ncpus):
-            acc = list(map(operator.add, acc, q[cpu * fields + f::stride]))
-        out.append(acc)
-    return out
 
 
 @dataclass(frozen=True)
@@ -71,20 +58,48 @@ class Raw:
     counters: Mapping[tuple[int, int], int]
 
 
-Chunk = tuple[bytes, bytes, int]  # keys, values, n: one BatchReader.chunks() step
+class RowParser:
+    """lat_hist rows (struct lat_row) into ({bucket: count}, sum), parsing only rows whose bytes changed since the
+    last read: a row is 4.8 KB, and most rows of most ticks (idle tenants) are unchanged."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[bytes, dict[int, int], int]] = {}
+
+    def parse(self, row: int, data: bytes) -> tuple[dict[int, int], int]:
+        last = self._last.get(row)
+        if last is not None and last[0] == data:
+            return last[1], last[2]
+        q = memoryview(data).cast("Q")
+        counts = {b: c for b, c in enumerate(q[1:]) if c}
+        self._last[row] = (data, counts, q[0])
+        return counts, q[0]
 
 
-def assemble(hist_chunks: Iterable[Chunk], counter_chunks: Iterable[Chunk]) -> Raw:
+_ZERO_ROW = bytes(ROW_SIZE)
+
+
+def assemble(rows: Iterable[tuple[int, bytes]], counters: Iterable[tuple[int, bytes]], slots: Mapping[int, int],
+             runq_row: int, parser: RowParser) -> Raw:
+    """One Raw from the kernel's arrays: (index, bytes) of lat_hist rows (2*slot + kind, and runq_row for run-queue
+    waits) and of each slot's counters; slots maps slot -> tenant id. All-zero rows and counters are left out."""
     hist: dict[tuple[int, int], dict[int, int]] = {}
     sums: dict[tuple[int, int], int] = {}
-    for keys, values, n in hist_chunks:
-        counts, totals = per_cpu_sums(values, n, 2)
-        for (tenant, kind, bucket), count, total in zip(HIST_KEY.iter_unpack(keys), counts, totals):
-            key = (tenant, kind)
-            hist.setdefault(key, {})[bucket] = count
-            sums[key] = sums.get(key, 0) + total
-    counters: dict[tuple[int, int], int] = {}
-    for keys, values, n in counter_chunks:
-        (totals,) = per_cpu_sums(values, n, 1)
-        counters.update(zip(COUNTER_KEY.iter_unpack(keys), totals))
-    return Raw(hist, sums, counters)
+    for row, data in rows:
+        if data == _ZERO_ROW:
+            continue
+        if row == runq_row:
+            key = (UNMATCHED_ID, KIND_RUNQ)
+        elif row // 2 in slots:
+            key = (slots[row // 2], row % 2)
+        else:
+            continue
+        hist[key], sums[key] = parser.parse(row, data)
+    out: dict[tuple[int, int], int] = {}
+    for slot, data in counters:
+        tid = slots.get(slot)
+        if tid is None:
+            continue
+        for what, v in enumerate(memoryview(data).cast("Q")):
+            if v:
+                out[(tid, what)] = v
+    return Raw(hist, sums, out)

@@ -6,7 +6,10 @@ builds the LatencyPart: since-start histograms as read, window histograms as the
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import Capability, CapabilityError, State, Verdict
@@ -30,6 +33,10 @@ SOCKET_TRACEPOINTS = ("sock/sock_recv_length", "sock/sock_send_length")
 RUNQ_TRACEPOINTS = ("sched/sched_wakeup", "sched/sched_wakeup_new", "sched/sched_switch")
 KPROBES = (("tcp_recvmsg", "kp_tcp_enter", "kp_tcp_recvmsg_ret"), ("tcp_sendmsg", "kp_tcp_enter", "kp_tcp_sendmsg_ret"))
 RUNQ_REFRESH_S = 1.0  # how often the threads of the serving processes are re-listed
+CGROUP_EVENT_POLL_MS = 200  # how long the cgroup watcher blocks on the ring buffer before checking for stop
+# How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
+# starts are found by their first request's arrival (and it is timed) rather than by their first response.
+LEARN_S = 30.0
 
 
 class Latency(Capability):
@@ -37,7 +44,7 @@ class Latency(Capability):
 
     def __init__(self, ctx: Any):
         super().__init__(ctx)
-        self.mode = ""  # "tracepoint" or "kprobe"
+        self.mode = ""  # "sockops", "tracepoint" or "kprobe"
         self.runq = False
         self.arrival = False  # request clocks start at arrival (sock:sk_data_ready), else at the first read
         self.bpf: Any = None
@@ -47,25 +54,53 @@ class Latency(Capability):
         self._window: Window[bm.Raw] | None = None
         self._runq_next = 0.0
         self._ports: "TenantPorts | None" = None  # tenant_ports as written
+        self._nslots = 0  # LAT_SLOTS of the loaded program
+        self._slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
+        self._rows = bm.RowParser()
+        # sockops mode: the sock_ops program's link on the cgroup2 root, the ingress program's links on the serving
+        # cgroups, and the thread that attaches the latter as the kernel reports them.
+        self._sockops_link: Any = None
+        self._learn_link: Any = None
+        self._learn_until = 0.0
+        self._ingress: Any = None
+        self._cgroup_index: Any = None
+        self._cgroup_ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
+        self._cgroup_lock = threading.Lock()
+        self._cgroup_errors = 0
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
-        if not features.has_tracepoint("sock/inet_sock_set_state"):
-            return Verdict(State.UNAVAILABLE, "no sock:inet_sock_set_state tracepoint (kernel < 4.16)")
-        if all(features.has_tracepoint(tp) for tp in SOCKET_TRACEPOINTS):
-            self.mode = "tracepoint"
-        elif features.kprobes:
-            self.mode = "kprobe"
-        else:
-            return Verdict(State.UNAVAILABLE, "no sock:sock_recv_length/sock_send_length tracepoints (kernel < 6.4) "
-                                              "and no kprobes for the tcp_recvmsg/tcp_sendmsg fallback")
-        notes = []
-        if self.mode == "kprobe":
-            notes.append("kprobe fallback on tcp_recvmsg/tcp_sendmsg")
-        self.arrival = features.has_tracepoint("sock/sk_data_ready")
-        if not self.arrival:
-            notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
         cfg = self.ctx.config.latency
+        sockops_ok = features.sockops_sendmsg and bool(features.cgroup2)
+        tracepoints_ok = all(features.has_tracepoint(tp) for tp in SOCKET_TRACEPOINTS)
+        set_state = features.has_tracepoint("sock/inet_sock_set_state")
+        notes = []
+        if cfg.mode == "sockops" or (cfg.mode == "auto" and sockops_ok):
+            if not sockops_ok:
+                return Verdict(State.UNAVAILABLE, "latency.mode is sockops, but " + (
+                    "the kernel's sock_ops has no per-socket sendmsg callback (kernel < 6.15)"
+                    if not features.sockops_sendmsg else "no cgroup v2 hierarchy is mounted"))
+            self.mode = "sockops"
+            self.arrival = True  # the ingress program sees request bytes arrive
+        elif cfg.mode in ("auto", "tracepoint") and set_state and tracepoints_ok:
+            self.mode = "tracepoint"
+        elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes:
+            self.mode = "kprobe"
+            notes.append("kprobe fallback on tcp_recvmsg/tcp_sendmsg")
+        else:
+            missing = ("no sock:inet_sock_set_state tracepoint (kernel < 4.16)" if not set_state else
+                       "no sock:sock_recv_length/sock_send_length tracepoints (kernel < 6.4)" if cfg.mode != "kprobe"
+                       else "no kprobes")
+            if cfg.mode == "auto":
+                missing += ", no kprobes for the tcp_recvmsg/tcp_sendmsg fallback" if set_state else ""
+                missing += ", and no per-socket sock_ops hooks (kernel < 6.15 or no cgroup v2)"
+            return Verdict(State.UNAVAILABLE, f"latency.mode {cfg.mode}: {missing}")
+        if self.mode != "sockops":
+            self.arrival = features.has_tracepoint("sock/sk_data_ready")
+            if not self.arrival:
+                notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
         self.runq = cfg.runqueue.enabled and all(features.has_tracepoint(tp) for tp in RUNQ_TRACEPOINTS)
         if cfg.runqueue.enabled and not self.runq:
             return Verdict(State.DEGRADED, "; ".join(notes + ["run-queue latency off: sched tracepoints missing"]))
@@ -74,14 +109,21 @@ class Latency(Capability):
     def start(self) -> None:
         from qosagent.ebpf.loader import BpfError, compile_program
 
-        defines = {}
+        defines: dict[str, object] = {}
         if self.runq:
             defines["QOS_RUNQ"] = 1
-        if self.mode == "kprobe":
-            defines["QOS_KPROBE"] = 1
-        if self.arrival:
-            defines["QOS_ARRIVAL"] = 1
-        defines["LAT_SOCK_BUCKETS_LOG2"] = (self.ctx.config.latency.socket_slots // 4).bit_length() - 1
+        if self.mode == "sockops":
+            defines["QOS_SOCKOPS"] = 1
+        else:
+            if self.mode == "kprobe":
+                defines["QOS_KPROBE"] = 1
+            if self.arrival:
+                defines["QOS_ARRIVAL"] = 1
+            defines["LAT_SOCK_BUCKETS_LOG2"] = (self.ctx.config.latency.socket_slots // 4).bit_length() - 1
+        self._nslots = bm.slots_for(len(self.ctx.config.tenants))
+        self._slots = {}
+        self._rows = bm.RowParser()
+        defines["LAT_SLOTS"] = self._nslots
         defines.update(_flows_defines(self.ctx.config))
         try:
             self.bpf = compile_program("latency", defines)
@@ -92,33 +134,154 @@ class Latency(Capability):
         except BpfError as e:
             raise CapabilityError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching
+            self._release()
             raise CapabilityError(f"attaching the latency probes failed: {e}") from None
-        from bcc.utils import get_possible_cpus
-
-        ncpus = len(get_possible_cpus())
-        self._hist_reader = self._reader(b"lat_hist", bm.HIST_KEY.size,
-                                         bm.per_cpu_value_size(bm.HIST_VALUE.size, ncpus))
-        self._counter_reader = self._reader(b"lat_counters", bm.COUNTER_KEY.size,
-                                            bm.per_cpu_value_size(bm.COUNTER_VALUE.size, ncpus))
         from qosagent.ebpf.tenant_ports import TenantPorts
 
         self._ports = TenantPorts(self.bpf[b"tenant_ports"].map_fd)  # a fresh map: all zero
         self._fill_maps(self.ctx.config)
+        if self.mode == "sockops":
+            # Maps first, hooks last: a connection established before the tenant maps were written would be
+            # resolved against empty ones.
+            self._attach_sockops()
         self.programs = self._program_ids()
         self._window = Window(self.ctx.config.latency.window)
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
 
-    def _reader(self, table: bytes, key_size: int, value_size: int) -> Any:
-        from qosagent.ebpf.batch import BatchReader
+    def _attach_sockops(self) -> None:
+        """The sock_ops program on the cgroup2 root (it sees every TCP socket's connection events, and picks the
+        server sockets of watched ports), and a thread that links the ingress program to each cgroup the kernel
+        reports serving them. Links, so that a killed agent leaves nothing attached."""
+        from bcc import BPF
 
-        return BatchReader(self.bpf[table].map_fd, key_size, value_size)
+        from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
+        from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, link_create
+
+        root = self._cgroup_root()
+        try:
+            sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
+            ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
+            learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
+            self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.ctx.hostfs)
+            self._cgroup_index = CgroupIndex(self.ctx.hostfs, root)
+            self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_cgroup_event)
+            fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                # The learner first: no socket the sock_ops program tracks may have an arrival nobody sees.
+                self._learn_link = link_create(learn.fd, fd, ATTACH_CGROUP_INET_INGRESS)
+                self._learn_until = self.ctx.clock() + LEARN_S
+                self._sockops_link = link_create(sockops.fd, fd, ATTACH_CGROUP_SOCK_OPS)
+            finally:
+                os.close(fd)
+        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
+            self._release()
+            raise CapabilityError(f"attaching the sock_ops latency hooks at {root} failed: {e}") from None
+        # Serving cgroups noted before this start (none on a fresh map) and from now on, as they come.
+        self._stopping.clear()
+        self._watcher = threading.Thread(target=self._watch_cgroups, name="latency-cgroups", daemon=True)
+        self._watcher.start()
+
+    def _cgroup_root(self) -> str:
+        from qosagent.ebpf.cgroups import cgroup2_mount
+
+        root = cgroup2_mount(self.ctx.hostfs)
+        if not root:
+            raise CapabilityError("latency in sockops mode needs a cgroup v2 hierarchy, and none is mounted")
+        return root
+
+    def _watch_cgroups(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.bpf.ring_buffer_poll(CGROUP_EVENT_POLL_MS)
+            except Exception as e:  # noqa: BLE001 - a failed poll must not end the watcher silently
+                self._cgroup_errors += 1
+                log.warning("latency: polling the cgroup events failed: %s", e)
+                self._stopping.wait(1.0)
+
+    def _on_cgroup_event(self, _ctx: Any, data: Any, _size: int) -> None:
+        ev = ctypes.cast(data, ctypes.POINTER(_CgroupEvent)).contents
+        self._link_cgroup(int(ev.id), int(ev.tgid))
+
+    def _link_cgroup(self, cgid: int, tgid: int) -> None:
+        """Attach the ingress program to the cgroup the kernel saw a watched port served from."""
+        with self._cgroup_lock:
+            if self._ingress is None:
+                return
+            path = self._cgroup_index.path_of(cgid)
+            if path is None:
+                self._cgroup_errors += 1
+                log.warning("latency: cgroup id %d (where %s serves a watched port) not found under %s: request "
+                            "arrivals there are not seen, and those requests count as responses without request",
+                            cgid, f"process {tgid}" if tgid else "a tracked socket", self._cgroup_index.root)
+                return
+            try:
+                self._cgroup_ids[cgid] = path
+                if self._ingress.attach(path):
+                    log.info("latency: request arrivals hooked on cgroup %s (%s serves a watched port there)",
+                             path, f"process {tgid}" if tgid else "a tracked socket")
+            except OSError as e:
+                self._cgroup_errors += 1
+                log.warning("latency: %s; requests served from there are not timed", e)
+
+    def stop_learning(self) -> None:
+        """Unlink lat_ingress_learn from the cgroup2 root: from now on only the serving cgroups see arrivals."""
+        with self._cgroup_lock:
+            if self._learn_link is not None:
+                os.close(self._learn_link)
+                self._learn_link = None
+
+    def _prune_cgroups(self) -> None:
+        """Drop the links of cgroups that were removed (the kernel has detached them already)."""
+        with self._cgroup_lock:
+            if self._ingress is None:
+                return
+            for cgid, path in list(self._cgroup_ids.items()):
+                if self.ctx.hostfs.is_dir(path):
+                    continue
+                self._ingress.detach(path)
+                del self._cgroup_ids[cgid]
+                # Room in the kernel's set for new cgroups (ids are never reused).
+                cgroups = self.bpf[b"lat_cgroups"]
+                try:
+                    del cgroups[cgroups.Key(id=cgid)]
+                except KeyError:
+                    pass
+
+    def _release(self) -> None:
+        """Undo what start() did, in reverse: the cgroup watcher, the links, the programs and maps."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        with self._cgroup_lock:
+            if self._ingress is not None:
+                self._ingress.close()
+                self._ingress = None
+            if self._sockops_link is not None:
+                os.close(self._sockops_link)
+                self._sockops_link = None
+            if self._learn_link is not None:
+                os.close(self._learn_link)
+                self._learn_link = None
+        if self.bpf is not None:
+            self.bpf.cleanup()
+            self.bpf = None
 
     def attached(self) -> int:
         if self.bpf is None:
             return 0
-        return len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
+        n = len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
+        if self._sockops_link is not None:
+            n += 1 + (1 if self._ingress is not None and self._ingress.paths else 0)
+            n += 1 if self._learn_link is not None else 0
+        return n
+
+    def cgroups(self) -> list[str]:
+        """The cgroups whose request arrivals are hooked (sockops mode)."""
+        with self._cgroup_lock:
+            return self._ingress.paths if self._ingress is not None else []
 
     def _program_ids(self) -> list[dict[str, Any]]:
         """Kernel ids of our loaded programs (what `bpftool prog show id N` finds), for status and the stop test."""
@@ -139,7 +302,11 @@ class Latency(Capability):
         except ValueError as e:
             raise CapabilityError(str(e)) from None
         ports, cidrs = tenant_entries(cfg)
+        slots = self._assign_slots(table)
         b = self.bpf
+        self._sync(b[b"lat_slots"], {(tid,): slot for tid, slot in slots.items()},
+                   lambda t, k: t.Key(tenant=k[0]), lambda t, v: t.Leaf(slot=v))
+        self._slots = slots
         self._sync(b[b"watched_ports"], {(p,): 1 for p in bm.watched(cfg)},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
         self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in cfg.latency.multiplexed_ports},
@@ -150,6 +317,21 @@ class Latency(Capability):
                    self._cidr_key, lambda t, v: t.Leaf(tenant=v))
         self._known.update(table)
         self._tenants = table
+
+    def _assign_slots(self, table: dict[int, TenantInfo]) -> dict[int, int]:
+        """Slots for table's tenants: those already numbered keep theirs (their counts since start go on), new ones
+        take free ones; a tenant a reload removed keeps its slot, and its counts stay reported, until restart."""
+        slots = dict(self._slots)
+        slots[UNMATCHED_ID] = 0
+        free = sorted(set(range(self._nslots)) - set(slots.values()))
+        for tid in table:
+            if tid not in slots:
+                if not free:
+                    raise CapabilityError(
+                        f"the latency arrays have {self._nslots} tenant slots, all taken by tenants configured since "
+                        "the agent started; restart it to time the new ones")
+                slots[tid] = free.pop(0)
+        return slots
 
     @staticmethod
     def _cidr_key(t: Any, k: tuple[int, int, bytes]) -> Any:
@@ -186,7 +368,20 @@ class Latency(Capability):
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:
-        return bm.assemble(self._hist_reader.chunks(), self._counter_reader.chunks())
+        from qosagent.ebpf.syscall import map_lookup
+
+        # Only the rows of slots in use, one lookup each: a batch read of the whole array would copy (and the tick
+        # compare) every spare slot's rows too, ~600 KB per tick.
+        hist_fd, counters_fd = self.bpf[b"lat_hist"].map_fd, self.bpf[b"lat_counters"].map_fd
+        by_slot = {slot: tid for tid, slot in self._slots.items()}
+        runq_row = 2 * self._nslots
+        indexes = [2 * slot + kind for slot in by_slot for kind in (bm.KIND_TTFB, bm.KIND_RESPONSE)]
+        if self.runq:
+            indexes.append(runq_row)
+        rows = ((i, map_lookup(hist_fd, i.to_bytes(4, "little"), bm.ROW_SIZE) or b"") for i in indexes)
+        counters = ((slot, map_lookup(counters_fd, slot.to_bytes(4, "little"), bm.COUNTS_SIZE) or b"")
+                    for slot in by_slot)
+        return bm.assemble(rows, counters, by_slot, runq_row, self._rows)
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
@@ -194,9 +389,16 @@ class Latency(Capability):
         assert self._window is not None
         base_t, base = self._window.push(now, raw)
         elapsed = now - base_t
-        if self.runq and now >= self._runq_next:
+        if now >= self._runq_next:
             self._runq_next = now + RUNQ_REFRESH_S
-            self._refresh_runq_threads()
+            if self.runq:
+                self._refresh_runq_threads()
+            if self.mode == "sockops":
+                self._prune_cgroups()
+                if self._learn_link is not None and now >= self._learn_until:
+                    self.stop_learning()
+                    log.info("latency: arrivals now hooked on the serving cgroups only: %s",
+                             ", ".join(self.cgroups()) or "none yet")
         cfg = self.ctx.config
         current = self._tenants
         # Configured tenants, and any a reload removed that still have counts since start.
@@ -271,8 +473,7 @@ class Latency(Capability):
     def stop(self) -> None:
         if self.bpf is None:
             return
-        self.bpf.cleanup()
-        self.bpf = None
+        self._release()
         log.info("latency probes detached")
 
     # ---- reporting ---------------------------------------------------------------------------------------
@@ -290,6 +491,9 @@ class Latency(Capability):
         out = export.status(part, slo)
         out["mode"] = self.mode
         out["programs"] = self.programs
+        if self.mode == "sockops":
+            out["cgroups"] = self.cgroups()
+            out["learning"] = self._learn_link is not None
         return out
 
     @staticmethod
@@ -298,6 +502,12 @@ class Latency(Capability):
 
         return export.render(status)
 
+
+
+class _CgroupEvent(ctypes.Structure):
+    """struct lat_cgroup_event of bpf/latency.c."""
+
+    _fields_ = [("id", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
 
 def _flows_defines(cfg: "Config") -> dict[str, object]:

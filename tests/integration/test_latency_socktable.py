@@ -32,7 +32,8 @@ def latency(bpf: None, port: int) -> Iterator[Latency]:
     fs = HostFS("/")
     features.ensure_mounted(fs)
     cfg = parse({"tenants": [{"name": "t", "tier": "gold", "match": {"ports": [port]}}],
-                 "latency": {"ports": [port], "socket_slots": 4, "runqueue": {"enabled": False}}}, "test")
+                 "latency": {"mode": "tracepoint", "ports": [port], "socket_slots": 4,
+                             "runqueue": {"enabled": False}}}, "test")
     cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
     assert cap.probe(probe(fs)).state is State.ACTIVE
     cap.start()

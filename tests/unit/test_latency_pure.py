@@ -9,12 +9,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from qosagent.config import parse
-from qosagent.hist import Histogram, bucket_index, bucket_upper, export_bounds_ns
+from qosagent.hist import NBUCKETS, Histogram, bucket_index, bucket_upper, export_bounds_ns
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import export
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.window import Window
-from qosagent.tenants import tenant_entries, tenant_id
+from qosagent.tenants import UNMATCHED_ID, tenant_entries, tenant_id
 
 CFG = {
     "tenants": [
@@ -47,24 +47,34 @@ def test_watched_ports_include_tenant_and_multiplexed_ports() -> None:
     assert bm.watched(parse(CFG, "t")) == [8000, 9001, 18001, 18003, 18004]
 
 
-def test_per_cpu_values_are_summed_over_cpus() -> None:
-    assert bm.per_cpu_value_size(16, 4) == 64
-    assert bm.per_cpu_value_size(4, 3) == 24  # each CPU's slot is 8-byte aligned
-    # Two CPUs; values entry after entry, CPU after CPU, as BPF_MAP_LOOKUP_BATCH hands them out.
-    hist_keys = bm.HIST_KEY.pack(7, bm.KIND_TTFB, 100) + bm.HIST_KEY.pack(7, bm.KIND_TTFB, 101)
-    hist_values = struct.pack("<8Q", 2, 300, 1, 50, 4, 10, 0, 0)
-    ctr_keys = bm.COUNTER_KEY.pack(7, bm.C_STARTED) + bm.COUNTER_KEY.pack(8, bm.C_CONNS)
-    ctr_values = struct.pack("<4Q", 5, 7, 0, 1)
-    raw = bm.assemble([(hist_keys, hist_values, 2)], [(ctr_keys, ctr_values, 2), (b"", b"", 0)])
-    assert raw.hist[(7, bm.KIND_TTFB)] == {100: 3, 101: 4}
-    assert raw.sums[(7, bm.KIND_TTFB)] == 360
-    assert raw.counters == {(7, bm.C_STARTED): 12, (8, bm.C_CONNS): 1}
+def row(sum_ns: int, counts: dict[int, int]) -> bytes:
+    q = [0] * (1 + NBUCKETS)
+    q[0] = sum_ns
+    for b, c in counts.items():
+        q[1 + b] = c
+    return struct.pack(f"<{len(q)}Q", *q)
 
 
-def test_per_cpu_sums_add_each_field_over_any_number_of_cpus() -> None:
-    values = struct.pack("<6Q", 1, 2, 3, 10, 20, 30)  # two entries of one field on three CPUs
-    assert bm.per_cpu_sums(values, 2, 1) == [[6, 60]]
-    assert bm.per_cpu_sums(b"", 0, 2) == [[], []]
+def test_rows_and_counters_are_read_by_slot_and_unchanged_rows_are_not_parsed_again() -> None:
+    slots = {0: 0, 1: 7, 2: 8}  # slot -> tenant id; slot 3 is nobody's
+    runq_row = 2 * 4
+    rows = {2: row(360, {100: 3, 101: 4}), 3: row(0, {}), 6: row(9, {1: 1}), runq_row: row(50, {20: 2})}
+    counters = [(0, struct.pack(f"<{bm.NCOUNTERS}Q", *([0] * bm.NCOUNTERS))),
+                (1, struct.pack(f"<{bm.NCOUNTERS}Q", *[5 if w == bm.C_STARTED else 0 for w in range(bm.NCOUNTERS)])),
+                (2, struct.pack(f"<{bm.NCOUNTERS}Q", *[1 if w == bm.C_CONNS else 0 for w in range(bm.NCOUNTERS)]))]
+    parser = bm.RowParser()
+    raw = bm.assemble(sorted(rows.items()), counters, slots, runq_row, parser)
+    assert raw.hist == {(7, bm.KIND_TTFB): {100: 3, 101: 4}, (UNMATCHED_ID, bm.KIND_RUNQ): {20: 2}}
+    assert raw.sums[(7, bm.KIND_TTFB)] == 360 and raw.sums[(UNMATCHED_ID, bm.KIND_RUNQ)] == 50
+    assert (9, bm.KIND_TTFB) not in raw.hist  # slot 3: no tenant
+    assert raw.counters == {(7, bm.C_STARTED): 5, (8, bm.C_CONNS): 1}
+    again = bm.assemble(sorted(rows.items()), [], slots, runq_row, parser)
+    assert again.hist[(7, bm.KIND_TTFB)] is raw.hist[(7, bm.KIND_TTFB)]  # same bytes: the parse is reused
+
+
+def test_slots_leave_room_for_reloads() -> None:
+    assert bm.slots_for(0) == bm.MIN_SLOTS
+    assert bm.slots_for(40) == 128  # 41 slots in use, twice that rounded up
 
 
 def test_window_subtracts_the_checkpoint_one_span_ago() -> None:
@@ -143,16 +153,18 @@ def test_slo_state() -> None:
     assert export.slo_state(0.1, 0.0) == "-"
 
 
-def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True) -> tuple[str, str, str]:
+def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True, mode: str = "auto",
+           sockops: bool = False, cgroup2: str = "") -> tuple[str, str, str]:
     from qosagent.capability import AgentContext
     from qosagent.features import TRACEPOINTS, Features
     from qosagent.gpu.backend import NoGpu
     from qosagent.hostfs import HostFS
     from qosagent.latency.capability import Latency
 
-    cfg = parse({"latency": {"runqueue": {"enabled": runqueue}}}, "t")
+    cfg = parse({"latency": {"mode": mode, "runqueue": {"enabled": runqueue}}}, "t")
     cap = Latency(AgentContext(config=cfg, hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
-    f = Features(tracepoints={tp: tp in tracepoints for tp in TRACEPOINTS}, kprobes=kprobes)
+    f = Features(tracepoints={tp: tp in tracepoints for tp in TRACEPOINTS}, kprobes=kprobes,
+                 sockops_sendmsg=sockops, cgroup2=cgroup2)
     v = cap.probe(f)
     return v.state.value, v.reason, cap.mode
 
@@ -169,6 +181,18 @@ def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
     state, reason, _ = _probe(old, kprobes=False)
     assert state == "unavailable" and "no kprobes" in reason
     assert _probe(set())[0] == "unavailable"
+
+
+def test_probe_prefers_sockops_where_the_kernel_and_a_cgroup2_mount_allow_and_honours_a_forced_mode() -> None:
+    assert _probe(ALL_TP, sockops=True, cgroup2="/sys/fs/cgroup") == ("active", "", "sockops")
+    assert _probe(ALL_TP, sockops=True)[2] == "tracepoint"  # no cgroup v2: the tracepoints
+    assert _probe(ALL_TP, sockops=True, cgroup2="/sys/fs/cgroup", mode="tracepoint")[2] == "tracepoint"
+    state, reason, _ = _probe(ALL_TP, mode="sockops", cgroup2="/sys/fs/cgroup")
+    assert state == "unavailable" and "6.15" in reason
+    state, reason, _ = _probe(ALL_TP, mode="sockops", sockops=True)
+    assert state == "unavailable" and "cgroup v2" in reason
+    state, reason, _ = _probe(ALL_TP, mode="kprobe")
+    assert state == "unavailable" and "kprobes" in reason
 
 
 def test_probe_degrades_without_sched_tracepoints_only_when_runqueue_is_wanted() -> None:

@@ -1,0 +1,161 @@
+"""Sockops mode for real: the request-arrival program goes on the cgroup of the process serving a watched port and
+nowhere else once the agent has learnt it, a server already running is found by its first request's arrival, the
+sock_ops program fires only for the server's sockets, and stop leaves nothing on any cgroup."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from qosagent.capability import AgentContext, State
+from qosagent.config import parse
+from qosagent.ebpf.cgroups import cgroup2_mount
+from qosagent.features import ensure_mounted, probe
+from qosagent.gpu.backend import NoGpu
+from qosagent.hostfs import HostFS
+from qosagent.latency.capability import Latency
+from qosagent.latency.model import TenantLatency
+from tests.conftest import require
+from tests.integration.latency_helpers import free_port
+
+# One request per connection (HTTP/1.0), each answered after 20 ms.
+SERVER = """
+import http.server, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        time.sleep(0.02)
+        self.send_response(200); self.send_header("Content-Length", "3"); self.end_headers(); self.wfile.write(b"ok\\n")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def cgroup(root: None) -> Iterator[str]:
+    mount = cgroup2_mount(HostFS("/"))
+    require(mount is not None, "no cgroup2 hierarchy mounted")
+    path = f"{mount}/qosagent-test-{secrets.token_hex(4)}"
+    os.mkdir(path)
+    try:
+        yield path
+    finally:
+        os.rmdir(path)
+
+
+def start_server(cgroup: str, port: int) -> subprocess.Popen:
+    """The server in its own cgroup, as systemd or a container runtime would run it, listening when this returns."""
+    p = subprocess.Popen(["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh",
+                          sys.executable, "-c", SERVER, str(port)])
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{p.pid}/net/tcp") as f:
+                if any(f":{port:04X} " in line and line.split()[3] == "0A" for line in f):
+                    return p
+        except OSError:
+            pass
+        time.sleep(0.02)
+    p.kill()
+    raise AssertionError("the test server did not listen")
+
+
+def latency(port: int) -> Latency:
+    fs = HostFS("/")
+    ensure_mounted(fs)
+    cfg = parse({"tenants": [{"name": "svc", "tier": "gold", "match": {"ports": [port]}}],
+                 "latency": {"mode": "sockops", "ports": [port], "runqueue": {"enabled": False}}}, "test")
+    cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
+    assert cap.probe(probe(fs)).state is State.ACTIVE and cap.mode == "sockops"
+    return cap
+
+
+def get(port: int) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/")
+    assert c.getresponse().read() == b"ok\n"
+    c.close()
+
+
+def until(what: Callable[[], Any], timeout: float = 10.0) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got or time.monotonic() > end:
+            return got
+        time.sleep(0.05)
+
+
+def settled(cap: Latency, requests: int) -> TenantLatency:
+    """The tenant's numbers once its completed requests reach `requests` (or after 10 s, for the failure message)."""
+    end = time.monotonic() + 10
+    while True:
+        t = cap.collect().tenants["svc"]
+        if t.requests >= requests or time.monotonic() > end:
+            return t
+        time.sleep(0.05)
+
+
+def programs_on(path: str) -> set[str]:
+    require(shutil.which("bpftool") is not None, "bpftool not installed")
+    out = subprocess.run(["bpftool", "-j", "cgroup", "show", path], check=True, capture_output=True, text=True).stdout
+    return {p["name"] for p in json.loads(out.strip() or "[]")}
+
+
+def ours(cap: Latency) -> set[str]:
+    return {p["name"] for p in cap.programs}
+
+
+@pytest.mark.privileged
+def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgroup: str) -> None:
+    port = free_port()
+    cap = latency(port)
+    root = cap._cgroup_root()
+    cap.start()
+    server = None
+    try:
+        cap.stop_learning()  # what the agent does LEARN_S after start: from here on, only serving cgroups
+        server = start_server(cgroup, port)
+        # listen() reported the server's cgroup: linked before any request is sent.
+        assert until(lambda: cap.cgroups() == [cgroup]), cap.cgroups()
+        assert "lat_ingress" in programs_on(cgroup)
+        assert programs_on(root) & ours(cap) == {"lat_sockops"}  # the client's cgroup (the root) has no ingress
+        for _ in range(3):
+            get(port)
+        t = settled(cap, 3)
+        assert (t.requests, t.connections, t.unpaired, t.ttfb.count) == (3, 3, 0, 3)
+        assert 0.02 <= t.ttfb.quantile(0.5) <= 0.03
+    finally:
+        cap.stop()
+        if server:
+            server.kill()
+            server.wait()
+    assert not programs_on(cgroup) and not (programs_on(root) & ours(cap))
+
+
+@pytest.mark.privileged
+def test_a_server_running_before_the_agent_is_found_by_its_first_request(bpf: None, cgroup: str) -> None:
+    port = free_port()
+    server = start_server(cgroup, port)
+    cap = latency(port)
+    cap.start()
+    try:
+        get(port)  # its arrival reaches the root learner: timed, and the cgroup reported
+        assert until(lambda: cgroup in cap.cgroups()), cap.cgroups()
+        cap.stop_learning()
+        get(port)  # now through the server's own cgroup only
+        t = settled(cap, 2)
+        assert (t.requests, t.connections, t.unpaired, t.ttfb.count) == (2, 2, 0, 2)
+    finally:
+        cap.stop()
+        server.kill()
+        server.wait()
+    assert not programs_on(cgroup)
