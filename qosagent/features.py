@@ -55,9 +55,10 @@ class Features:
         return self.tracepoints.get(name, False)
 
 
-def mount_types(fs: HostFS) -> dict[str, str]:
-    """Mount point -> filesystem type; a later mount on the same point shadows the earlier, as in the kernel."""
-    text = fs.try_read("/proc/self/mounts") or ""
+def mount_types(fs: HostFS, pid: str = "self") -> dict[str, str]:
+    """Mount point -> filesystem type in pid's mount namespace; a later mount on the same point shadows the earlier,
+    as in the kernel."""
+    text = fs.try_read(f"/proc/{pid}/mounts") or ""
     out = {}
     for line in text.splitlines():
         parts = line.split()

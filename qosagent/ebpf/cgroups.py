@@ -22,7 +22,11 @@ _PREFERRED_MOUNTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
 
 def cgroup2_mount(fs: HostFS) -> str | None:
     """The host path of a cgroup2 mount, or None where the host has no cgroup v2 hierarchy."""
-    found = [point for point, fstype in mount_types(fs).items() if fstype == "cgroup2"]
+    # Under --host-root (a DaemonSet with hostPID) the host's own mount table, PID 1's: the container's view of
+    # /sys/fs/cgroup may be a cgroup namespace of its own, and the paths must be the host's, under the host root.
+    on_host = str(fs.root) == "/"
+    mounts = mount_types(fs) if on_host else (mount_types(fs, "1") or mount_types(fs))
+    found = [point for point, fstype in mounts.items() if fstype == "cgroup2"]
     for point in _PREFERRED_MOUNTS:
         if point in found:
             return point

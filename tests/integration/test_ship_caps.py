@@ -137,15 +137,18 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     return out
 
 
-def test_latency_runs_with_only_the_units_capabilities(bpf: None, tmp_path) -> None:
-    """The real agent, not a probe: under the unit's bounding set its latency programs load and attach."""
+@pytest.mark.parametrize("mode", ["sockops", "tracepoint"])
+def test_latency_runs_with_only_the_units_capabilities(bpf: None, tmp_path, mode: str) -> None:
+    """The real agent, not a probe: under the unit's bounding set its latency programs load and attach, in both
+    modes (sockops links programs to the cgroup2 root)."""
     sock = tmp_path / "status.sock"
     conf = tmp_path / "config.yaml"
-    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n")
+    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\nlatency: {{mode: {mode}}}\n")
     proc = _agent_with_unit_caps(conf, [])
     try:
         status = _status_after_first_tick(sock, proc)
         assert status["capabilities"]["latency"]["state"] == "active", status["capabilities"]
+        assert status["latency"]["mode"] == mode
     finally:
         _stop(proc)
 

@@ -137,3 +137,13 @@ def test_cgroup2_mount(tmp_path: Path, text: str, want: str | None) -> None:
 
 def test_cgroup2_mount_without_a_mounts_file(tmp_path: Path) -> None:
     assert cgroup2_mount(HostFS(tmp_path)) is None
+
+
+def test_cgroup2_mount_under_a_host_root_reads_the_hosts_table(tmp_path: Path) -> None:
+    # A container's own table shows its (namespaced) view; under --host-root PID 1's table is the host's.
+    fs = write_mounts(tmp_path, "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n")
+    (tmp_path / "proc/1").mkdir(parents=True)
+    (tmp_path / "proc/1/mounts").write_text("cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n")
+    assert cgroup2_mount(fs) == "/sys/fs/cgroup/unified"
+    (tmp_path / "proc/1/mounts").unlink()
+    assert cgroup2_mount(fs) == "/sys/fs/cgroup"  # no PID 1 table to read (no hostPID): the own one
