@@ -45,6 +45,22 @@ def bpf(root: None) -> None:
     require(headers_present(), "no kernel headers (run make setup)")
 
 
+@pytest.fixture
+def cgroup(root: None) -> Iterator[str]:
+    """A fresh child cgroup under the host's cgroup2 mount (host path), removed even when the test fails."""
+    from qosagent.ebpf.cgroups import cgroup2_mount
+    from qosagent.hostfs import HostFS
+
+    mount = cgroup2_mount(HostFS("/"))
+    require(mount is not None, "no cgroup2 hierarchy mounted")
+    path = f"{mount}/qosagent-test-{secrets.token_hex(4)}"
+    os.mkdir(path)
+    try:
+        yield path
+    finally:
+        os.rmdir(path)
+
+
 def materialize_tree(src: Path, dst: Path) -> Path:
     """Copy a fixture tree, turning the link files of shared/ back into symlinks.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -21,19 +20,6 @@ from qosagent.hostfs import HostFS
 from tests.conftest import agent_env, require
 
 PROG = b"int f(struct __sk_buff *skb) { return 1; }"
-
-
-@pytest.fixture
-def cgroup(root: None) -> Iterator[str]:
-    """A fresh child cgroup under the host's cgroup2 mount (host path), removed even when the test fails."""
-    mount = cgroup2_mount(HostFS("/"))
-    require(mount is not None, "no cgroup2 hierarchy mounted")
-    path = f"{mount}/qosagent-test-{secrets.token_hex(4)}"
-    os.mkdir(path)
-    try:
-        yield path
-    finally:
-        os.rmdir(path)
 
 
 @pytest.fixture

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import secrets
 import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
 from qosagent.capability import AgentContext, State
 from qosagent.config import parse
-from qosagent.ebpf.cgroups import cgroup2_mount
 from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
@@ -37,18 +34,6 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
-
-
-@pytest.fixture
-def cgroup(root: None) -> Iterator[str]:
-    mount = cgroup2_mount(HostFS("/"))
-    require(mount is not None, "no cgroup2 hierarchy mounted")
-    path = f"{mount}/qosagent-test-{secrets.token_hex(4)}"
-    os.mkdir(path)
-    try:
-        yield path
-    finally:
-        os.rmdir(path)
 
 
 def start_server(cgroup: str, port: int) -> subprocess.Popen:
