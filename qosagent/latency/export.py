@@ -49,21 +49,25 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
     unpaired = CounterMetricFamily("qosagent_requests_unpaired", "Reads and writes that could not be paired: "
                                    "response_without_request (server wrote first), closed_without_response",
                                    labels=labels + ["reason"])
-    extra = CounterMetricFamily("qosagent_request_extra_reads", "Reads of more request bytes before any response "
-                                "byte (a request read in pieces, or pipelined requests timed as one)", labels=labels)
+    extra = CounterMetricFamily("qosagent_request_extra_reads", "Reads (sockops mode: segments) of more request bytes "
+                                "before any response byte (a request in pieces, or pipelined requests timed as one)",
+                                labels=labels)
     conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
                                 labels=labels)
     untracked = CounterMetricFamily("qosagent_connections_untracked", "Server-side connections on watched ports not "
-                                    "tracked because the kernel's socket table had no free slot for them",
+                                    "tracked: no room for their state (tracepoint mode: socket table full)",
                                     labels=labels)
     mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
                               "(their requests overlap by protocol: counted, not timed)", labels=labels)
     overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
-                                     "response was still being written (pipelining, HTTP/2): counted, not timed",
+                                     "response was still being written (pipelining; tracepoint mode only): counted, "
+                                     "not timed",
                                      labels=labels)
-    lost = CounterMetricFamily("qosagent_latency_observations_lost", "TTFB, response and run-queue observations "
-                               "dropped because the kernel's histogram map was full", labels=labels)
-    inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests read and not yet answered", labels=labels)
+    lost = CounterMetricFamily("qosagent_latency_observations_lost", "TTFB and response observations dropped "
+                               "because their tenant had no slot in the kernel's arrays (never expected)",
+                               labels=labels)
+    inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests started and not yet answered",
+                                 labels=labels)
     ttfb_w = SummaryMetricFamily("qosagent_ttfb_window_seconds", "TTFB over the last latency.window: quantiles "
                                  "(absent while the window is empty), count and sum", labels=labels)
     resp_w = SummaryMetricFamily("qosagent_response_window_seconds", "Response time over the last latency.window: "
