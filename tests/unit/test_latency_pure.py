@@ -72,6 +72,13 @@ def test_rows_and_counters_are_read_by_slot_and_unchanged_rows_are_not_parsed_ag
     assert again.hist[(7, bm.KIND_TTFB)] is raw.hist[(7, bm.KIND_TTFB)]  # same bytes: the parse is reused
 
 
+def test_a_row_is_parsed_whole_from_its_first_to_its_last_bucket() -> None:
+    # Edge buckets, and counts whose low bytes are zero: the parser skips zero bytes only outside the used span.
+    counts = {0: 256, 7: 1, NBUCKETS - 1: 1 << 40}
+    assert bm.RowParser().parse(0, row(99, counts)) == (counts, 99)
+    assert bm.RowParser().parse(0, row(0, {300: 1 << 8})) == ({300: 256}, 0)
+
+
 def test_slots_leave_room_for_reloads() -> None:
     assert bm.slots_for(0) == bm.MIN_SLOTS
     assert bm.slots_for(40) == 128  # 41 slots in use, twice that rounded up
