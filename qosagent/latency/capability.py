@@ -66,7 +66,7 @@ class Latency(Capability):
         self._cgroup_index: Any = None
         self._cgroup_ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
         self._cgroup_lock = threading.Lock()
-        self._cgroup_errors = 0
+        self._cgroup_errors = 0  # serving cgroups not linked (not found, link refused) and failed polls: status
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -494,6 +494,7 @@ class Latency(Capability):
         if self.mode == "sockops":
             out["cgroups"] = self.cgroups()
             out["learning"] = self._learn_link is not None
+            out["cgroup_errors"] = self._cgroup_errors
         return out
 
     @staticmethod

@@ -112,6 +112,7 @@ def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgro
         # listen() reported the server's cgroup: linked before any request is sent.
         assert until(lambda: cap.cgroups() == [cgroup]), cap.cgroups()
         assert "lat_ingress" in programs_on(cgroup)
+        assert cap._cgroup_errors == 0
         assert programs_on(root) & ours(cap) == {"lat_sockops"}  # the client's cgroup (the root) has no ingress
         for _ in range(3):
             get(port)
