@@ -178,7 +178,7 @@ class Latency(Capability):
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
             self._release()
             raise CapabilityError(f"attaching the sock_ops latency hooks at {root} failed: {e}") from None
-        # Serving cgroups noted before this start (none on a fresh map) and from now on, as they come.
+        # From here on the kernel reports serving cgroups on the ring buffer; this thread links each as it comes.
         self._stopping.clear()
         self._watcher = threading.Thread(target=self._watch_cgroups, name="latency-cgroups", daemon=True)
         self._watcher.start()
