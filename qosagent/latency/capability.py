@@ -57,6 +57,10 @@ class Latency(Capability):
         self._nslots = 0  # LAT_SLOTS of the loaded program
         self._slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
         self._rows = bm.RowParser()
+        self._hist_fd = self._counters_fd = -1
+        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the keys each tick looks up (_plan_reads)
+        self._row_keys: list[tuple[int, bytes]] = []
+        self._counter_keys: list[tuple[int, bytes]] = []
         # sockops mode: the sock_ops program's link on the cgroup2 root, the ingress program's links on the serving
         # cgroups, and the thread that attaches the latter as the kernel reports them.
         self._sockops_link: Any = None
@@ -139,6 +143,7 @@ class Latency(Capability):
         from qosagent.ebpf.tenant_ports import TenantPorts
 
         self._ports = TenantPorts(self.bpf[b"tenant_ports"].map_fd)  # a fresh map: all zero
+        self._hist_fd, self._counters_fd = self.bpf[b"lat_hist"].map_fd, self.bpf[b"lat_counters"].map_fd
         self._fill_maps(self.ctx.config)
         if self.mode == "sockops":
             # Maps first, hooks last: a connection established before the tenant maps were written would be
@@ -307,6 +312,7 @@ class Latency(Capability):
         self._sync(b[b"lat_slots"], {(tid,): slot for tid, slot in slots.items()},
                    lambda t, k: t.Key(tenant=k[0]), lambda t, v: t.Leaf(slot=v))
         self._slots = slots
+        self._plan_reads()
         self._sync(b[b"watched_ports"], {(p,): 1 for p in bm.watched(cfg)},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
         self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in cfg.latency.multiplexed_ports},
@@ -370,18 +376,21 @@ class Latency(Capability):
     def read_raw(self) -> bm.Raw:
         from qosagent.ebpf.syscall import map_lookup
 
-        # Only the rows of slots in use, one lookup each: a batch read of the whole array would copy (and the tick
-        # compare) every spare slot's rows too, ~600 KB per tick.
-        hist_fd, counters_fd = self.bpf[b"lat_hist"].map_fd, self.bpf[b"lat_counters"].map_fd
-        by_slot = {slot: tid for tid, slot in self._slots.items()}
-        runq_row = 2 * self._nslots
-        indexes = [2 * slot + kind for slot in by_slot for kind in (bm.KIND_TTFB, bm.KIND_RESPONSE)]
+        rows = ((i, map_lookup(self._hist_fd, key, bm.ROW_SIZE) or b"") for i, key in self._row_keys)
+        counters = ((slot, map_lookup(self._counters_fd, key, bm.COUNTS_SIZE) or b"")
+                    for slot, key in self._counter_keys)
+        return bm.assemble(rows, counters, self._by_slot, 2 * self._nslots, self._rows)
+
+    def _plan_reads(self) -> None:
+        """What each tick reads, worked out when the slots change (start, reload) rather than every tick: only the
+        rows of slots in use, one lookup each. A batch read of the whole array would copy (and the tick compare)
+        every spare slot's rows too, ~600 KB per tick."""
+        self._by_slot = {slot: tid for tid, slot in self._slots.items()}
+        rows = [2 * slot + kind for slot in self._by_slot for kind in (bm.KIND_TTFB, bm.KIND_RESPONSE)]
         if self.runq:
-            indexes.append(runq_row)
-        rows = ((i, map_lookup(hist_fd, i.to_bytes(4, "little"), bm.ROW_SIZE) or b"") for i in indexes)
-        counters = ((slot, map_lookup(counters_fd, slot.to_bytes(4, "little"), bm.COUNTS_SIZE) or b"")
-                    for slot in by_slot)
-        return bm.assemble(rows, counters, by_slot, runq_row, self._rows)
+            rows.append(2 * self._nslots)
+        self._row_keys = [(i, i.to_bytes(4, "little")) for i in rows]
+        self._counter_keys = [(slot, slot.to_bytes(4, "little")) for slot in self._by_slot]
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
