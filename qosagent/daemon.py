@@ -139,8 +139,8 @@ class Agent:
                 log.warning("%s: %s", cap.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 continue
             for d in decisions:
-                log.info("decision %s %s %s: %s -> %s (%s)%s", d.capability, d.target, d.action, d.old, d.new,
-                         d.reason, "" if d.applied else " [dry-run]")
+                log.info("decision %s %s %s: %s (%s)%s", d.capability, d.target, d.action, d.change(), d.reason,
+                         "" if d.applied else " [dry-run]")
             decided.extend(decisions)
         self.decisions.extend(decided)
         snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, snap.parts, tuple(decided))

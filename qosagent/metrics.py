@@ -65,6 +65,26 @@ class AgentCollector:
         gpu = snap.part("gpu")
         yield GaugeMetricFamily("qosagent_gpu_data_available", "1 when GPU readings are known this tick",
                                 value=1.0 if gpu is not None and gpu.available else 0.0)
+        if gpu is not None and gpu.available:
+            # The readings admission sheds on (memory) and placement follows (processes), so a dashboard shows the
+            # input beside the decision; dvfs exports its own (temperature, power, clocks).
+            used = GaugeMetricFamily("qosagent_gpu_memory_used_bytes", "GPU memory in use, the driver's "
+                                     "reservation included (NVML)", labels=["gpu"])
+            total = GaugeMetricFamily("qosagent_gpu_memory_total_bytes", "GPU memory size (NVML)", labels=["gpu"])
+            util = GaugeMetricFamily("qosagent_gpu_utilization_ratio", "Share of the last sample period a kernel "
+                                     "ran on the GPU (NVML)", labels=["gpu"])
+            for g in gpu.gpus:
+                if g.lost:
+                    continue
+                if g.memory_used is not None:
+                    used.add_metric([str(g.index)], g.memory_used)
+                if g.memory_total is not None:
+                    total.add_metric([str(g.index)], g.memory_total)
+                if g.utilization_pct is not None:
+                    util.add_metric([str(g.index)], g.utilization_pct / 100)
+            yield used
+            yield total
+            yield util
         for cap in a.capabilities:
             try:
                 yield from cap.metrics(snap)

@@ -25,6 +25,11 @@ class Decision:
     inputs: Mapping[str, Any] = field(default_factory=dict)
     applied: bool = True  # False in dry-run: computed and reported, not written
     wall_time: float = field(default_factory=time.time)
+    # How the change reads for a person where old and new do not on their own (admission's None is "unlimited").
+    shown: str = ""
+
+    def change(self) -> str:
+        return self.shown or f"{'-' if self.old is None else self.old} -> {'-' if self.new is None else self.new}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +42,7 @@ class Decision:
             "reason": self.reason,
             "inputs": dict(self.inputs),
             "applied": self.applied,
+            "change": self.change(),
         }
 
 

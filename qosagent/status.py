@@ -129,5 +129,5 @@ def render(status: dict[str, Any]) -> str:
             when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
             flag = "" if d.get("applied", True) else " [dry-run]"
             lines.append(f"{when} {d['capability']:<10} {d['target']:<14} {d['action']:<10} "
-                         f"{d['old']} -> {d['new']}  {d['reason']}{flag}")
+                         f"{d['change']}  {d['reason']}{flag}")
     return "\n".join(lines)

@@ -105,7 +105,8 @@ class Admission(Capability):
             inputs["old"], inputs["new"] = _fmt(c.old), _fmt(c.new)
             inputs["tick"] = snapshot.seq
             decisions.append(Decision(self.name, c.tenant, c.action, _rps(c.old), _rps(c.new), c.reason, inputs,
-                                      applied=applied, wall_time=snapshot.wall_time))
+                                      applied=applied, wall_time=snapshot.wall_time,
+                                      shown=f"{inputs['old']} -> {inputs['new']}"))
         return decisions
 
     def apply(self, decisions: list[Decision]) -> None:

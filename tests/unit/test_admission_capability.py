@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 import pytest
 from prometheus_client.exposition import generate_latest
+from prometheus_client.utils import floatToGoString
 
 from qosagent.admission.capability import LIMITS_SERVICE, Admission
 from qosagent.admission.inputs import gpu_input, tick_input
@@ -230,7 +231,11 @@ def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
         human = render(st)
         assert "ADMISSION  mode enforce  P95 ttfb  GPU pressure (max 95.0% on GPU 0)  shed tiers 1" in human
         assert "hobby          bronze     100/s burst 10         5/s burst 5 SHED" in human
-        assert "admission  hobby          shed       100 -> 5.0  gpu_memory_pressure" in human
+        assert "admission  hobby          shed       100/s burst 10 -> 5/s burst 5  gpu_memory_pressure" in human
+        assert st["decisions"][-1]["old"] == 100  # numbers for machines, the readable change beside them
+        # The reading that drove the shed is on the scrape beside it.
+        assert f'qosagent_gpu_memory_used_bytes{{gpu="0"}} {floatToGoString(fake.gpus[0].memory_used)}' in text
+        assert 'qosagent_gpu_memory_total_bytes{gpu="0"}' in text
     finally:
         a.stop()
 

@@ -148,3 +148,12 @@ def test_status_socket_is_root_only_and_answers(scripted, tmp_path) -> None:
     finally:
         srv.close()
     assert not os.path.exists(path)
+
+
+def test_a_decision_reads_as_its_change() -> None:
+    from qosagent.snapshot import Decision
+
+    assert Decision("placement", "pid 1 (x)", "forget", "0-3", None, "exited").change() == "0-3 -> -"
+    d = Decision("admission", "acme", "shed", None, 0.0, "gpu_memory_pressure", shown="unlimited -> 0/s burst 0")
+    assert d.change() == "unlimited -> 0/s burst 0" and d.as_dict()["change"] == d.change()
+    assert d.as_dict()["old"] is None  # the JSON keeps the number (none: unlimited) for machines
