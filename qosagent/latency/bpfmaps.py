@@ -31,7 +31,7 @@ C_UNTRACKED = 10
 
 NCOUNTERS = 11  # LAT_NCOUNTERS
 ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
-COUNTS_SIZE = 8 * NCOUNTERS  # struct lat_counts
+COUNTS_SIZE = 8 * NCOUNTERS  # struct lat_counts, one per possible CPU in lat_counters
 MIN_SLOTS = 64
 
 
@@ -86,7 +86,8 @@ _ZERO_ROW = bytes(ROW_SIZE)
 def assemble(rows: Iterable[tuple[int, bytes]], counters: Iterable[tuple[int, bytes]], slots: Mapping[int, int],
              runq_row: int, parser: RowParser) -> Raw:
     """One Raw from the kernel's arrays: (index, bytes) of lat_hist rows (2*slot + kind, and runq_row for run-queue
-    waits) and of each slot's counters; slots maps slot -> tenant id. All-zero rows and counters are left out."""
+    waits) and of each slot's counters, per CPU (struct lat_counts for each possible CPU, back to back, summed
+    here); slots maps slot -> tenant id. All-zero rows and counters are left out."""
     hist: dict[tuple[int, int], dict[int, int]] = {}
     sums: dict[tuple[int, int], int] = {}
     for row, data in rows:
@@ -104,7 +105,9 @@ def assemble(rows: Iterable[tuple[int, bytes]], counters: Iterable[tuple[int, by
         tid = slots.get(slot)
         if tid is None:
             continue
-        for what, v in enumerate(memoryview(data).cast("Q")):
+        q = memoryview(data).cast("Q")
+        for what in range(NCOUNTERS):
+            v = sum(q[what::NCOUNTERS])
             if v:
                 out[(tid, what)] = v
     return Raw(hist, sums, out)

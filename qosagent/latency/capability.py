@@ -1,7 +1,8 @@
 """Per-tenant request latency and run-queue latency, measured in the kernel by bpf/latency.c.
 
-The kernel keeps cumulative per-CPU histograms and counters; each tick reads them in batches, sums the CPUs and
-builds the LatencyPart: since-start histograms as read, window histograms as the difference to a checkpoint.
+The kernel keeps cumulative histograms (shared by all CPUs) and counters (per CPU) in rows per tenant slot; each
+tick reads the rows of the slots in use, sums the counters' CPUs and builds the LatencyPart: since-start histograms
+as read, window histograms as the difference to a checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import Capability, CapabilityError, State, Verdict
+from qosagent.cpulist import parse_cpulist
 from qosagent.hist import Histogram
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
@@ -37,6 +39,7 @@ CGROUP_EVENT_POLL_MS = 200  # how long the cgroup watcher blocks on the ring buf
 # How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
 # starts are found by their first request's arrival (and it is timed) rather than by their first response.
 LEARN_S = 30.0
+_EMPTY: dict[int, int] = {}
 
 
 class Latency(Capability):
@@ -58,6 +61,7 @@ class Latency(Capability):
         self._slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
         self._rows = bm.RowParser()
         self._hist_fd = self._counters_fd = -1
+        self._counters_size = bm.COUNTS_SIZE
         self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the keys each tick looks up (_plan_reads)
         self._row_keys: list[tuple[int, bytes]] = []
         self._counter_keys: list[tuple[int, bytes]] = []
@@ -144,6 +148,13 @@ class Latency(Capability):
 
         self._ports = TenantPorts(self.bpf[b"tenant_ports"].map_fd)  # a fresh map: all zero
         self._hist_fd, self._counters_fd = self.bpf[b"lat_hist"].map_fd, self.bpf[b"lat_counters"].map_fd
+        # A per-CPU value is one copy per possible CPU: the kernel writes that many, so the buffer must hold them.
+        try:
+            ncpus = len(parse_cpulist(self.ctx.hostfs.read_text("/sys/devices/system/cpu/possible")))
+        except (OSError, ValueError) as e:
+            self._release()
+            raise CapabilityError(f"cannot read the possible CPUs (/sys/devices/system/cpu/possible): {e}") from None
+        self._counters_size = bm.COUNTS_SIZE * ncpus
         self._fill_maps(self.ctx.config)
         if self.mode == "sockops":
             # Maps first, hooks last: a connection established before the tenant maps were written would be
@@ -377,7 +388,7 @@ class Latency(Capability):
         from qosagent.ebpf.syscall import map_lookup
 
         rows = ((i, map_lookup(self._hist_fd, key, bm.ROW_SIZE) or b"") for i, key in self._row_keys)
-        counters = ((slot, map_lookup(self._counters_fd, key, bm.COUNTS_SIZE) or b"")
+        counters = ((slot, map_lookup(self._counters_fd, key, self._counters_size) or b"")
                     for slot, key in self._counter_keys)
         return bm.assemble(rows, counters, self._by_slot, 2 * self._nslots, self._rows)
 
@@ -426,7 +437,8 @@ class Latency(Capability):
 
     @staticmethod
     def _hist(raw: bm.Raw, tid: int, kind: int) -> Histogram:
-        return Histogram(dict(raw.hist.get((tid, kind), {})), raw.sums.get((tid, kind), 0))
+        # Not copied: RowParser makes a new dict for each changed row and never touches one it has handed out.
+        return Histogram(raw.hist.get((tid, kind), _EMPTY), raw.sums.get((tid, kind), 0))
 
     def _tenant(self, info: TenantInfo, raw: bm.Raw, base: bm.Raw, elapsed: float) -> TenantLatency:
         tid = info.id

@@ -59,9 +59,11 @@ def test_rows_and_counters_are_read_by_slot_and_unchanged_rows_are_not_parsed_ag
     slots = {0: 0, 1: 7, 2: 8}  # slot -> tenant id; slot 3 is nobody's
     runq_row = 2 * 4
     rows = {2: row(360, {100: 3, 101: 4}), 3: row(0, {}), 6: row(9, {1: 1}), runq_row: row(50, {20: 2})}
-    counters = [(0, struct.pack(f"<{bm.NCOUNTERS}Q", *([0] * bm.NCOUNTERS))),
-                (1, struct.pack(f"<{bm.NCOUNTERS}Q", *[5 if w == bm.C_STARTED else 0 for w in range(bm.NCOUNTERS)])),
-                (2, struct.pack(f"<{bm.NCOUNTERS}Q", *[1 if w == bm.C_CONNS else 0 for w in range(bm.NCOUNTERS)]))]
+    def per_cpu(*cpus: dict[int, int]) -> bytes:  # struct lat_counts of each CPU, back to back
+        return b"".join(struct.pack(f"<{bm.NCOUNTERS}Q", *[c.get(w, 0) for w in range(bm.NCOUNTERS)]) for c in cpus)
+
+    counters = [(0, per_cpu({}, {})), (1, per_cpu({bm.C_STARTED: 2}, {bm.C_STARTED: 3, bm.C_CONNS: 0})),
+                (2, per_cpu({}, {bm.C_CONNS: 1}))]
     parser = bm.RowParser()
     raw = bm.assemble(sorted(rows.items()), counters, slots, runq_row, parser)
     assert raw.hist == {(7, bm.KIND_TTFB): {100: 3, 101: 4}, (UNMATCHED_ID, bm.KIND_RUNQ): {20: 2}}
