@@ -3,6 +3,7 @@
 It opens the backend, describes the devices, samples them while a child process holds GPU memory (so the
 compute-process list has a known PID), and compares NVML's bus ids and affinities with sysfs. It never sets
 clocks or power limits: the GPU is left exactly as found. Prints one JSON document.
+Run from the repository root: `python3 -m bench.nvml_device_check` (the package need not be installed).
 """
 
 from __future__ import annotations
