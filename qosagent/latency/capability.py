@@ -62,9 +62,8 @@ class Latency(Capability):
         self._rows = bm.RowParser()
         self._hist_fd = self._counters_fd = -1
         self._counters_size = bm.COUNTS_SIZE
-        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the keys each tick looks up (_plan_reads)
-        self._row_keys: list[tuple[int, bytes]] = []
-        self._counter_keys: list[tuple[int, bytes]] = []
+        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the ranges each tick reads (_plan_reads)
+        self._reads: tuple[Any, Any, Any] | None = None
         # sockops mode: the sock_ops program's link on the cgroup2 root, the ingress program's links on the serving
         # cgroups, and the thread that attaches the latter as the kernel reports them.
         self._sockops_link: Any = None
@@ -385,23 +384,25 @@ class Latency(Capability):
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:
-        from qosagent.ebpf.syscall import map_lookup
-
-        rows = ((i, map_lookup(self._hist_fd, key, bm.ROW_SIZE) or b"") for i, key in self._row_keys)
-        counters = ((slot, map_lookup(self._counters_fd, key, self._counters_size) or b"")
-                    for slot, key in self._counter_keys)
-        return bm.assemble(rows, counters, self._by_slot, 2 * self._nslots, self._rows)
+        assert self._reads is not None
+        rows, runq, counters = self._reads
+        hist = list(enumerate(rows.read()))
+        if runq is not None:
+            hist.append((runq.first, runq.read()[0]))
+        return bm.assemble(hist, enumerate(counters.read()), self._by_slot, 2 * self._nslots, self._rows)
 
     def _plan_reads(self) -> None:
-        """What each tick reads, worked out when the slots change (start, reload) rather than every tick: only the
-        rows of slots in use, one lookup each. A batch read of the whole array would copy (and the tick compare)
-        every spare slot's rows too, ~600 KB per tick."""
+        """What each tick reads, worked out when the slots change (start, reload) rather than every tick: the rows
+        and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
+        A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
+        tick; a lookup per row would cost a syscall each."""
+        from qosagent.ebpf.syscall import ArrayRange
+
         self._by_slot = {slot: tid for tid, slot in self._slots.items()}
-        rows = [2 * slot + kind for slot in self._by_slot for kind in (bm.KIND_TTFB, bm.KIND_RESPONSE)]
-        if self.runq:
-            rows.append(2 * self._nslots)
-        self._row_keys = [(i, i.to_bytes(4, "little")) for i in rows]
-        self._counter_keys = [(slot, slot.to_bytes(4, "little")) for slot in self._by_slot]
+        used = max(self._by_slot) + 1
+        self._reads = (ArrayRange(self._hist_fd, 0, 2 * used, bm.ROW_SIZE),
+                       ArrayRange(self._hist_fd, 2 * self._nslots, 1, bm.ROW_SIZE) if self.runq else None,
+                       ArrayRange(self._counters_fd, 0, used, self._counters_size))
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
