@@ -8,6 +8,7 @@ exported cumulative counts are exact at the bucket edges (ebpf_exporter#488 is t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -56,12 +57,17 @@ def export_bounds_ns(lo_log2: int = 17, hi_log2: int = 37, per_octave: int = 2) 
     return bounds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Histogram:
     """Counts per bucket index (sparse) and the exact sum of the values in ns."""
 
     counts: Mapping[int, int] = field(default_factory=dict)
     sum_ns: int = 0
+
+    def __eq__(self, other: object) -> bool:  # by value, whichever kind (Since) either side is
+        if not isinstance(other, Histogram):
+            return NotImplemented
+        return self.sum_ns == other.sum_ns and dict(self.counts) == dict(other.counts)
 
     @staticmethod
     def of(values_ns: Iterable[int]) -> "Histogram":
@@ -121,3 +127,32 @@ class Histogram:
                 j += 1
             out.append(acc)
         return out
+
+
+class Since(Histogram):
+    """What `newer` gained since `older` (newer - older), worked out when first read. The latency tick makes a window
+    per tenant and kind every tick, and most ticks nothing reads them (metrics and status read on request, admission
+    one kind); the subtraction walks every bucket the tenant has ever used. `count` is cheap either way."""
+
+    def __init__(self, newer: Histogram, older: Histogram):  # no super().__init__: the fields are worked out
+        object.__setattr__(self, "_pair", (newer, older))
+
+    @functools.cached_property
+    def _diff(self) -> Histogram:
+        newer, older = self._pair
+        return newer - older
+
+    @property  # type: ignore[override]
+    def counts(self) -> Mapping[int, int]:
+        return self._diff.counts
+
+    @property  # type: ignore[override]
+    def sum_ns(self) -> int:
+        return self._diff.sum_ns
+
+    @property
+    def count(self) -> int:
+        newer, older = self._pair
+        d = newer.count - older.count
+        # A row that went backwards (counters reset) reads as everything new, as __sub__ has it.
+        return d if d >= 0 else self._diff.count

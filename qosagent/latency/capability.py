@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import Capability, CapabilityError, State, Verdict
 from qosagent.cpulist import parse_cpulist
-from qosagent.hist import Histogram
+from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.window import Window
@@ -428,12 +428,12 @@ class Latency(Capability):
         for tid in sorted(ids):
             info = current.get(tid) or self._known.get(tid) or TenantInfo(tid, f"id-{tid}", "none", 0, 0.0)
             tenants[info.name] = self._tenant(info, raw, base, elapsed)
+        runq = self._hist(raw, UNMATCHED_ID, bm.KIND_RUNQ) if self.runq else None
         return LatencyPart(
             window_s=cfg.latency.window,
             tenants=tenants,
-            runqueue=self._hist(raw, UNMATCHED_ID, bm.KIND_RUNQ) if self.runq else None,
-            runqueue_window=(self._hist(raw, UNMATCHED_ID, bm.KIND_RUNQ) - self._hist(base, UNMATCHED_ID, bm.KIND_RUNQ))
-            if self.runq else None,
+            runqueue=runq,
+            runqueue_window=Since(runq, self._hist(base, UNMATCHED_ID, bm.KIND_RUNQ)) if runq is not None else None,
         )
 
     @staticmethod
@@ -449,14 +449,14 @@ class Latency(Capability):
 
         ttfb = self._hist(raw, tid, bm.KIND_TTFB)
         resp = self._hist(raw, tid, bm.KIND_RESPONSE)
-        resp_window = resp - self._hist(base, tid, bm.KIND_RESPONSE)
+        resp_window = Since(resp, self._hist(base, tid, bm.KIND_RESPONSE))
         return TenantLatency(
             tenant=info.name,
             tier=info.tier,
             requests=resp.count,
             ttfb=ttfb,
             response=resp,
-            ttfb_window=ttfb - self._hist(base, tid, bm.KIND_TTFB),
+            ttfb_window=Since(ttfb, self._hist(base, tid, bm.KIND_TTFB)),
             response_window=resp_window,
             rate_rps=resp_window.count / elapsed if elapsed > 0 else 0.0,
             in_flight=max(c(raw, bm.C_STARTED) - ttfb.count - c(raw, bm.C_UNPAIRED_CLOSE), 0),

@@ -8,6 +8,7 @@ from qosagent.hist import (
     NBUCKETS,
     SUB,
     Histogram,
+    Since,
     bucket_index,
     bucket_lower,
     bucket_upper,
@@ -80,3 +81,15 @@ def test_cumulative_at_export_bounds_is_exact() -> None:
     values = [bounds[3], bounds[3] + 1, bounds[10]]
     cum = Histogram.of(values).cumulative(bounds)
     assert cum[3] == 1 and cum[4] == 2 and cum[10] == 3 and cum[2] == 0
+
+
+def test_since_is_the_difference_worked_out_only_when_read() -> None:
+    older = Histogram.of([1_000, 2_000, 3_000])
+    newer = older + Histogram.of([2_000, 50_000])
+    s = Since(newer, older)
+    assert s.count == 2 and "_diff" not in s.__dict__  # a rate needs no bucket walk
+    assert s == newer - older == Histogram.of([2_000, 50_000])
+    assert s.sum_ns == 52_000 and s.quantile(1.0) == (newer - older).quantile(1.0)
+    # Counters that went backwards (a reset) read as everything new, as the subtraction has it.
+    assert Since(older, newer).count == older.count and Since(older, newer) == older
+    assert Since(newer, Histogram()) == newer
