@@ -17,7 +17,6 @@ BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_OBJ_GET_INFO_BY_FD = 15
-BPF_MAP_LOOKUP_BATCH = 24
 BPF_LINK_CREATE = 28
 # enum bpf_attach_type (UAPI)
 ATTACH_CGROUP_INET_INGRESS = 0
@@ -142,45 +141,6 @@ def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
             return None
         raise
     return v.raw
-
-
-class _BatchAttr(ctypes.Structure):
-    _fields_ = [("in_batch", ctypes.c_uint64), ("out_batch", ctypes.c_uint64), ("keys", ctypes.c_uint64),
-                ("values", ctypes.c_uint64), ("count", ctypes.c_uint32), ("map_fd", ctypes.c_uint32),
-                ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
-
-
-class ArrayRange:
-    """Entries first..first+count-1 of a BPF array (per-CPU ones too: value_size is then the leaf rounded up to 8
-    bytes times the possible CPUs), read with BPF_MAP_LOOKUP_BATCH: one syscall for the range instead of one per
-    entry. The buffers are made once and reused on every read."""
-
-    def __init__(self, fd: int, first: int, count: int, value_size: int):
-        self.first, self.count, self.value_size = first, count, value_size
-        self._prev = ctypes.c_uint32(first - 1)  # a batch starts after its in_batch key
-        self._out = ctypes.c_uint32(0)
-        self._keys = ctypes.create_string_buffer(4 * max(count, 1))
-        self._values = ctypes.create_string_buffer(value_size * max(count, 1))
-        self._attr = _BatchAttr(map_fd=fd)
-
-    def read(self) -> list[bytes]:
-        """The values in index order."""
-        if not self.count:
-            return []
-        a = self._attr
-        a.in_batch = ctypes.addressof(self._prev) if self.first else 0
-        a.out_batch, a.keys, a.values = (ctypes.addressof(self._out), ctypes.addressof(self._keys),
-                                         ctypes.addressof(self._values))
-        a.count = self.count
-        try:
-            bpf(BPF_MAP_LOOKUP_BATCH, a)
-        except OSError as e:
-            if e.errno != errno.ENOENT:  # ENOENT: the range reaches the array's last entry
-                raise
-        if a.count != self.count:
-            raise OSError(errno.EIO, f"BPF_MAP_LOOKUP_BATCH read {a.count} of {self.count} entries")
-        raw, n = self._values.raw, self.value_size
-        return [raw[i * n:(i + 1) * n] for i in range(self.count)]
 
 
 def map_update(fd: int, key: bytes, value: bytes) -> None:

@@ -31,7 +31,6 @@ C_UNTRACKED = 10
 
 NCOUNTERS = 11  # LAT_NCOUNTERS
 ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
-COUNTS_SIZE = 8 * NCOUNTERS  # struct lat_counts, one per possible CPU in lat_counters
 MIN_SLOTS = 64
 
 

@@ -14,7 +14,6 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import Capability, CapabilityError, State, Verdict
-from qosagent.cpulist import parse_cpulist
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
@@ -61,7 +60,7 @@ class Latency(Capability):
         self._slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
         self._rows = bm.RowParser()
         self._hist_fd = self._counters_fd = -1
-        self._counters_size = bm.COUNTS_SIZE
+        self._counters_size = 0  # lat_counters' value: struct lat_counts per possible CPU
         self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the ranges each tick reads (_plan_reads)
         self._reads: tuple[Any, Any, Any] | None = None
         # sockops mode: the sock_ops program's link on the cgroup2 root, the ingress program's links on the serving
@@ -147,13 +146,9 @@ class Latency(Capability):
 
         self._ports = TenantPorts(self.bpf[b"tenant_ports"].map_fd)  # a fresh map: all zero
         self._hist_fd, self._counters_fd = self.bpf[b"lat_hist"].map_fd, self.bpf[b"lat_counters"].map_fd
-        # A per-CPU value is one copy per possible CPU: the kernel writes that many, so the buffer must hold them.
-        try:
-            ncpus = len(parse_cpulist(self.ctx.hostfs.read_text("/sys/devices/system/cpu/possible")))
-        except (OSError, ValueError) as e:
-            self._release()
-            raise CapabilityError(f"cannot read the possible CPUs (/sys/devices/system/cpu/possible): {e}") from None
-        self._counters_size = bm.COUNTS_SIZE * ncpus
+        # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
+        # many, so the buffer must hold them.
+        self._counters_size = ctypes.sizeof(self.bpf[b"lat_counters"].Leaf)
         self._fill_maps(self.ctx.config)
         if self.mode == "sockops":
             # Maps first, hooks last: a connection established before the tenant maps were written would be
@@ -396,7 +391,7 @@ class Latency(Capability):
         and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
         A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
         tick; a lookup per row would cost a syscall each."""
-        from qosagent.ebpf.syscall import ArrayRange
+        from qosagent.ebpf.batch import ArrayRange
 
         self._by_slot = {slot: tid for tid, slot in self._slots.items()}
         used = max(self._by_slot) + 1
