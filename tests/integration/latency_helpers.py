@@ -6,7 +6,18 @@ import contextlib
 import http.server
 import socket
 import threading
-from typing import Iterator
+import time
+from typing import Any, Callable, Iterator
+
+
+def until(what: Callable[[], Any], done: Callable[[Any], bool] = bool, timeout: float = 10.0) -> Any:
+    """what() once done() says so of it, polled; at the timeout its last value, for the assertion's message."""
+    end = time.monotonic() + timeout
+    while True:
+        got = what()
+        if done(got) or time.monotonic() > end:
+            return got
+        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable
 
 import pytest
 
@@ -20,9 +19,8 @@ from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
-from qosagent.latency.model import TenantLatency
 from tests.conftest import require
-from tests.integration.latency_helpers import free_port
+from tests.integration.latency_helpers import free_port, until
 
 # One request per connection (HTTP/1.0), each answered after 20 ms.
 SERVER = """
@@ -70,25 +68,6 @@ def get(port: int) -> None:
     c.close()
 
 
-def until(what: Callable[[], Any], timeout: float = 10.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got or time.monotonic() > end:
-            return got
-        time.sleep(0.05)
-
-
-def settled(cap: Latency, requests: int) -> TenantLatency:
-    """The tenant's numbers once its completed requests reach `requests` (or after 10 s, for the failure message)."""
-    end = time.monotonic() + 10
-    while True:
-        t = cap.collect().tenants["svc"]
-        if t.requests >= requests or time.monotonic() > end:
-            return t
-        time.sleep(0.05)
-
-
 def programs_on(path: str) -> set[str]:
     require(shutil.which("bpftool") is not None, "bpftool not installed")
     out = subprocess.run(["bpftool", "-j", "cgroup", "show", path], check=True, capture_output=True, text=True).stdout
@@ -116,7 +95,7 @@ def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgro
         assert programs_on(root) & ours(cap) == {"lat_sockops"}  # the client's cgroup (the root) has no ingress
         for _ in range(3):
             get(port)
-        t = settled(cap, 3)
+        t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 3)
         assert (t.requests, t.connections, t.unpaired, t.ttfb.count) == (3, 3, 0, 3)
         assert 0.02 <= t.ttfb.quantile(0.5) <= 0.03
     finally:
@@ -138,7 +117,7 @@ def test_a_server_running_before_the_agent_is_found_by_its_first_request(bpf: No
         assert until(lambda: cgroup in cap.cgroups()), cap.cgroups()
         cap.stop_learning()
         get(port)  # now through the server's own cgroup only
-        t = settled(cap, 2)
+        t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 2)
         assert (t.requests, t.connections, t.unpaired, t.ttfb.count) == (2, 2, 0, 2)
     finally:
         cap.stop()

@@ -5,7 +5,6 @@ makes every connection land in the same four slots."""
 from __future__ import annotations
 
 import socket
-import time
 from typing import Iterator
 
 import pytest
@@ -16,8 +15,7 @@ from qosagent.features import probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
-from qosagent.latency.model import TenantLatency
-from tests.integration.latency_helpers import free_port
+from tests.integration.latency_helpers import free_port, until
 
 
 @pytest.fixture
@@ -48,20 +46,11 @@ def connect(port: int, n: int) -> list[socket.socket]:
     return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
 
 
-def counts(cap: Latency, connections: int) -> TenantLatency:
-    end = time.monotonic() + 10
-    while True:
-        t = cap.collect().tenants["t"]
-        if t.connections >= connections or time.monotonic() > end:
-            return t
-        time.sleep(0.05)
-
-
 @pytest.mark.privileged
 def test_a_full_bucket_counts_connections_as_untracked_and_a_close_frees_slots(latency: Latency, port: int) -> None:
     listener = socket.create_server(("127.0.0.1", port), backlog=16)
     clients = connect(port, 6)
-    t = counts(latency, 4)
+    t = until(lambda: latency.collect().tenants["t"], lambda t: t.connections >= 4)
     assert (t.connections, t.untracked) == (4, 2)
     for c in clients:
         c.close()
@@ -70,7 +59,7 @@ def test_a_full_bucket_counts_connections_as_untracked_and_a_close_frees_slots(l
     listener = socket.create_server(("127.0.0.1", port), backlog=16)
     try:
         clients = connect(port, 4)
-        t = counts(latency, 8)
+        t = until(lambda: latency.collect().tenants["t"], lambda t: t.connections >= 8)
         assert (t.connections, t.untracked) == (8, 2)
     finally:
         for c in clients:
