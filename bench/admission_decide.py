@@ -51,7 +51,7 @@ def setup(n: int) -> tuple[Admission, Callable[[int], Snapshot]]:
     cap = Admission(ctx)
     # Realistic windows: a few hundred requests spread over ~20 buckets per tenant.
     hists = {f"t{i}": Histogram.of([(5 + (j * 37) % 200) * 1_000_000 for j in range(300)]) for i in range(n)}
-    lat = LatencyPart(1.0, {name: TenantLatency(name, TIERS[i % 3], 300, h, h, h, h, 300.0, 4)
+    lat = LatencyPart(1.0, {name: TenantLatency(name, TIERS[i % 3], 300, h, h, h, h, h, h, h, h, 300.0, 4)
                             for i, (name, h) in enumerate(hists.items())})
     quota = QuotaPart({name: TenantQuota(name, TIERS[i % 3], TenantLimit(100, 10), None, 0, 0, admitted_rps=90.0)
                        for i, name in enumerate(hists)})

@@ -2,17 +2,22 @@
  *
  * A server-side socket on a watched port is learned when it is established (its tenant resolved once, then), and
  * forgotten at its close. Each tracked socket runs a request/response state machine: the first request bytes
- * start a request, the first bytes written back give the time to first byte, the last bytes written before the
- * next request (or the close) end the response. See docs/latency.md for what this can and cannot see.
+ * start a request, the first bytes written back give the time to headers, the last bytes written before the
+ * next request (or the close) end the response. An egress program reads the response as it leaves: where its
+ * header block ends (the first body byte is the time to first token), the gaps between its body writes (inter-token
+ * latency), and its framing (Content-Length, the chunked end), which ends it at its last byte even when the
+ * connection then stays idle. See docs/latency.md for what this can and cannot see.
  *
  * Two ways to get the events, chosen by the agent (qosagent/latency/capability.py):
  *  - QOS_SOCKOPS (>= 6.15): per-socket hooks. A sock_ops program on the cgroup2 root picks the server sockets at
  *    PASSIVE_ESTABLISHED and asks the kernel for their sendmsg callback (TX timestamping, SENDMSG only) and their
- *    state changes; a cgroup_skb ingress program on the serving cgroups sees request bytes arrive. Every other
- *    socket on the host (clients, other services) costs nothing per request. State is socket local storage.
+ *    state changes; cgroup_skb ingress and egress programs on the serving cgroups see request bytes arrive and
+ *    response bytes leave. Every other socket on the host (clients, other services) costs nothing per request.
+ *    State is socket local storage.
  *  - otherwise, tracepoints that fire for every socket: inet_sock_set_state, the sock_recv_length /
  *    sock_send_length raw tracepoints (>= 6.4) or, built with QOS_KPROBE, kretprobes on tcp_recvmsg /
- *    tcp_sendmsg, and sk_data_ready (QOS_ARRIVAL, >= 6.6) for arrival. State is a table keyed by socket address.
+ *    tcp_sendmsg, and sk_data_ready (QOS_ARRIVAL, >= 6.6) for arrival. State is a table keyed by socket address;
+ *    with QOS_EGRESS, a cgroup_skb egress program on the cgroup2 root finds a response's socket by its addresses.
  * Only tracepoint arguments and UAPI types are used: in tracepoint mode `sk` is an opaque key, never dereferenced. */
 #include <uapi/linux/ptrace.h>
 #include <uapi/linux/in.h>
@@ -45,38 +50,68 @@ static __always_inline int qos_port_watched(__u16 lport)
 #define LAT_RESPONDING 2 /* response bytes written */
 #define LAT_PUSHING 3    /* bytes written with no request first (server-first protocols) */
 #define LAT_MUX 4        /* on a multiplexed port: requests overlap, the connection is counted and never timed */
+#define LAT_DONE 5       /* the response ended at its last byte, by its framing: counted; the next request is awaited */
 
-/* Histogram kinds (mirrored in qosagent/latency/bpfmaps.py). */
-#define LAT_KIND_TTFB 0
-#define LAT_KIND_RESPONSE 1
-#define LAT_KIND_RUNQ 2
+/* Histogram kinds (mirrored in qosagent/latency/bpfmaps.py): rows LAT_KINDS * slot + kind. */
+#define LAT_KIND_HEADERS 0  /* request's first bytes -> first response bytes written (time to headers) */
+#define LAT_KIND_RESPONSE 1 /* -> last response byte */
+#define LAT_KIND_TTFT 2     /* -> first response body byte (time to first token) */
+#define LAT_KIND_ITL 3      /* gaps between a response's successive body writes (inter-token latency) */
+#define LAT_KINDS 4
 
-/* Counters (mirrored in qosagent/latency/bpfmaps.py). Answered and completed requests are the TTFB and response
+/* Counters (mirrored in qosagent/latency/bpfmaps.py). Answered and completed requests are the headers and response
  * histogram counts: no counter of their own, one map update less per request. */
 #define LAT_C_STARTED 1        /* requests started (first bytes in) */
 #define LAT_C_UNPAIRED_SEND 3  /* write bursts with no request before them */
 #define LAT_C_UNPAIRED_CLOSE 4 /* requests closed without any response byte */
-#define LAT_C_EXTRA_READS 5    /* more request bytes after the first (reads; segments in sockops mode) before any
-                                * response byte */
+#define LAT_C_PIPELINED 5      /* sockops mode: a next request's first line arrived while one was still waiting */
 #define LAT_C_CONNS 6          /* server-side connections tracked */
 #define LAT_C_MUX_CONNS 7      /* of those, on multiplexed ports (HTTP/2, gRPC): requests overlap, not timed */
 #define LAT_C_OVERLAPPED 8     /* requests whose bytes arrived while the previous response was still being written */
 #define LAT_C_LOST 9           /* observations dropped: their tenant had no slot (see lat_slot_of) */
 #define LAT_C_UNTRACKED 10     /* connections not tracked: no room for their state */
+/* Responses without a time to first token, by reason; their headers and response times are still observed. */
+#define LAT_C_NOTTFT_NOT_HTTP 11 /* the first bytes are no HTTP/1.x status line (TLS, another protocol, an upgrade) */
+#define LAT_C_NOTTFT_LONG 12     /* a header block longer than LAT_HDR_MAX, or than LAT_SCAN within one segment */
+#define LAT_C_NOTTFT_NO_BODY 13  /* ended before any body byte: the client left first, or the body is empty */
+#define LAT_C_NOTTFT_UNSEEN 14   /* the response's bytes were not seen leaving (no egress program on its way) */
+#define LAT_C_INTERIM 15         /* interim responses (1xx) passed over: not the response */
+#define LAT_C_FRAMED 16          /* responses ended at their last byte by their framing (not by what came next) */
 
+#define MSG_PEEK_FLAG 2
+
+/* Where the egress parser is in the current response (lat_sock.resp). */
+#define LAT_R_START 0 /* none of it seen leave yet: its first bytes are a status line */
+#define LAT_R_HEAD 1  /* inside its header block */
+#define LAT_R_BODY 2  /* past its header block */
+#define LAT_R_DONE 3  /* ended by its framing */
+#define LAT_R_OFF 4   /* not parsed (a reason was counted): no TTFT; it ends at the next request or the close */
+
+/* What the current response's status line says of its body (lat_sock.framing). A chunked body's end is seen in its
+ * last segment (lat_chunked_end); other bodies end at the next request or the close. */
+#define LAT_FR_NONE 0    /* a body follows */
+#define LAT_FR_EMPTY 1   /* 204, 304: no body */
+#define LAT_FR_INTERIM 2 /* 1xx: the real response follows its header block */
 #define MSG_PEEK_FLAG 2
 
 struct lat_sock {
     __u64 start_ns;     /* the current request's first bytes: arrived at the socket, else read */
     __u64 last_send_ns; /* last bytes of the current response written */
     __u64 arrived_ns;   /* unread bytes of a next request arrived (QOS_ARRIVAL), 0 when none */
+    __u64 body_ns;      /* the current response's last body write left (its first body byte, first), 0 before */
     __u32 tenant;
     __u16 slot;   /* the tenant's row in lat_hist and lat_counters */
     __u16 state;
     __u8 noted;   /* the serving process (and cgroup) is known (checked once per connection, not per request) */
     __u8 flags;
-    __u8 pad[2];
+    __u8 resp;    /* LAT_R_*: the egress parser's place in the current response */
+    __u8 framing; /* LAT_FR_* */
     __u32 rcv_end; /* sockops mode: the sequence number just past the last request byte seen arrive */
+    __u32 snd_end; /* the sequence number just past the last response byte seen leave (valid once snd_seen) */
+    __u16 scanned;   /* header block bytes scanned so far */
+    __u8 snd_seen;
+    __u8 tail[3];    /* the last 3 header bytes scanned: a "\r\n\r\n" may straddle two segments */
+    __u8 pad[3];
 #ifdef QOS_FLOWS_PIN
     struct qos_flow_key flow; /* set while the tenant is unresolved: a header rule may still claim the connection */
 #endif
@@ -90,14 +125,14 @@ struct lat_sock {
  * lat_slots, 0 being unmatched traffic): an array lookup is inlined, a hash lookup is a call chain that costs
  * ~100-200 ns on machines with retpolines and return thunks, and each request made three of them.
  * The histograms are shared by all CPUs and updated with atomic adds, so neither their size nor the agent's read of
- * them (4.8 KB a row, every tick) grows with the number of CPUs. The counters, 88 bytes a slot and one of them bumped
+ * them (4.8 KB a row, every tick) grows with the number of CPUs. The counters, 136 bytes a slot and one of them bumped
  * by every request, are per CPU: no cache line moves between CPUs for them. Their adds stay atomic, because a softirq
  * (the ingress program) can interrupt a program in process context (the sendmsg callback) on the same CPU. */
 #ifndef LAT_SLOTS /* from the number of tenants, with room for reloads (qosagent/latency/capability.py) */
 #define LAT_SLOTS 64
 #endif
-#define LAT_NCOUNTERS 11
-#define LAT_RUNQ_ROW (LAT_SLOTS * 2) /* rows 2*slot + kind hold TTFB and response; one more row, run-queue waits */
+#define LAT_NCOUNTERS 17
+#define LAT_RUNQ_ROW (LAT_SLOTS * LAT_KINDS) /* the rows of the slots' kinds; one more row, run-queue waits */
 
 struct lat_row {
     __u64 sum_ns;
@@ -124,7 +159,7 @@ struct lat_pid_val {
     __u64 v;
 };
 
-BPF_ARRAY(lat_hist, struct lat_row, LAT_SLOTS * 2 + 1);
+BPF_ARRAY(lat_hist, struct lat_row, LAT_SLOTS * LAT_KINDS + 1);
 BPF_PERCPU_ARRAY(lat_counters, struct lat_counts, LAT_SLOTS);
 BPF_HASH(lat_slots, struct lat_tenant_key, struct lat_slot_val, LAT_SLOTS);
 /* Ports whose protocol runs requests concurrently on one connection (latency.multiplexed_ports). Without the
@@ -175,7 +210,7 @@ static __always_inline void lat_observe(__u16 slot, __u16 kind, __u64 delta_ns)
         lat_count(slot, LAT_C_LOST);
         return;
     }
-    lat_observe_row((__u32)slot * 2 + kind, delta_ns);
+    lat_observe_row((__u32)slot * LAT_KINDS + kind, delta_ns);
 }
 
 /* The tenant a request is counted under: the one resolved when the connection was established, or one a header
@@ -223,46 +258,64 @@ static __always_inline void lat_init_sock(struct lat_sock *s, __u16 lport, __u16
     s->state = lat_mux_ports.lookup(&pk) ? LAT_MUX : LAT_IDLE;
 }
 
+/* Why the response that ends now has no time to first token, when it has none. */
+static __always_inline void lat_count_no_ttft(struct lat_sock *s)
+{
+    if (s->resp == LAT_R_START)
+        lat_count(s->slot, LAT_C_NOTTFT_UNSEEN);
+    else if ((s->resp == LAT_R_HEAD || s->resp == LAT_R_BODY) && !s->body_ns)
+        lat_count(s->slot, LAT_C_NOTTFT_NO_BODY);
+}
+
+/* The response in progress ends at its last write: the next request's bytes came, or the connection closes. */
 static __always_inline void lat_finish_response(struct lat_sock *s)
 {
     if (s->flags & LAT_F_UNTIMED)
         return;
+    lat_count_no_ttft(s);
     lat_observe(s->slot, LAT_KIND_RESPONSE, s->last_send_ns - s->start_ns);
 }
 
-/* Request bytes came in (read, or arrived in sockops mode) on a timed socket. */
+/* Request bytes came in (read, or arrived in sockops mode) on a timed socket. Bytes while a request is waiting
+ * belong to it (a request in several segments or reads); sockops mode counts a next request line among them. */
 static __always_inline void lat_request_bytes(struct lat_sock *s, __u64 start_ns, int overlapped)
 {
-    if (s->state == LAT_WAITING) {
-        lat_count(s->slot, LAT_C_EXTRA_READS);
+    if (s->state == LAT_WAITING)
         return;
-    }
     if (s->state == LAT_RESPONDING)
         lat_finish_response(s);
     lat_request_tenant(s);
     s->start_ns = start_ns;
     s->state = LAT_WAITING;
+    s->body_ns = 0;
+    s->framing = LAT_FR_NONE;
+    s->scanned = 0;
     if (overlapped) {
         s->flags = LAT_F_UNTIMED;
+        s->resp = LAT_R_OFF;
         lat_count(s->slot, LAT_C_OVERLAPPED);
     } else {
         s->flags = 0;
+        s->resp = LAT_R_START;
         lat_count(s->slot, LAT_C_STARTED);
     }
 }
 
-/* ret response bytes written on a timed socket, at now. */
+/* Response bytes written (send hooks) or seen leave (egress) on a timed socket, at now: the first of a response
+ * gives its time to headers, whichever hook sees it first. */
 static __always_inline void lat_response_bytes(struct lat_sock *s, __u64 now)
 {
     if (s->state == LAT_WAITING) {
         if (!(s->flags & LAT_F_UNTIMED))
-            lat_observe(s->slot, LAT_KIND_TTFB, now - s->start_ns);
+            lat_observe(s->slot, LAT_KIND_HEADERS, now - s->start_ns);
         s->state = LAT_RESPONDING;
     } else if (s->state == LAT_RESPONDING && s->arrived_ns) {
         s->flags |= LAT_F_OVERLAP;
     } else if (s->state == LAT_IDLE) {
         lat_count(s->slot, LAT_C_UNPAIRED_SEND);
         s->state = LAT_PUSHING;
+    } else if (s->state == LAT_DONE) {
+        return; /* a write whose bytes the egress program saw end the response before this hook ran */
     }
     s->last_send_ns = now;
 }
@@ -288,6 +341,284 @@ static __always_inline void lat_count_conn(const struct lat_sock *s, int tracked
         lat_count(s->slot, LAT_C_MUX_CONNS);
 }
 
+#if defined(QOS_SOCKOPS) || defined(QOS_EGRESS)
+/* ---- responses read as they leave (cgroup_skb egress, both modes) ------------------------------------------- */
+/* Server sockets write a response's status line and headers, then its body. For HTTP/1.x the first body byte is
+ * what a streaming client calls its first token, and each later body write a next token (group). The send hooks
+ * carry no payload, so the egress program reads it: the status line and header block of each response (their
+ * bytes only, at most LAT_HDR_MAX of them), then nothing of the body but its framing's end. Everything here reads
+ * packets through bpf_skb_load_bytes (payload sits in page fragments, out of direct reach) into a per-CPU buffer. */
+#define LAT_ETH_P_IP 0x0800
+#define LAT_ETH_P_IPV6 0x86DD
+#define LAT_TCP_PSH 0x08
+#ifndef LAT_SCAN
+#define LAT_SCAN 512      /* header bytes scanned per segment */
+#endif
+#define LAT_HDR_MAX 4096  /* header bytes scanned per response, over its segments */
+
+/* Eight bytes as one little-endian word, for comparing header text a word at a time. */
+#define LAT_U64(a, b, c, d, e, f, g, h)                                                                            \
+    ((__u64)(a) | (__u64)(b) << 8 | (__u64)(c) << 16 | (__u64)(d) << 24 | (__u64)(e) << 32 | (__u64)(f) << 40 |   \
+     (__u64)(g) << 48 | (__u64)(h) << 56)
+#define LAT_LOWER 0x2020202020202020ULL /* ORed in: ASCII letters to lower case (header names have any case) */
+#define LAT_7BYTES 0x00ffffffffffffffULL
+#define LAT_CRLFCRLF 0x0a0d0a0dU
+
+struct lat_tcp_head {
+    __u16 sport;
+    __u16 dport;
+    __u32 seq;
+    __u32 ack_seq;
+    __u8 doff_res; /* data offset in the upper four bits */
+    __u8 flags;
+};
+
+/* The TCP header of a cgroup_skb packet, read in place (TCP has pulled it into the linear area before socket
+ * filters run, and on the way out it was built there), and where its payload is; 0 when it carries none: an ACK
+ * or a window update, most of what a busy connection's other direction sends. */
+static __always_inline struct lat_tcp_head *lat_tcp(struct __sk_buff *skb, __u32 *off, __u32 *len)
+{
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    __u32 iphl;
+    if (skb->protocol == bpf_htons(LAT_ETH_P_IP)) {
+        __u8 *vihl = data;
+        if ((void *)(vihl + 1) > data_end)
+            return 0;
+        iphl = (*vihl & 0xf) * 4;
+    } else if (skb->protocol == bpf_htons(LAT_ETH_P_IPV6)) {
+        iphl = 40; /* TCP right after the fixed header: extension headers on a TCP stream would be unusual */
+    } else {
+        return 0;
+    }
+    struct lat_tcp_head *th = data + iphl;
+    if ((void *)(th + 1) > data_end)
+        return 0;
+    __u32 hl = iphl + (th->doff_res >> 4) * 4;
+    if (skb->len <= hl)
+        return 0;
+    *off = hl;
+    *len = skb->len - hl;
+    return th;
+}
+
+/* b[0..2] hold the last bytes of the header block's previous segment, b[3..] this segment's scanned bytes; the
+ * slack after them lets every word compare read whole words without a bounds check of its own. */
+/* A read of the scan's end that clang may not keep in a register (see struct lat_scan). */
+#define LAT_SCAN_END(buf) (*(volatile __u32 *)&(buf)->end)
+
+
+struct lat_scan {
+    __u8 b[2 * LAT_SCAN + 16];
+    /* b's first index past the scanned bytes. Compared from memory each time: a register compared with every byte
+     * index would split the verifier's states at each one. */
+    __u32 end;
+    __u32 found; /* the '\n' that ends the header block, 0: not in these bytes */
+};
+
+BPF_PERCPU_ARRAY(lat_scan_buf, struct lat_scan, 1);
+
+/* The response's status line, at b[3..]: HTTP/1.x and a three-digit code; 0 when it is not one. Interim (1xx)
+ * and bodiless (204, 304) responses are marked in framing: a header block's own framing lines cannot change
+ * that. 101 hands the connection to another protocol: not a response to parse. */
+static __always_inline int lat_status_line(struct lat_scan *buf, __u32 n, struct lat_sock *s)
+{
+    if (n < 12)
+        return 0;
+    if ((*(__u64 *)&buf->b[3] & LAT_7BYTES) != LAT_U64('H', 'T', 'T', 'P', '/', '1', '.', 0) || buf->b[11] != ' ')
+        return 0;
+    __u8 c0 = buf->b[12], c1 = buf->b[13], c2 = buf->b[14];
+    if (c0 < '1' || c0 > '5' || c1 < '0' || c1 > '9' || c2 < '0' || c2 > '9')
+        return 0;
+    if (c0 == '1') {
+        if (c1 == '0' && c2 == '1')
+            return 0;
+        s->framing = LAT_FR_INTERIM;
+    } else if ((c0 == '2' || c0 == '3') && c1 == '0' && c2 == '4') {
+        s->framing = LAT_FR_EMPTY;
+    } else {
+        s->framing = LAT_FR_NONE;
+    }
+    return 1;
+}
+
+/* 0x80 in each byte of x that equals c (in every byte of cs), 0 in the others; exact (no carries across bytes). */
+static __always_inline __u64 lat_bytes_eq(__u64 x, __u64 cs)
+{
+    __u64 y = x ^ cs;
+    return ~(((y & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | y | 0x7f7f7f7f7f7f7f7fULL);
+}
+
+#define LAT_CRS 0x0d0d0d0d0d0d0d0dULL
+#define LAT_LFS 0x0a0a0a0a0a0a0a0aULL
+
+/* Scans b[3..3 + n) for the end of the header block ("\r\n\r\n", which may begin in b[0..2], the previous
+ * segment's last bytes): returns the index in b of its '\n', 0 when it does not end in these bytes. Eight positions
+ * at a time and without a branch on the bytes: the verifier walks every path through a loop's rounds, and a branch
+ * per byte or per line makes their number grow with the bytes scanned. */
+static __always_inline __u32 lat_scan_head(struct lat_scan *buf, __u32 n)
+{
+    buf->end = 3 + n;
+    buf->found = 0;
+    for (__u32 j = 3; j < 3 + LAT_SCAN; j += 8) {
+        if (j >= LAT_SCAN_END(buf))
+            continue;
+        /* Bit 8t+7 of e: b[j+t-3..j+t] is "\r\n\r\n", for t = 0..7 (four unaligned loads, no carry between rounds). */
+        __u64 e = lat_bytes_eq(*(__u64 *)&buf->b[j], LAT_LFS) & lat_bytes_eq(*(__u64 *)&buf->b[j - 1], LAT_CRS) &
+                  lat_bytes_eq(*(__u64 *)&buf->b[j - 2], LAT_LFS) & lat_bytes_eq(*(__u64 *)&buf->b[j - 3], LAT_CRS);
+        /* The first such t: the lowest set bit's byte, also without branches. */
+        __u64 t = qos_log2(e & -e) >> 3;
+        __u64 hit = (e | -e) >> 63;                        /* a match in this word */
+        __u64 first = ((__u64)buf->found - 1) >> 63;       /* none before (found is 0) */
+        __u64 in = ((__u64)j + t - LAT_SCAN_END(buf)) >> 63; /* inside the bytes scanned */
+        __u64 take = hit & first & in;
+        /* clang must not learn that take is 0 or 1: it would turn the product back into a branch. */
+        asm volatile("" : "+r"(take));
+        buf->found += take * (j + t);
+    }
+    return *(volatile __u32 *)&buf->found;
+}
+
+/* The response ends at its last byte, now, as its framing says: it is counted, and the connection awaits the
+ * next request. */
+static __always_inline void lat_complete(struct lat_sock *s, __u64 now)
+{
+    lat_observe(s->slot, LAT_KIND_RESPONSE, now - s->start_ns);
+    lat_count(s->slot, LAT_C_FRAMED);
+    s->resp = LAT_R_DONE;
+    s->state = LAT_DONE;
+}
+
+/* Whether the body bytes [off, off + len) end with the zero-size chunk that ends a chunked body (no trailers). */
+static __always_inline int lat_chunked_end(struct __sk_buff *skb, __u32 off, __u32 len)
+{
+    __u64 t = 0;
+    if (len >= 7) {
+        if (bpf_skb_load_bytes(skb, off + len - 7, &t, 7))
+            return 0;
+        return t == LAT_U64('\r', '\n', '0', '\r', '\n', '\r', '\n', 0);
+    }
+    if (len == 5) {
+        if (bpf_skb_load_bytes(skb, off, &t, 5))
+            return 0;
+        return t == LAT_U64('0', '\r', '\n', '\r', '\n', 0, 0, 0);
+    }
+    return 0;
+}
+
+/* Body bytes [off, off + len) of the current response leave at now. The first is its time to first token; each
+ * later segment that ends a write (TCP sets PSH where a write ends) is a next token (group). */
+static __always_inline void lat_body(struct __sk_buff *skb, struct lat_sock *s, __u32 off, __u32 len, __u8 psh,
+                                     __u64 now)
+{
+    if (!s->body_ns) {
+        lat_observe(s->slot, LAT_KIND_TTFT, now - s->start_ns);
+        s->body_ns = now;
+    } else if (psh) {
+        lat_observe(s->slot, LAT_KIND_ITL, now - s->body_ns);
+        s->body_ns = now;
+    }
+    if (psh && lat_chunked_end(skb, off, len))
+        lat_complete(s, now);
+}
+
+/* Response bytes [off, off + len) of skb, new on the wire, leave a tracked socket. */
+static __always_inline void lat_response_segment(struct __sk_buff *skb, struct lat_sock *s, __u32 off, __u32 len,
+                                                 __u8 psh)
+{
+    if (s->state != LAT_WAITING && s->state != LAT_RESPONDING)
+        return; /* idle, pushing, done: nothing of a request's to time (the send hooks count unpaired writes) */
+    __u64 now = bpf_ktime_get_ns();
+    if (s->resp == LAT_R_BODY) {
+        lat_response_bytes(s, now);
+        lat_body(skb, s, off, len, psh, now);
+        return;
+    }
+    __u32 zero = 0;
+    struct lat_scan *buf = lat_scan_buf.lookup(&zero);
+    __u32 n = len < LAT_SCAN ? len : LAT_SCAN;
+    /* clang knows n <= LAT_SCAN and would drop the mask; the verifier needs it on the register it checks. */
+    asm volatile("" : "+r"(n));
+    n &= 2 * LAT_SCAN - 1;
+    if ((s->resp != LAT_R_START && s->resp != LAT_R_HEAD) || !buf || n == 0 || n > LAT_SCAN ||
+        bpf_skb_load_bytes(skb, off, &buf->b[3], n)) {
+        lat_response_bytes(s, now);
+        return;
+    }
+    if (s->resp == LAT_R_START) {
+        if (!lat_status_line(buf, n, s)) {
+            s->resp = LAT_R_OFF;
+            lat_count(s->slot, LAT_C_NOTTFT_NOT_HTTP);
+            lat_response_bytes(s, now);
+            return;
+        }
+        buf->b[0] = buf->b[1] = buf->b[2] = 0;
+        s->resp = LAT_R_HEAD;
+        s->scanned = 0;
+    } else {
+        buf->b[0] = s->tail[0];
+        buf->b[1] = s->tail[1];
+        buf->b[2] = s->tail[2];
+    }
+    /* An interim response is not the response: the request still waits (and its body may still arrive). */
+    if (s->framing != LAT_FR_INTERIM)
+        lat_response_bytes(s, now);
+    __u32 p = lat_scan_head(buf, n);
+    if (!p) {
+        s->scanned += n;
+        if (n < len || s->scanned > LAT_HDR_MAX) {
+            s->resp = LAT_R_OFF;
+            lat_count(s->slot, LAT_C_NOTTFT_LONG);
+            return;
+        }
+        s->tail[0] = buf->b[n];
+        s->tail[1] = buf->b[n + 1];
+        s->tail[2] = buf->b[n + 2];
+        return;
+    }
+    __u32 used = p - 2; /* b[3..p]: this segment's bytes up to the header block's end */
+    if (s->framing == LAT_FR_INTERIM) {
+        lat_count(s->slot, LAT_C_INTERIM);
+        s->framing = LAT_FR_NONE;
+        s->resp = LAT_R_START;
+        if (used < len) { /* the final response in the same segment: its status line is not where we look */
+            s->resp = LAT_R_OFF;
+            lat_count(s->slot, LAT_C_NOTTFT_NOT_HTTP);
+            lat_response_bytes(s, now);
+        }
+        return;
+    }
+    if (s->framing == LAT_FR_EMPTY) {
+        lat_count(s->slot, LAT_C_NOTTFT_NO_BODY);
+        lat_complete(s, now);
+        return;
+    }
+    s->resp = LAT_R_BODY;
+    if (used < len)
+        lat_body(skb, s, off + used, len - used, psh, now);
+}
+
+/* Payload of a tracked socket leaves: the part not seen before (a retransmission, or a packet the learner and a
+ * serving cgroup's program both see, brings nothing new) is response bytes. */
+static __always_inline void lat_leaving(struct __sk_buff *skb, struct lat_sock *s, __u32 seq, __u8 psh, __u32 off,
+                                        __u32 len)
+{
+    __u32 end = seq + len;
+    if (s->snd_seen) {
+        if ((__s32)(end - s->snd_end) <= 0)
+            return;
+        __u32 seen = s->snd_end - seq;
+        if ((__s32)seen > 0) {
+            off += seen;
+            len -= seen;
+        }
+    }
+    s->snd_seen = 1;
+    s->snd_end = end;
+    lat_response_segment(skb, s, off, len, psh);
+}
+#endif
+
 #ifdef QOS_SOCKOPS
 /* ---- sockops mode: per-socket hooks ------------------------------------------------------------------------- */
 /* Kernel ABI values newer than the UAPI headers BCC compiles against (include/uapi/linux/bpf.h, 6.15). */
@@ -295,8 +626,6 @@ static __always_inline void lat_count_conn(const struct lat_sock *s, int tracked
 #define LAT_SK_BPF_CB_FLAGS 1009
 #define LAT_SK_BPF_CB_TX_TIMESTAMPING 1
 #define LAT_OPS_TSTAMP_SENDMSG_CB 20
-#define LAT_ETH_P_IP 0x0800
-#define LAT_ETH_P_IPV6 0x86DD
 #define LAT_AF_INET 2
 #define LAT_AF_INET6 10
 
@@ -383,6 +712,8 @@ static __always_inline void lat_ops_established(struct bpf_sock_ops *skops)
     }
     *s = init;
     s->rcv_end = skops->rcv_nxt;
+    s->snd_end = skops->snd_nxt;
+    s->snd_seen = 1;
     int on = LAT_SK_BPF_CB_TX_TIMESTAMPING;
     /* The sendmsg callback (no timestamps are taken: bpf_sock_ops_enable_tx_tstamp is never called) and the state
      * callback, for this socket only. */
@@ -403,7 +734,10 @@ static __always_inline void lat_ops_sendmsg(struct bpf_sock_ops *skops)
     struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, 0);
     if (!s)
         return;
-    lat_response_bytes(s, bpf_ktime_get_ns());
+    /* A request's response is timed by the egress program, linked wherever the ingress program is; writes with no
+     * request before them are counted here. */
+    if (s->state == LAT_IDLE || s->state == LAT_PUSHING)
+        lat_response_bytes(s, bpf_ktime_get_ns());
     if (!s->noted) {
         /* sendmsg runs in the serving process: its tgid for the run-queue probes, its cgroup for lat_ingress. */
         lat_note_process();
@@ -445,42 +779,30 @@ int lat_sockops(struct bpf_sock_ops *skops)
     return 1; /* sock_ops' verdict only matters for ops we never answer */
 }
 
-struct lat_tcp_head {
-    __u16 sport;
-    __u16 dport;
-    __u32 seq;
-    __u32 ack_seq;
-    __u8 doff_res; /* data offset in the upper four bits */
-};
+/* Whether payload at off starts with an HTTP/1.x request line: evidence of a pipelined request when it comes while
+ * one is still waiting for its response (rather than the rest of that request: its body, more of its headers). */
+static __always_inline int lat_request_line(struct __sk_buff *skb, __u32 off)
+{
+    __u32 m = 0;
+    if (bpf_skb_load_bytes(skb, off, &m, 4))
+        return 0;
+    return m == ('G' | 'E' << 8 | 'T' << 16 | ' ' << 24) || m == ('P' | 'O' << 8 | 'S' << 16 | 'T' << 24) ||
+           m == ('P' | 'U' << 8 | 'T' << 16 | ' ' << 24) || m == ('H' | 'E' << 8 | 'A' << 16 | 'D' << 24) ||
+           m == ('D' | 'E' << 8 | 'L' << 16 | 'E' << 24) || m == ('P' | 'A' << 8 | 'T' << 16 | 'C' << 24) ||
+           m == ('O' | 'P' << 8 | 'T' << 16 | 'I' << 24);
+}
 
 /* Request bytes reaching a tracked socket, on the serving cgroups: the request's clock starts at arrival, as it
- * does with the sk_data_ready hook in tracepoint mode. Always lets the packet through. The headers are read in
- * place (TCP has pulled them into the linear area before socket filters run): no helper calls for them. This runs
- * before TCP has checked the sequence numbers: rcv_end keeps a retransmitted or reordered old segment from starting
- * a request. */
+ * does with the sk_data_ready hook in tracepoint mode. Always lets the packet through. This runs before TCP has
+ * checked the sequence numbers: rcv_end keeps a retransmitted or reordered old segment from starting a request. */
 static __always_inline int lat_arrival(struct __sk_buff *skb, int learn)
 {
     /* Headers first: most segments of a long response's connection are the client's pure ACKs, and telling them
      * apart is cheaper than the socket storage lookup. */
-    void *data = (void *)(long)skb->data;
-    void *data_end = (void *)(long)skb->data_end;
-    __u32 iphl;
-    if (skb->protocol == bpf_htons(LAT_ETH_P_IP)) {
-        __u8 *vihl = data;
-        if ((void *)(vihl + 1) > data_end)
-            return 1;
-        iphl = (*vihl & 0xf) * 4;
-    } else if (skb->protocol == bpf_htons(LAT_ETH_P_IPV6)) {
-        iphl = 40; /* TCP right after the fixed header: extension headers on a TCP stream would be unusual */
-    } else {
+    __u32 off, len;
+    struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
+    if (!th)
         return 1;
-    }
-    struct lat_tcp_head *th = data + iphl;
-    if ((void *)(th + 1) > data_end)
-        return 1;
-    __u32 hl = iphl + (th->doff_res >> 4) * 4;
-    if (skb->len <= hl)
-        return 1; /* no payload: an ACK, a window update */
     struct bpf_sock *sk = skb->sk;
     if (!sk)
         return 1;
@@ -491,9 +813,11 @@ static __always_inline int lat_arrival(struct __sk_buff *skb, int learn)
         return 1;
     if (learn)
         lat_note_cgroup_id(bpf_sk_cgroup_id(sk), 0);
-    __u32 end = bpf_ntohl(th->seq) + (skb->len - hl);
+    __u32 seq = bpf_ntohl(th->seq), end = seq + len;
     if ((__s32)(end - s->rcv_end) <= 0)
         return 1; /* nothing new: a retransmission, a keepalive probe, or a segment both ingress programs see */
+    if (s->state == LAT_WAITING && seq == s->rcv_end && lat_request_line(skb, off))
+        lat_count(s->slot, LAT_C_PIPELINED);
     s->rcv_end = end;
     lat_request_bytes(s, bpf_ktime_get_ns(), 0);
     return 1;
@@ -509,6 +833,22 @@ int lat_ingress(struct __sk_buff *skb)
 int lat_ingress_learn(struct __sk_buff *skb)
 {
     return lat_arrival(skb, 1);
+}
+
+/* Response bytes leaving a tracked socket, on the serving cgroups (and on the root while the learner is). */
+int lat_egress(struct __sk_buff *skb)
+{
+    __u32 off, len;
+    struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
+    if (!th)
+        return 1;
+    struct bpf_sock *sk = skb->sk;
+    if (!sk)
+        return 1;
+    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, 0);
+    if (s)
+        lat_leaving(skb, s, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
+    return 1;
 }
 
 #else
@@ -631,9 +971,70 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
 static __always_inline void lat_send(__u64 sk, int ret)
 {
     struct lat_sock *s = lat_timed(sk, ret);
-    if (s)
-        lat_response_bytes(s, bpf_ktime_get_ns());
+    if (!s)
+        return;
+#ifdef QOS_EGRESS
+    /* Once the egress program has seen this connection's bytes leave it times its responses: it runs inside the
+     * write, before this hook, and it can tell an interim response from the response. */
+    if (s->snd_seen && s->state != LAT_IDLE && s->state != LAT_PUSHING)
+        return;
+#endif
+    lat_response_bytes(s, bpf_ktime_get_ns());
 }
+
+#ifdef QOS_EGRESS
+/* Tracked connections by their addresses, for the egress program: a packet names its socket only as a pointer the
+ * program may not turn into the table's key. Written at ESTABLISHED and removed at CLOSE. */
+struct lat_flow_sk {
+    __u64 sk;
+};
+
+BPF_F_TABLE("hash", struct qos_flow_key, struct lat_flow_sk, lat_flows, LAT_MAX_SOCKS, BPF_F_NO_PREALLOC);
+
+static __always_inline void lat_flow_key(struct qos_flow_key *k, const __u8 *client, const __u8 *local, __u16 rport,
+                                         __u16 lport)
+{
+    __builtin_memcpy(k->raddr, client, 16);
+    __builtin_memcpy(k->laddr, local, 16);
+    k->rport = rport;
+    k->lport = lport;
+}
+
+/* Response bytes leaving any socket, on the cgroup2 root: those of tracked connections go to the parser. */
+int lat_egress(struct __sk_buff *skb)
+{
+    __u32 off, len;
+    struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
+    if (!th)
+        return 1;
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    struct qos_flow_key k = {};
+    if (skb->protocol == bpf_htons(LAT_ETH_P_IP)) {
+        __u8 *ip = data;
+        if ((void *)(ip + 20) > data_end || ip[9] != IPPROTO_TCP)
+            return 1;
+        k.raddr[10] = k.raddr[11] = k.laddr[10] = k.laddr[11] = 0xff; /* IPv4-mapped, as the tracepoint has them */
+        __builtin_memcpy(&k.laddr[12], ip + 12, 4);
+        __builtin_memcpy(&k.raddr[12], ip + 16, 4);
+    } else {
+        __u8 *ip6 = data;
+        if ((void *)(ip6 + 40) > data_end || ip6[6] != IPPROTO_TCP)
+            return 1;
+        __builtin_memcpy(k.laddr, ip6 + 8, 16);
+        __builtin_memcpy(k.raddr, ip6 + 24, 16);
+    }
+    k.lport = bpf_ntohs(th->sport);
+    k.rport = bpf_ntohs(th->dport);
+    __u32 seq = bpf_ntohl(th->seq);
+    __u8 psh = th->flags & LAT_TCP_PSH;
+    struct lat_flow_sk *f = lat_flows.lookup(&k);
+    struct lat_sock *s = f ? lat_tracked(f->sk) : 0;
+    if (s && s->state != LAT_MUX)
+        lat_leaving(skb, s, seq, psh, off, len);
+    return 1;
+}
+#endif
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
@@ -654,7 +1055,16 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         }
         struct lat_sock s = {};
         lat_init_sock(&s, args->sport, args->dport, client, local);
-        lat_count_conn(&s, lat_track(sk, &s));
+        int tracked = lat_track(sk, &s);
+        lat_count_conn(&s, tracked);
+#ifdef QOS_EGRESS
+        if (tracked && s.state != LAT_MUX) {
+            struct qos_flow_key k = {};
+            struct lat_flow_sk f = {.sk = sk};
+            lat_flow_key(&k, client, local, args->dport, args->sport);
+            lat_flows.update(&k, &f);
+        }
+#endif
         return 0;
     }
     if (args->newstate != BPF_TCP_CLOSE)
@@ -666,6 +1076,19 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (!t || !s)
         return 0;
     lat_closed(s);
+#ifdef QOS_EGRESS
+    {
+        __u8 client[16], local[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            client[i] = args->daddr_v6[i];
+            local[i] = args->saddr_v6[i];
+        }
+        struct qos_flow_key k = {};
+        lat_flow_key(&k, client, local, args->dport, args->sport);
+        lat_flows.delete(&k);
+    }
+#endif
     __sync_val_compare_and_swap(&t->sk[w], sk, 0); /* the slot is free again */
     return 0;
 }

@@ -44,8 +44,10 @@ class GpuPressureConfig(Section):
 class AdmissionConfig(Section):
     enabled: bool = False
     mode: Mode = "dry-run"
-    # Which latency the SLO is held against: time to first response byte (streaming inference) or to the last.
-    signal: Literal["ttfb", "response"] = "ttfb"
+    # Which latency the SLO is held against (docs/latency.md): time to first token (the first response body byte,
+    # what streaming clients wait for), to the response headers, or to the last response byte. Status, metrics and
+    # the alert rules judge the SLO on the same signal and quantile.
+    signal: Literal["ttft", "headers", "response"] = "ttft"
     quantile: float = Field(default=0.95, ge=0.5, le=0.999)
     breach_ticks: int = Field(default=3, ge=1, le=1000)
     healthy_ticks: int = Field(default=10, ge=1, le=10000)

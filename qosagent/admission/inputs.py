@@ -64,7 +64,7 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
         tl = lat_tenants.get(t.name)
         tq = quota_tenants.get(t.name)
         if tl is not None:
-            h = tl.ttfb_window if policy.signal == "ttfb" else tl.response_window
+            h = tl.window(policy.signal)
             acc = windows.setdefault(t.tier, {})
             for i, c in h.counts.items():
                 acc[i] = acc.get(i, 0) + c

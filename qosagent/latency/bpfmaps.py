@@ -12,24 +12,40 @@ from qosagent.config import Config
 from qosagent.hist import NBUCKETS
 from qosagent.tenants import UNMATCHED_ID
 
-# Histogram kinds and counters, as numbered in bpf/latency.c.
-KIND_TTFB = 0
+# Histogram kinds and counters, as numbered in bpf/latency.c. A slot's rows are KINDS * slot + kind.
+KIND_HEADERS = 0
 KIND_RESPONSE = 1
-KIND_RUNQ = 2
+KIND_TTFT = 2
+KIND_ITL = 3
+KINDS = 4  # LAT_KINDS
+KIND_RUNQ = KINDS  # not a row kind: the key of the run-queue histogram in Raw
 
-# Completed and answered requests are the response and TTFB histogram counts (no counters in the kernel).
+# Completed and answered requests are the response and headers histogram counts (no counters in the kernel).
 C_STARTED = 1
 C_UNPAIRED_SEND = 3
 C_UNPAIRED_CLOSE = 4
-C_EXTRA_READS = 5
+C_PIPELINED = 5
 C_CONNS = 6
 C_MUX_CONNS = 7
 C_OVERLAPPED = 8
 C_LOST = 9
 C_UNTRACKED = 10
+C_NOTTFT_NOT_HTTP = 11
+C_NOTTFT_LONG = 12
+C_NOTTFT_NO_BODY = 13
+C_NOTTFT_UNSEEN = 14
+C_INTERIM = 15
+C_FRAMED = 16
 
+# Responses without a time to first token, by reason (the names status and the metrics' `reason` label use).
+NO_TTFT_REASONS = {
+    "not_http": C_NOTTFT_NOT_HTTP,
+    "header_too_long": C_NOTTFT_LONG,
+    "no_body": C_NOTTFT_NO_BODY,
+    "unseen": C_NOTTFT_UNSEEN,
+}
 
-NCOUNTERS = 11  # LAT_NCOUNTERS
+NCOUNTERS = 17  # LAT_NCOUNTERS
 ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
 MIN_SLOTS = 64
 
@@ -84,7 +100,7 @@ _ZERO_ROW = bytes(ROW_SIZE)
 
 def assemble(rows: Iterable[tuple[int, bytes]], counters: Iterable[tuple[int, bytes]], slots: Mapping[int, int],
              runq_row: int, parser: RowParser) -> Raw:
-    """One Raw from the kernel's arrays: (index, bytes) of lat_hist rows (2*slot + kind, and runq_row for run-queue
+    """One Raw from the kernel's arrays: (index, bytes) of lat_hist rows (KINDS*slot + kind, and runq_row for run-queue
     waits) and of each slot's counters, per CPU (struct lat_counts for each possible CPU, back to back, summed
     here); slots maps slot -> tenant id. All-zero rows and counters are left out."""
     hist: dict[tuple[int, int], dict[int, int]] = {}
@@ -94,8 +110,8 @@ def assemble(rows: Iterable[tuple[int, bytes]], counters: Iterable[tuple[int, by
             continue
         if row == runq_row:
             key = (UNMATCHED_ID, KIND_RUNQ)
-        elif row // 2 in slots:
-            key = (slots[row // 2], row % 2)
+        elif row // KINDS in slots:
+            key = (slots[row // KINDS], row % KINDS)
         else:
             continue
         hist[key], sums[key] = parser.parse(row, data)

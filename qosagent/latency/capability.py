@@ -49,6 +49,7 @@ class Latency(Capability):
         self.mode = ""  # "sockops", "tracepoint" or "kprobe"
         self.runq = False
         self.arrival = False  # request clocks start at arrival (sock:sk_data_ready), else at the first read
+        self.egress = False  # responses are read as they leave (TTFT, inter-token): a cgroup_skb egress program
         self.bpf: Any = None
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
@@ -67,8 +68,11 @@ class Latency(Capability):
         # cgroups, and the thread that attaches the latter as the kernel reports them.
         self._sockops_link: Any = None
         self._learn_link: Any = None
+        self._learn_egress_link: Any = None
         self._learn_until = 0.0
         self._ingress: Any = None
+        self._egress: Any = None  # sockops mode: lat_egress on the serving cgroups, beside lat_ingress
+        self._egress_root_link: Any = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
         self._cgroup_index: Any = None
         self._cgroup_ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
         self._cgroup_lock = threading.Lock()
@@ -90,6 +94,7 @@ class Latency(Capability):
                     if not features.sockops_sendmsg else "no cgroup v2 hierarchy is mounted"))
             self.mode = "sockops"
             self.arrival = True  # the ingress program sees request bytes arrive
+            self.egress = True  # and the egress program response bytes leave
         elif cfg.mode in ("auto", "tracepoint") and set_state and tracepoints_ok:
             self.mode = "tracepoint"
         elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes:
@@ -104,6 +109,9 @@ class Latency(Capability):
                 missing += ", and no per-socket sock_ops hooks (kernel < 6.15 or no cgroup v2)"
             return Verdict(State.UNAVAILABLE, f"latency.mode {cfg.mode}: {missing}")
         if self.mode != "sockops":
+            self.egress = bool(features.cgroup2)
+            if not self.egress:
+                notes.append("no cgroup v2 hierarchy: time to first token and inter-token latency unavailable")
             self.arrival = features.has_tracepoint("sock/sk_data_ready")
             if not self.arrival:
                 notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
@@ -125,6 +133,8 @@ class Latency(Capability):
                 defines["QOS_KPROBE"] = 1
             if self.arrival:
                 defines["QOS_ARRIVAL"] = 1
+            if self.egress:
+                defines["QOS_EGRESS"] = 1
             defines["LAT_SOCK_BUCKETS_LOG2"] = (self.ctx.config.latency.socket_slots // 4).bit_length() - 1
         self._nslots = bm.slots_for(len(self.ctx.config.tenants))
         self._slots = {}
@@ -154,6 +164,8 @@ class Latency(Capability):
             # Maps first, hooks last: a connection established before the tenant maps were written would be
             # resolved against empty ones.
             self._attach_sockops()
+        elif self.egress:
+            self._attach_egress_root()
         self.programs = self._program_ids()
         self._window = Window(self.ctx.config.latency.window)
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
@@ -167,20 +179,28 @@ class Latency(Capability):
         from bcc import BPF
 
         from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
-        from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, link_create
+        from qosagent.ebpf.syscall import (
+            ATTACH_CGROUP_INET_EGRESS,
+            ATTACH_CGROUP_INET_INGRESS,
+            ATTACH_CGROUP_SOCK_OPS,
+            link_create,
+        )
 
         root = self._cgroup_root()
         try:
             sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
             ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
             learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
+            egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
             self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.ctx.hostfs)
+            self._egress = CgroupLinks(egress.fd, ATTACH_CGROUP_INET_EGRESS, self.ctx.hostfs)
             self._cgroup_index = CgroupIndex(self.ctx.hostfs, root)
             self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_cgroup_event)
             fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
             try:
                 # The learner first: no socket the sock_ops program tracks may have an arrival nobody sees.
                 self._learn_link = link_create(learn.fd, fd, ATTACH_CGROUP_INET_INGRESS)
+                self._learn_egress_link = link_create(egress.fd, fd, ATTACH_CGROUP_INET_EGRESS)
                 self._learn_until = self.ctx.clock() + LEARN_S
                 self._sockops_link = link_create(sockops.fd, fd, ATTACH_CGROUP_SOCK_OPS)
             finally:
@@ -192,6 +212,25 @@ class Latency(Capability):
         self._stopping.clear()
         self._watcher = threading.Thread(target=self._watch_cgroups, name="latency-cgroups", daemon=True)
         self._watcher.start()
+
+    def _attach_egress_root(self) -> None:
+        """lat_egress on the cgroup2 root, for the whole run: in tracepoint and kprobe modes it finds a response's
+        socket by the packet's addresses, whichever cgroup sends it. A link, so a killed agent leaves nothing."""
+        from bcc import BPF
+
+        from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_EGRESS, link_create
+
+        root = self._cgroup_root()
+        try:
+            egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
+            fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                self._egress_root_link = link_create(egress.fd, fd, ATTACH_CGROUP_INET_EGRESS)
+            finally:
+                os.close(fd)
+        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
+            self._release()
+            raise CapabilityError(f"attaching the latency egress program at {root} failed: {e}") from None
 
     def _cgroup_root(self) -> str:
         from qosagent.ebpf.cgroups import cgroup2_mount
@@ -228,6 +267,7 @@ class Latency(Capability):
                 return
             try:
                 self._cgroup_ids[cgid] = path
+                self._egress.attach(path)
                 if self._ingress.attach(path):
                     log.info("latency: request arrivals hooked on cgroup %s (%s serves a watched port there)",
                              path, f"process {tgid}" if tgid else "a tracked socket")
@@ -236,11 +276,12 @@ class Latency(Capability):
                 log.warning("latency: %s; requests served from there are not timed", e)
 
     def stop_learning(self) -> None:
-        """Unlink lat_ingress_learn from the cgroup2 root: from now on only the serving cgroups see arrivals."""
+        """Unlink the learners from the cgroup2 root: from now on only the serving cgroups' programs see requests."""
         with self._cgroup_lock:
-            if self._learn_link is not None:
-                os.close(self._learn_link)
-                self._learn_link = None
+            for link in (self._learn_link, self._learn_egress_link):
+                if link is not None:
+                    os.close(link)
+            self._learn_link = self._learn_egress_link = None
 
     def _prune_cgroups(self) -> None:
         """Drop the links of cgroups that were removed (the kernel has detached them already)."""
@@ -251,6 +292,7 @@ class Latency(Capability):
                 if self.ctx.hostfs.is_dir(path):
                     continue
                 self._ingress.detach(path)
+                self._egress.detach(path)
                 del self._cgroup_ids[cgid]
                 # Room in the kernel's set for new cgroups (ids are never reused).
                 cgroups = self.bpf[b"lat_cgroups"]
@@ -266,15 +308,14 @@ class Latency(Capability):
             self._watcher.join()
             self._watcher = None
         with self._cgroup_lock:
-            if self._ingress is not None:
-                self._ingress.close()
-                self._ingress = None
-            if self._sockops_link is not None:
-                os.close(self._sockops_link)
-                self._sockops_link = None
-            if self._learn_link is not None:
-                os.close(self._learn_link)
-                self._learn_link = None
+            for links in (self._ingress, self._egress):
+                if links is not None:
+                    links.close()
+            self._ingress = self._egress = None
+            for link in (self._sockops_link, self._learn_link, self._learn_egress_link, self._egress_root_link):
+                if link is not None:
+                    os.close(link)
+            self._sockops_link = self._learn_link = self._learn_egress_link = self._egress_root_link = None
         if self.bpf is not None:
             self.bpf.cleanup()
             self.bpf = None
@@ -284,8 +325,9 @@ class Latency(Capability):
             return 0
         n = len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
         if self._sockops_link is not None:
-            n += 1 + (1 if self._ingress is not None and self._ingress.paths else 0)
-            n += 1 if self._learn_link is not None else 0
+            n += 1 + (2 if self._ingress is not None and self._ingress.paths else 0)
+            n += 2 if self._learn_link is not None else 0
+        n += 1 if self._egress_root_link is not None else 0
         return n
 
     def cgroups(self) -> list[str]:
@@ -384,7 +426,7 @@ class Latency(Capability):
         hist = list(enumerate(rows.read()))
         if runq is not None:
             hist.append((runq.first, runq.read()[0]))
-        return bm.assemble(hist, enumerate(counters.read()), self._by_slot, 2 * self._nslots, self._rows)
+        return bm.assemble(hist, enumerate(counters.read()), self._by_slot, bm.KINDS * self._nslots, self._rows)
 
     def _plan_reads(self) -> None:
         """What each tick reads, worked out when the slots change (start, reload) rather than every tick: the rows
@@ -395,8 +437,8 @@ class Latency(Capability):
 
         self._by_slot = {slot: tid for tid, slot in self._slots.items()}
         used = max(self._by_slot) + 1
-        self._reads = (ArrayRange(self._hist_fd, 0, 2 * used, bm.ROW_SIZE),
-                       ArrayRange(self._hist_fd, 2 * self._nslots, 1, bm.ROW_SIZE) if self.runq else None,
+        self._reads = (ArrayRange(self._hist_fd, 0, bm.KINDS * used, bm.ROW_SIZE),
+                       ArrayRange(self._hist_fd, bm.KINDS * self._nslots, 1, bm.ROW_SIZE) if self.runq else None,
                        ArrayRange(self._counters_fd, 0, used, self._counters_size))
 
     def collect(self) -> LatencyPart:
@@ -442,28 +484,40 @@ class Latency(Capability):
         def c(r: bm.Raw, what: int) -> int:
             return r.counters.get((tid, what), 0)
 
-        ttfb = self._hist(raw, tid, bm.KIND_TTFB)
-        resp = self._hist(raw, tid, bm.KIND_RESPONSE)
-        resp_window = Since(resp, self._hist(base, tid, bm.KIND_RESPONSE))
+        def since(kind: int) -> tuple[Histogram, Histogram]:
+            h = self._hist(raw, tid, kind)
+            return h, Since(h, self._hist(base, tid, kind))
+
+        headers, headers_window = since(bm.KIND_HEADERS)
+        ttft, ttft_window = since(bm.KIND_TTFT)
+        resp, resp_window = since(bm.KIND_RESPONSE)
+        itl, itl_window = since(bm.KIND_ITL)
         return TenantLatency(
             tenant=info.name,
             tier=info.tier,
             requests=resp.count,
-            ttfb=ttfb,
+            headers=headers,
+            ttft=ttft,
             response=resp,
-            ttfb_window=Since(ttfb, self._hist(base, tid, bm.KIND_TTFB)),
+            inter_token=itl,
+            headers_window=headers_window,
+            ttft_window=ttft_window,
             response_window=resp_window,
+            inter_token_window=itl_window,
             rate_rps=resp_window.count / elapsed if elapsed > 0 else 0.0,
-            in_flight=max(c(raw, bm.C_STARTED) - ttfb.count - c(raw, bm.C_UNPAIRED_CLOSE), 0),
+            in_flight=max(c(raw, bm.C_STARTED) - resp.count - c(raw, bm.C_UNPAIRED_CLOSE), 0),
             unpaired=c(raw, bm.C_UNPAIRED_SEND) + c(raw, bm.C_UNPAIRED_CLOSE),
             overlapped=c(raw, bm.C_OVERLAPPED),
             unpaired_send=c(raw, bm.C_UNPAIRED_SEND),
             unpaired_close=c(raw, bm.C_UNPAIRED_CLOSE),
-            extra_reads=c(raw, bm.C_EXTRA_READS),
+            pipelined=c(raw, bm.C_PIPELINED),
             connections=c(raw, bm.C_CONNS),
             multiplexed_connections=c(raw, bm.C_MUX_CONNS),
             lost=c(raw, bm.C_LOST),
             untracked=c(raw, bm.C_UNTRACKED),
+            no_ttft={reason: n for reason, what in bm.NO_TTFT_REASONS.items() if (n := c(raw, what))},
+            interim=c(raw, bm.C_INTERIM),
+            framed=c(raw, bm.C_FRAMED),
         )
 
     def _refresh_runq_threads(self) -> None:
@@ -498,15 +552,19 @@ class Latency(Capability):
         from qosagent.latency import export
 
         part = snapshot.part(self.name)
-        yield from export.families(part, self.attached())
+        adm = self.ctx.config.admission
+        yield from export.families(part, self.attached(), adm.signal, adm.quantile)
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
         from qosagent.latency import export
 
         part = snapshot.part(self.name)
         slo = {info.name: info.slo_p99 for info in self._tenants.values()}
-        out = export.status(part, slo)
+        adm = self.ctx.config.admission
+        out = export.status(part, slo, adm.signal, adm.quantile)
         out["mode"] = self.mode
+        out["ttft"] = ("measured: responses read as they leave" if self.egress else
+                       "unavailable: no cgroup v2 hierarchy for the egress program")
         out["programs"] = self.programs
         if self.mode == "sockops":
             out["cgroups"] = self.cgroups()

@@ -17,6 +17,7 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 
 from qosagent.hist import Histogram, export_bounds_ns
+from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -34,24 +35,47 @@ def _buckets(h: Histogram) -> list[tuple[str, float]]:
     return [(le_text(b), float(c)) for b, c in zip(BOUNDS_NS, cum)] + [("+Inf", float(h.count))]
 
 
-def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metric]:
+# The latencies of a response, by the name config, status and the metrics use for each: (model field, help).
+SIGNALS = {
+    "headers": ("headers", "Time from a request's first bytes to the first response bytes written (for HTTP, the "
+                "response headers: when the server accepted the work)"),
+    "ttft": ("ttft", "Time from a request's first bytes to the first response body byte (time to first token; "
+             "HTTP/1.x responses only, interim 1xx responses passed over)"),
+    "response": ("response", "Time from a request's first bytes to the last response byte (the end of a chunked body, "
+                 "else the last write before the next request or the close)"),
+    "inter_token": ("inter_token", "Gaps between successive body writes of a response (inter-token latency: a write "
+                    "is one token or a group of them, as the server flushes)"),
+}
+SLO_SIGNALS = ("ttft", "headers", "response")  # admission.signal
+
+
+def families(part: LatencyPart | None, programs_attached: int, signal: str, quantile: float) -> Iterable[Metric]:
     yield GaugeMetricFamily("qosagent_latency_programs_attached", "Latency BPF programs attached to their hooks",
                             value=programs_attached)
     if part is None:
         return
     labels = ["tenant", "tier"]
-    ttfb = HistogramMetricFamily("qosagent_ttfb_seconds", "Time from a request's first bytes read to the first "
-                                 "response bytes written, since start", labels=labels)
-    resp = HistogramMetricFamily("qosagent_response_seconds", "Time from a request's first bytes read to the last "
-                                 "response bytes written before the next request or the close, since start",
-                                 labels=labels)
+    hists = {name: HistogramMetricFamily(f"qosagent_{name}_seconds", f"{help_}, since start", labels=labels)
+             for name, (_f, help_) in SIGNALS.items()}
+    windows = {name: SummaryMetricFamily(f"qosagent_{name}_window_seconds", f"{help_}, over the last latency.window: "
+                                         "quantiles (absent while the window is empty), count and sum", labels=labels)
+               for name, (_f, help_) in SIGNALS.items()}
+    slo = GaugeMetricFamily("qosagent_slo_latency_seconds", "The latency the SLO is judged on, as admission judges "
+                            "it: admission.quantile of admission.signal over the last latency.window (absent while "
+                            "the window is empty)", labels=labels + ["signal", "quantile"])
     requests = CounterMetricFamily("qosagent_requests", "Requests whose response completed", labels=labels)
     unpaired = CounterMetricFamily("qosagent_requests_unpaired", "Reads and writes that could not be paired: "
                                    "response_without_request (server wrote first), closed_without_response",
                                    labels=labels + ["reason"])
-    extra = CounterMetricFamily("qosagent_request_extra_reads", "Reads (sockops mode: segments) of more request bytes "
-                                "before any response byte (a request in pieces, or pipelined requests timed as one)",
-                                labels=labels)
+    no_ttft = CounterMetricFamily("qosagent_responses_without_ttft", "Responses with no time to first token, by "
+                                  "reason: not_http (no HTTP/1.x status line: TLS, another protocol), header_too_long, "
+                                  "no_body (ended before any body byte: the client left first, or an empty body), "
+                                  "unseen (no egress program saw it leave)", labels=labels + ["reason"])
+    interim = CounterMetricFamily("qosagent_responses_interim", "Interim (1xx) responses passed over", labels=labels)
+    framed = CounterMetricFamily("qosagent_responses_framed", "Responses counted at their last byte by their framing "
+                                 "(chunked end, 204/304), not by the next request or the close", labels=labels)
+    pipelined = CounterMetricFamily("qosagent_requests_pipelined", "Request lines that arrived while a request still "
+                                    "waited for its response (HTTP/1.1 pipelining; sockops mode)", labels=labels)
     conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
                                 labels=labels)
     untracked = CounterMetricFamily("qosagent_connections_untracked", "Server-side connections on watched ports not "
@@ -63,37 +87,43 @@ def families(part: LatencyPart | None, programs_attached: int) -> Iterable[Metri
                                      "response was still being written (pipelining; tracepoint mode only): counted, "
                                      "not timed",
                                      labels=labels)
-    lost = CounterMetricFamily("qosagent_latency_observations_lost", "TTFB and response observations dropped "
-                               "because their tenant had no slot in the kernel's arrays (never expected)",
-                               labels=labels)
-    inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests started and not yet answered",
+    lost = CounterMetricFamily("qosagent_latency_observations_lost", "Latency observations dropped because their "
+                               "tenant had no slot in the kernel's arrays (never expected)", labels=labels)
+    inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests started and not yet complete",
                                  labels=labels)
-    ttfb_w = SummaryMetricFamily("qosagent_ttfb_window_seconds", "TTFB over the last latency.window: quantiles "
-                                 "(absent while the window is empty), count and sum", labels=labels)
-    resp_w = SummaryMetricFamily("qosagent_response_window_seconds", "Response time over the last latency.window: "
-                                 "quantiles (absent while the window is empty), count and sum", labels=labels)
     for t in part.tenants.values():
         lv = [t.tenant, t.tier]
-        ttfb.add_metric(lv, _buckets(t.ttfb), t.ttfb.sum_ns / 1e9)
-        resp.add_metric(lv, _buckets(t.response), t.response.sum_ns / 1e9)
+        for name, (field_, _h) in SIGNALS.items():
+            total: Histogram = getattr(t, field_)
+            hists[name].add_metric(lv, _buckets(total), total.sum_ns / 1e9)
+            win: Histogram = getattr(t, f"{field_}_window")
+            fam = windows[name]
+            for q in QUANTILES:
+                v = win.quantile(q)
+                if v is not None:
+                    fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
+            fam.add_metric(lv, win.count, win.sum_ns / 1e9)
+        judged = t.window(signal).quantile(quantile)
+        if judged is not None:
+            slo.add_metric(lv + [signal, str(quantile)], judged)
         requests.add_metric(lv, t.requests)
         unpaired.add_metric(lv + ["response_without_request"], t.unpaired_send)
         unpaired.add_metric(lv + ["closed_without_response"], t.unpaired_close)
-        extra.add_metric(lv, t.extra_reads)
+        for reason in bm.NO_TTFT_REASONS:
+            no_ttft.add_metric(lv + [reason], t.no_ttft.get(reason, 0))
+        interim.add_metric(lv, t.interim)
+        framed.add_metric(lv, t.framed)
+        pipelined.add_metric(lv, t.pipelined)
         conns.add_metric(lv, t.connections)
         mux.add_metric(lv, t.multiplexed_connections)
         untracked.add_metric(lv, t.untracked)
         overlapped.add_metric(lv, t.overlapped)
         lost.add_metric(lv, t.lost)
         inflight.add_metric(lv, t.in_flight)
-        for fam, h in ((ttfb_w, t.ttfb_window), (resp_w, t.response_window)):
-            for q in QUANTILES:
-                v = h.quantile(q)
-                if v is not None:
-                    fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
-            fam.add_metric(lv, h.count, h.sum_ns / 1e9)
-    yield from (ttfb, resp, requests, unpaired, extra, conns, mux, untracked, overlapped, lost, inflight, ttfb_w,
-                resp_w)
+    yield from hists.values()
+    yield from windows.values()
+    yield from (slo, requests, unpaired, no_ttft, interim, framed, pipelined, conns, mux, untracked, overlapped, lost,
+                inflight)
     if part.runqueue is not None:
         rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
                                    "watched ports waited runnable for a CPU, since start")
@@ -108,30 +138,45 @@ def _quantiles(h: Histogram) -> dict[str, Any]:
     return out
 
 
-def slo_state(p99: float | None, slo_p99: float) -> str:
-    if slo_p99 <= 0:
+def slo_state(judged: float | None, slo: float) -> str:
+    if slo <= 0:
         return "-"
-    if p99 is None:
+    if judged is None:
         return "no data"
-    return "ok" if p99 <= slo_p99 else "breach"
+    return "ok" if judged <= slo else "breach"
 
 
-def status(part: LatencyPart | None, slo_p99: dict[str, float]) -> dict[str, Any]:
+def _ttft_note(t: Any) -> str | None:
+    """Why a tenant has no TTFT in its window while it has responses: the most frequent reason since start."""
+    if t.ttft_window.count or not t.response_window.count or not t.no_ttft:
+        return None
+    reason = max(t.no_ttft, key=t.no_ttft.get)
+    return f"unavailable: {reason}"
+
+
+def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantile: float) -> dict[str, Any]:
+    """Per tenant: counts, each signal's window quantiles, and the SLO judged as admission judges it (the `signal`'s
+    `quantile` over the window against the tier's SLO)."""
     if part is None:
         return {}
     tenants = []
     for t in part.tenants.values():
-        slo = slo_p99.get(t.tenant, 0.0)
-        resp_w = _quantiles(t.response_window)
-        tenants.append({
+        bound = slo.get(t.tenant, 0.0)
+        judged = t.window(signal).quantile(quantile)
+        row: dict[str, Any] = {
             "tenant": t.tenant, "tier": t.tier, "requests": t.requests, "rate_rps": round(t.rate_rps, 3),
             "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,
-            "extra_reads": t.extra_reads, "connections": t.connections,
+            "pipelined": t.pipelined, "connections": t.connections,
             "multiplexed_connections": t.multiplexed_connections, "untracked": t.untracked, "lost": t.lost,
-            "ttfb": _quantiles(t.ttfb_window), "response": resp_w,
-            "ttfb_total": _quantiles(t.ttfb), "response_total": _quantiles(t.response),
-            "slo_p99": slo or None, "slo": slo_state(resp_w["p99"], slo),
-        })
+            "no_ttft": dict(t.no_ttft), "interim": t.interim, "framed": t.framed,
+        }
+        for name, (field_, _h) in SIGNALS.items():
+            row[name] = _quantiles(getattr(t, f"{field_}_window"))
+            row[f"{name}_total"] = _quantiles(getattr(t, field_))
+        row["ttft_note"] = _ttft_note(t)
+        row.update({"slo_p99": bound or None, "slo_signal": signal, "slo_quantile": quantile,
+                    "slo_latency": judged, "slo": slo_state(judged, bound)})
+        tenants.append(row)
     out: dict[str, Any] = {"window_s": part.window_s, "tenants": tenants}
     if part.runqueue is not None and part.runqueue_window is not None:
         out["runqueue"] = _quantiles(part.runqueue_window)
@@ -148,14 +193,20 @@ def _ms(v: float | None) -> str:
 
 def render(st: dict[str, Any]) -> str:
     lines = [f"LATENCY (quantiles in ms over the last {st.get('window_s', 0):g}s; requests since start)",
-             f"{'TENANT':<16} {'TIER':<8} {'REQUESTS':>9} {'TTFB P50':>9} {'P95':>8} {'P99':>8} "
-             f"{'RESP P50':>9} {'P95':>8} {'P99':>8}  SLO"]
+             f"{'TENANT':<16} {'TIER':<8} {'REQUESTS':>9} {'TTFT P50':>9} {'P95':>8} {'P99':>8} "
+             f"{'ITL P50':>8} {'P99':>8} {'RESP P50':>9} {'P99':>8}  SLO"]
     for t in st.get("tenants", []):
-        f, r = t["ttfb"], t["response"]
-        slo = t["slo"] if t.get("slo_p99") is None else f"{t['slo']} (p99 <= {t['slo_p99'] * 1000:g}ms)"
+        f, i, r = t["ttft"], t["inter_token"], t["response"]
+        slo = t["slo"]
+        if t.get("slo_p99") is not None:
+            slo = (f"{slo} (p{t['slo_quantile'] * 100:g} {t['slo_signal']} {_ms(t['slo_latency'])} "
+                   f"<= {t['slo_p99'] * 1000:g}ms)")
         lines.append(f"{t['tenant']:<16} {t['tier']:<8} {t['requests']:>9} {_ms(f['p50']):>9} {_ms(f['p95']):>8} "
-                     f"{_ms(f['p99']):>8} {_ms(r['p50']):>9} {_ms(r['p95']):>8} {_ms(r['p99']):>8}  {slo}")
+                     f"{_ms(f['p99']):>8} {_ms(i['p50']):>8} {_ms(i['p99']):>8} {_ms(r['p50']):>9} "
+                     f"{_ms(r['p99']):>8}  {slo}")
         notes = []
+        if t.get("ttft_note"):
+            notes.append(f"TTFT {t['ttft_note']}")
         if t.get("unpaired"):
             notes.append(f"{t['unpaired']} unpaired")
         if t.get("overlapped"):

@@ -13,21 +13,32 @@ class TenantLatency:
     tenant: str
     tier: str
     requests: int  # requests completed since start
-    ttfb: Histogram  # time to first response byte, since start
+    headers: Histogram  # time to the first response bytes (the headers, for HTTP), since start
+    ttft: Histogram  # time to the first response body byte (first token), since start
     response: Histogram  # time to the last response byte, since start
-    ttfb_window: Histogram  # the same over the last latency.window
+    inter_token: Histogram  # gaps between a response's successive body writes, since start
+    headers_window: Histogram  # the same over the last latency.window
+    ttft_window: Histogram
     response_window: Histogram
+    inter_token_window: Histogram
     rate_rps: float  # completed requests per second over the window
-    in_flight: int = 0  # requests received and not yet answered
+    in_flight: int = 0  # requests received and not yet complete
     unpaired: int = 0  # responses without a request, requests closed without a response
     overlapped: int = 0  # requests that arrived while one was in progress (pipelining, HTTP/2): not timed
     unpaired_send: int = 0  # of unpaired: write bursts with no request read before them
     unpaired_close: int = 0  # of unpaired: requests closed without a response byte
-    extra_reads: int = 0  # reads of request bytes after the first and before the response (pieces, pipelining)
+    pipelined: int = 0  # next request lines that arrived while a request still waited (sockops mode)
     connections: int = 0  # server-side connections tracked since start
     multiplexed_connections: int = 0  # of those, on latency.multiplexed_ports: counted, their requests not timed
     lost: int = 0  # observations the kernel dropped because its histogram map was full
     untracked: int = 0  # connections not tracked because the kernel's socket table had no free slot
+    no_ttft: Mapping[str, int] = field(default_factory=dict)  # responses without a TTFT, by reason, since start
+    interim: int = 0  # interim (1xx) responses passed over
+    framed: int = 0  # responses ended at their last byte by their framing (chunked end, empty status)
+
+    def window(self, signal: str) -> Histogram:
+        """The window histogram of a latency signal (admission.signal, alert rules): ttft, headers or response."""
+        return {"ttft": self.ttft_window, "headers": self.headers_window, "response": self.response_window}[signal]
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
     text = wait_for(agent, {"acme": N, "hobby": N})
     # Exact counts: every request counted once, none lost, none unpaired. ("unmatched" is left out: the example
     # config also watches the default inference ports, where other software on this host may be serving.)
-    requests, ttfb = series(text, "qosagent_requests_total"), series(text, "qosagent_ttfb_seconds_count")
+    requests, ttfb = series(text, "qosagent_requests_total"), series(text, "qosagent_headers_seconds_count")
     assert (requests["acme"], requests["hobby"]) == (N, N)
     assert (ttfb["acme"], ttfb["hobby"]) == (N, N)
     for tenant in ("acme", "hobby"):
@@ -216,12 +216,12 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
         row = rows[tenant]
         for q in (0.5, 0.95, 0.99):
             key = f"p{round(q * 100)}"
-            for kind, values in (("ttfb_total", ttfb), ("response_total", total)):
+            for kind, values in (("headers_total", ttfb), ("response_total", total)):
                 truth = exact_quantile(values, q)
                 got = row[kind][key]
                 assert got == pytest.approx(truth, rel=0.10), (tenant, kind, key, got, truth)
     # The slow server's response really spans its chunks: response - TTFB is the streaming time.
-    assert rows["hobby"]["response_total"]["p50"] - rows["hobby"]["ttfb_total"]["p50"] >= \
+    assert rows["hobby"]["response_total"]["p50"] - rows["hobby"]["headers_total"]["p50"] >= \
         (SLOW_CHUNKS - 1) * SLOW_PAUSE * 0.9
 
 
@@ -237,7 +237,7 @@ def test_status_json_agrees_with_metrics_and_promtool_is_clean(agent: AgentProc,
     for tenant in ("acme", "hobby"):
         r = rows[tenant]
         assert r["requests"] == series(text, "qosagent_requests_total")[tenant]
-        assert r["ttfb_total"]["count"] == series(text, "qosagent_ttfb_seconds_count")[tenant]
+        assert r["headers_total"]["count"] == series(text, "qosagent_headers_seconds_count")[tenant]
         assert r["response_total"]["count"] == series(text, "qosagent_response_seconds_count")[tenant]
         assert r["response_total"]["p50"] is not None
     assert {t: r["tier"] for t, r in rows.items()} == {"acme": "gold", "hobby": "bronze", "unmatched": "none"}

@@ -96,8 +96,8 @@ def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgro
         for _ in range(3):
             get(port)
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 3)
-        assert (t.requests, t.connections, t.unpaired, t.ttfb.count) == (3, 3, 0, 3)
-        assert 0.02 <= t.ttfb.quantile(0.5) <= 0.03
+        assert (t.requests, t.connections, t.unpaired, t.headers.count) == (3, 3, 0, 3)
+        assert 0.02 <= t.headers.quantile(0.5) <= 0.03
     finally:
         cap.stop()
         if server:
@@ -118,7 +118,7 @@ def test_a_server_running_before_the_agent_is_found_by_its_first_request(bpf: No
         cap.stop_learning()
         get(port)  # now through the server's own cgroup only
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 2)
-        assert (t.requests, t.connections, t.unpaired, t.ttfb.count) == (2, 2, 0, 2)
+        assert (t.requests, t.connections, t.unpaired, t.headers.count) == (2, 2, 0, 2)
     finally:
         cap.stop()
         server.kill()

@@ -173,7 +173,7 @@ def test_prometheus_returns_the_tenant_series(prometheus: str, agent: dict[str, 
     assert got[0]["metric"]["tier"] == "gold" and float(got[0]["value"][1]) == n
     p99 = query(prometheus, 'qosagent_response_window_seconds{tenant="shop", quantile="0.99"}')
     assert p99 and 0.005 <= float(p99[0]["value"][1]) < 1.0
-    buckets = query(prometheus, 'qosagent_ttfb_seconds_bucket{tenant="shop", le="+Inf"}')
+    buckets = query(prometheus, 'qosagent_headers_seconds_bucket{tenant="shop", le="+Inf"}')
     assert float(buckets[0]["value"][1]) == n
 
 

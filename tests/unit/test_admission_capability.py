@@ -77,7 +77,7 @@ def hist_ms(ms: float, n: int = 100) -> Histogram:
 def snapshot(seq: int, gold_ms: float, gpu: GpuState | None = None, hobby_rps: float = 80.0) -> Snapshot:
     def lat(name: str, tier: str, ms: float) -> TenantLatency:
         h = hist_ms(ms)
-        return TenantLatency(name, tier, 100, h, h, h, h, rate_rps=10.0, in_flight=3)
+        return TenantLatency(name, tier, 100, h, h, h, h, h, h, h, h, rate_rps=10.0, in_flight=3)
 
     latency = LatencyPart(1.0, {"acme": lat("acme", "gold", gold_ms), "hobby": lat("hobby", "bronze", 50)})
     quota = QuotaPart({"hobby": TenantQuota("hobby", "bronze", TenantLimit(100, 10), None, 0, 0,
@@ -229,7 +229,7 @@ def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
         st = a.status(decisions=True)
         assert st["decisions"][-1]["inputs"]["memory_used_ratio"] == pytest.approx(0.95, abs=1e-3)
         human = render(st)
-        assert "ADMISSION  mode enforce  P95 ttfb  GPU pressure (max 95.0% on GPU 0)  shed tiers 1" in human
+        assert "ADMISSION  mode enforce  P95 ttft  GPU pressure (max 95.0% on GPU 0)  shed tiers 1" in human
         assert "hobby          bronze     100/s burst 10         5/s burst 5 SHED" in human
         assert "admission  hobby          shed       100/s burst 10 -> 5/s burst 5  gpu_memory_pressure" in human
         assert st["decisions"][-1]["old"] == 100  # numbers for machines, the readable change beside them

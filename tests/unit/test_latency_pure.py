@@ -57,8 +57,10 @@ def row(sum_ns: int, counts: dict[int, int]) -> bytes:
 
 def test_rows_and_counters_are_read_by_slot_and_unchanged_rows_are_not_parsed_again() -> None:
     slots = {0: 0, 1: 7, 2: 8}  # slot -> tenant id; slot 3 is nobody's
-    runq_row = 2 * 4
-    rows = {2: row(360, {100: 3, 101: 4}), 3: row(0, {}), 6: row(9, {1: 1}), runq_row: row(50, {20: 2})}
+    runq_row = bm.KINDS * 4
+    # Slot 1's rows are 4..7 (headers, response, ttft, inter-token); slot 3's (12..15) are nobody's.
+    rows = {bm.KINDS + bm.KIND_TTFT: row(360, {100: 3, 101: 4}), bm.KINDS + bm.KIND_ITL: row(0, {}),
+            3 * bm.KINDS: row(9, {1: 1}), runq_row: row(50, {20: 2})}
     def per_cpu(*cpus: dict[int, int]) -> bytes:  # struct lat_counts of each CPU, back to back
         return b"".join(struct.pack(f"<{bm.NCOUNTERS}Q", *[c.get(w, 0) for w in range(bm.NCOUNTERS)]) for c in cpus)
 
@@ -66,12 +68,12 @@ def test_rows_and_counters_are_read_by_slot_and_unchanged_rows_are_not_parsed_ag
                 (2, per_cpu({}, {bm.C_CONNS: 1}))]
     parser = bm.RowParser()
     raw = bm.assemble(sorted(rows.items()), counters, slots, runq_row, parser)
-    assert raw.hist == {(7, bm.KIND_TTFB): {100: 3, 101: 4}, (UNMATCHED_ID, bm.KIND_RUNQ): {20: 2}}
-    assert raw.sums[(7, bm.KIND_TTFB)] == 360 and raw.sums[(UNMATCHED_ID, bm.KIND_RUNQ)] == 50
-    assert (9, bm.KIND_TTFB) not in raw.hist  # slot 3: no tenant
+    assert raw.hist == {(7, bm.KIND_TTFT): {100: 3, 101: 4}, (UNMATCHED_ID, bm.KIND_RUNQ): {20: 2}}
+    assert raw.sums[(7, bm.KIND_TTFT)] == 360 and raw.sums[(UNMATCHED_ID, bm.KIND_RUNQ)] == 50
+    assert (9, bm.KIND_TTFT) not in raw.hist  # slot 3: no tenant
     assert raw.counters == {(7, bm.C_STARTED): 5, (8, bm.C_CONNS): 1}
     again = bm.assemble(sorted(rows.items()), [], slots, runq_row, parser)
-    assert again.hist[(7, bm.KIND_TTFB)] is raw.hist[(7, bm.KIND_TTFB)]  # same bytes: the parse is reused
+    assert again.hist[(7, bm.KIND_TTFT)] is raw.hist[(7, bm.KIND_TTFT)]  # same bytes: the parse is reused
 
 
 def test_a_row_is_parsed_whole_from_its_first_to_its_last_bucket() -> None:
@@ -112,8 +114,9 @@ def test_le_text_is_the_exact_edge_in_seconds() -> None:
 
 def _tenant(name: str, tier: str, values_ns: list[int]) -> TenantLatency:
     h = Histogram.of(values_ns)
-    return TenantLatency(tenant=name, tier=tier, requests=len(values_ns), ttfb=h, response=h, ttfb_window=h,
-                         response_window=h, rate_rps=1.0, unpaired=1, unpaired_close=1)
+    return TenantLatency(tenant=name, tier=tier, requests=len(values_ns), headers=h, ttft=h, response=h,
+                         inter_token=h, headers_window=h, ttft_window=h, response_window=h, inter_token_window=h,
+                         rate_rps=1.0, unpaired=1, unpaired_close=1)
 
 
 def _scrape(part: LatencyPart) -> str:
@@ -121,7 +124,7 @@ def _scrape(part: LatencyPart) -> str:
 
     class C:
         def collect(self):  # noqa: ANN202
-            return export.families(part, 6)
+            return export.families(part, 6, "ttft", 0.99)
 
     reg.register(C())  # type: ignore[arg-type]
     return generate_latest(reg).decode()
@@ -133,22 +136,25 @@ def test_histogram_buckets_are_cumulative_at_exact_edges() -> None:
     part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [edge, edge + 1, 5_000_000])})
     text = _scrape(part)
     le = export.le_text(edge)
-    assert re.search(rf'qosagent_ttfb_seconds_bucket{{le="{le}",tenant="acme",tier="gold"}} 2.0', text)
-    assert 'qosagent_ttfb_seconds_bucket{le="+Inf",tenant="acme",tier="gold"} 3.0' in text
+    assert re.search(rf'qosagent_ttft_seconds_bucket{{le="{le}",tenant="acme",tier="gold"}} 2.0', text)
+    assert 'qosagent_ttft_seconds_bucket{le="+Inf",tenant="acme",tier="gold"} 3.0' in text
     assert 'qosagent_requests_total{tenant="acme",tier="gold"} 3.0' in text
     assert 'qosagent_requests_unpaired_total{reason="closed_without_response",tenant="acme",tier="gold"} 1.0' in text
     assert 'qosagent_response_window_seconds_count{tenant="acme",tier="gold"} 3.0' in text
+    # The SLO's latency as admission judges it, named by signal and quantile, beside the per-signal summaries.
+    assert re.search(r'qosagent_slo_latency_seconds{quantile="0.99",signal="ttft",tenant="acme",tier="gold"} 0\.02', text)
     assert bucket_upper(bucket_index(edge)) == edge
 
 
 def test_status_and_render_agree_on_quantiles_and_slo() -> None:
     part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [10_000_000] * 99 + [200_000_000]),
                               "hobby": _tenant("hobby", "bronze", [])})
-    st = export.status(part, {"acme": 0.120, "hobby": 1.2})
+    st = export.status(part, {"acme": 0.120, "hobby": 1.2}, "ttft", 0.99)
     rows = {r["tenant"]: r for r in st["tenants"]}
     assert rows["acme"]["requests"] == 100
     assert rows["acme"]["response"]["p50"] == Histogram.of([10_000_000] * 99 + [200_000_000]).quantile(0.5)
     assert rows["acme"]["slo"] == "ok"  # the p99 rank lands in the 10 ms bucket
+    assert (rows["acme"]["slo_signal"], rows["acme"]["slo_quantile"]) == ("ttft", 0.99)
     assert rows["hobby"]["slo"] == "no data"
     text = export.render(st)
     assert re.search(r"^acme\s+gold\s+100\s+10\.\d", text, re.M), text
@@ -183,7 +189,10 @@ ALL_TP = {"sock/inet_sock_set_state", "sock/sock_recv_length", "sock/sock_send_l
 
 
 def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
-    assert _probe(ALL_TP) == ("active", "", "tracepoint")
+    assert _probe(ALL_TP, cgroup2="/sys/fs/cgroup") == ("active", "", "tracepoint")
+    # Without a cgroup2 mount no egress program reads the responses: said, and the rest still measured.
+    assert _probe(ALL_TP) == ("active", "no cgroup v2 hierarchy: time to first token and inter-token latency "
+                                        "unavailable", "tracepoint")
     old = ALL_TP - {"sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready"}
     state, reason, mode = _probe(old, kprobes=True)
     assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "first read" in reason
