@@ -91,7 +91,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 def httpx_requests(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int = 4,
                    path: str = CHAT) -> list[Timing]:
     """POST each body, all at once, through one httpx.AsyncClient whose pool keeps at most `concurrency`
-    connections alive and reuses them; a Timing per body, in the bodies' order."""
+    connections alive and reuses them; a Timing per body, in the bodies' order.
+
+    On the wire (tcpdump): httpx writes the request head and the JSON body separately, two segments (215 + 56 B)
+    0.1-1.3 ms apart, so the server may get the request in two arrivals and read it in one or two reads."""
     async def run() -> list[Timing]:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30) as client:
@@ -122,7 +125,9 @@ def httpx_requests(base_url: str, bodies: Sequence[dict[str, Any]], concurrency:
 
 def aiohttp_requests(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int = 4,
                      path: str = CHAT) -> list[Timing]:
-    """As httpx_requests, through one aiohttp.ClientSession whose connector keeps `concurrency` connections."""
+    """As httpx_requests, through one aiohttp.ClientSession whose connector keeps `concurrency` connections.
+
+    On the wire (tcpdump): aiohttp writes head and body together, one segment (261 B)."""
     # aiohttp's hooks: the request's time starts when it has its connection, just before its one write.
     async def connected(_: Any, ctx: Any, __: Any) -> None:
         ctx.trace_request_ctx.start = time.perf_counter()
@@ -200,8 +205,8 @@ def request_bytes(conn: h11.Connection, body: dict[str, Any], path: str = CHAT,
 
 
 def split_body_request(port: int, body: dict[str, Any], gap_s: float = 0.005, path: str = CHAT) -> Timing:
-    """Request line and headers in one write, the JSON body `gap_s` later in a second: two segments on the wire,
-    so the server gets the request in two arrivals (and, if it reads between them, two reads)."""
+    """Request line and headers in one write, the JSON body `gap_s` later in a second, so the server gets the
+    request in two arrivals. Seen: segments of 107 and 63 B 5 ms apart, and uvicorn read them in two reads."""
     raw = RawClient(port)
     try:
         head, rest = request_bytes(raw.h11, body, path)
@@ -216,7 +221,8 @@ def split_body_request(port: int, body: dict[str, Any], gap_s: float = 0.005, pa
 
 def expect_continue_request(port: int, body: dict[str, Any], path: str = CHAT) -> Timing:
     """Headers with `Expect: 100-continue`, then the body only once the server's `100 Continue` came (in
-    t.interim), as curl does for large uploads. httpx and aiohttp cannot send Expect."""
+    t.interim), as curl does for large uploads; httpx and aiohttp cannot send Expect. Seen: head (129 B), the
+    server's 25 B interim response, the body (63 B), then the final response: four segments in that order."""
     raw = RawClient(port)
     try:
         head, rest = request_bytes(raw.h11, body, path, expect=True)
@@ -231,7 +237,7 @@ def expect_continue_request(port: int, body: dict[str, Any], path: str = CHAT) -
 
 def pipelined_requests(port: int, first: dict[str, Any], second: dict[str, Any], path: str = CHAT) -> list[Timing]:
     """Both requests in one write on one connection, before any response (HTTP/1.1 pipelining); both Timings
-    start at that write."""
+    start at that write. Seen: one 340 B segment, one read by uvicorn, the responses in order."""
     raw = RawClient(port)
     try:
         # h11 frames a client's next request only once this response is complete: the second request's bytes
@@ -250,7 +256,8 @@ def pipelined_requests(port: int, first: dict[str, Any], second: dict[str, Any],
 
 def disconnect_before_first_token(port: int, body: dict[str, Any], path: str = CHAT) -> Timing:
     """A streaming request abandoned once the headers are in, before the first event (give it a prefill delay):
-    the client closes, as a user pressing stop does. t.end is the close; t.chunks stays empty."""
+    the client closes, as a user pressing stop does. t.end is the close; t.chunks stays empty. Seen: request,
+    headers, the client's FIN ~0.3 ms after them and the server's right back; no event written."""
     raw = RawClient(port)
     try:
         t = Timing(time.perf_counter(), new_connection=True)

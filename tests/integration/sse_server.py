@@ -16,6 +16,20 @@ Routes of "uvicorn" ("single-write" answers every request as a streamed completi
   after `prefill_ms`, each of the other `tokens - 1` events `token_ms` after the one before, then `data: [DONE]`.
   {"stream": false} answers one JSON body (Content-Length) after prefill_ms + (tokens - 1) * token_ms.
   prefill_ms, token_ms and tokens come from the request's JSON, else from the server's launch arguments.
+
+What each does on the wire was checked with strace -f on the server and tcpdump on lo (uvicorn 0.54, httptools
+0.9 and h11 0.16 alike; byte counts for 2-token requests; every write went out as one segment, uvloop and the
+single-write server both set TCP_NODELAY):
+- stream: write(headers, 169 B) when the handler returns; after the prefill write(first event, 170 B); one write
+  per event after each token delay; then write(`data: [DONE]`, 19 B) and write(`0\r\n\r\n`, 5 B) back to back.
+- stream, single-write: write(headers + first event, 250 B) after the prefill; then as above.
+- JSON: write(headers, 146 B) and write(body, 197 B) back to back (0.1-2 ms apart), after the whole generation.
+- 204: one write(headers, 101 B), no body.
+- `Expect: 100-continue`: write(`HTTP/1.1 100 Continue\r\n\r\n`, 25 B) when the route reads the body, before the
+  client has sent it; the final response after.
+- pipelined: both requests in one read; the second response's headers only after the first's last write.
+- client gone after the headers: uvicorn reads EOF and closes at once; the stream writes nothing more (uvicorn
+  announces ASGI 2.3, so Starlette cancels the response when it receives http.disconnect).
 """
 
 import argparse
