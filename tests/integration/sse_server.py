@@ -22,7 +22,7 @@ What each does on the wire was checked with strace -f on the server and tcpdump 
 single-write server both set TCP_NODELAY):
 - stream: write(headers, 169 B) when the handler returns; after the prefill write(first event, 170 B); one write
   per event after each token delay; then write(`data: [DONE]`, 19 B) and write(`0\r\n\r\n`, 5 B) back to back.
-- stream, single-write: write(headers + first event, 250 B) after the prefill; then as above.
+- stream, single-write: write(headers + first event, 270 B) after the prefill; then as above.
 - JSON: write(headers, 146 B) and write(body, 197 B) back to back (0.1-2 ms apart), after the whole generation.
 - 204: one write(headers, 101 B), no body.
 - `Expect: 100-continue`: write(`HTTP/1.1 100 Continue\r\n\r\n`, 25 B) when the route reads the body, before the
