@@ -34,7 +34,8 @@ class Timing:
     new_connection: bool = False  # the request opened its connection (else it reused a kept-alive one)
     status: int = 0
     headers: float | None = None  # the response's headers parsed
-    chunks: list[float] = field(default_factory=list)  # each non-empty piece of body the client got, as it came
+    # Each non-empty piece of body as the client got it: a read for httpx and aiohttp, an HTTP chunk for raw ones.
+    chunks: list[float] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)  # each SSE `data:` event but [DONE], when it was complete
     done: bool = False  # `data: [DONE]` seen
     end: float | None = None  # the body complete (or, for a client that hangs up, the close)
