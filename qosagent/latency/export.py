@@ -62,7 +62,7 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
                for name, (_f, help_) in SIGNALS.items()}
     slo = GaugeMetricFamily("qosagent_slo_latency_seconds", "The latency the SLO is judged on, as admission judges "
                             "it: admission.quantile of admission.signal over the last latency.window (absent while "
-                            "the window is empty)", labels=labels + ["signal", "quantile"])
+                            "the window is empty)", labels=labels + ["signal", "slo_quantile"])
     requests = CounterMetricFamily("qosagent_requests", "Requests whose response completed", labels=labels)
     unpaired = CounterMetricFamily("qosagent_requests_unpaired", "Reads and writes that could not be paired: "
                                    "response_without_request (server wrote first), closed_without_response",

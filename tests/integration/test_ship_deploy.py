@@ -143,8 +143,10 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_capability_state", ', capability="quota", state="unavailable"', "0x20"),
             ("qosagent_collect_errors_total", ', capability="dvfs"', "0+5x30"),
             ("qosagent_tier_slo_p99_seconds", ', tier="gold"', "0.12x20"),
-            ("qosagent_response_window_seconds", ', tenant="shop", tier="gold", quantile="0.99"', "0.2x20"),
-            ("qosagent_response_window_seconds", ', tenant="blog", tier="gold", quantile="0.99"', "0.05x20"),
+            ("qosagent_slo_latency_seconds", ', tenant="shop", tier="gold", signal="ttft", slo_quantile="0.95"',
+             "0.2x20"),
+            ("qosagent_slo_latency_seconds", ', tenant="blog", tier="gold", signal="ttft", slo_quantile="0.95"',
+             "0.05x20"),
             ("qosagent_quota_limit_rps", ', tenant="hobby", tier="bronze"', "5x20"),
             ("qosagent_quota_baseline_rps", ', tenant="hobby", tier="bronze"', "10x20"),
             ("qosagent_quota_limit_rps", ', tenant="shop", tier="gold"', "10x20"),
@@ -163,7 +165,8 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             {"eval_time": "15m", "alertname": "QosagentTenantShed", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze"}}]},
             {"eval_time": "10m", "alertname": "QosagentTenantSLOBreach", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "shop", "tier": "gold"}}]},
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "shop", "tier": "gold",
+                                "signal": "ttft", "slo_quantile": "0.95"}}]},
         ],
     }]}
     # promtool compares annotations too: expect each rule's own, with its label templates filled in.

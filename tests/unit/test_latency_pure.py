@@ -142,7 +142,7 @@ def test_histogram_buckets_are_cumulative_at_exact_edges() -> None:
     assert 'qosagent_requests_unpaired_total{reason="closed_without_response",tenant="acme",tier="gold"} 1.0' in text
     assert 'qosagent_response_window_seconds_count{tenant="acme",tier="gold"} 3.0' in text
     # The SLO's latency as admission judges it, named by signal and quantile, beside the per-signal summaries.
-    slo = r'qosagent_slo_latency_seconds{quantile="0.99",signal="ttft",tenant="acme",tier="gold"} 0\.02'
+    slo = r'qosagent_slo_latency_seconds{signal="ttft",slo_quantile="0.99",tenant="acme",tier="gold"} 0\.02'
     assert re.search(slo, text)
     assert bucket_upper(bucket_index(edge)) == edge
 
