@@ -498,7 +498,7 @@ class Latency(Capability):
         from qosagent.latency import export
 
         part = snapshot.part(self.name)
-        yield from export.families(part, self.attached())
+        yield from export.families(part, self.attached(), self.ctx.config.latency.classic_buckets)
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
         from qosagent.latency import export
