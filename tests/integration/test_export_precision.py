@@ -33,6 +33,7 @@ from qosagent.metrics import MetricsServer
 from tests.conftest import agent_argv, agent_env
 from tests.integration.latency_helpers import free_port, serving
 from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, stop, wait_for
+from tests.integration.test_ship_prometheus import dashboard_exprs
 
 pytestmark = [pytest.mark.slow]
 
@@ -198,6 +199,23 @@ def test_protobuf_carries_every_family_text_does(native_prom: str, classic_prom:
                  'qosagent_response_window_seconds{tenant="chat", quantile="0.99"}'):
         a, b = query(native_prom, expr), query(classic_prom, expr)
         assert a and b and float(a[0]["value"][1]) == pytest.approx(float(b[0]["value"][1]), rel=0.5), expr
+
+
+def test_dashboard_quantile_panels_work_on_native_and_classic(native_prom: str, classic_prom: str) -> None:
+    """deploy/grafana's histogram_quantile panels read native series where there are some, else classic buckets."""
+    exprs = [e for e in dashboard_exprs() if "histogram_quantile" in e]
+    assert exprs and all(" or " in e for e in exprs)
+    wait_for("ten seconds of scrapes", lambda: all(query(url, 'count_over_time(qosagent_requests_total{tenant="chat"}'
+                                                          '[12s]) >= 11') for url in (native_prom, classic_prom)),
+             time.monotonic() + 60)
+    for expr in exprs:
+        concrete = expr.replace("$instance", ".*").replace("$tenant", "chat").replace("$__rate_interval", "5s")
+        for url in (native_prom, classic_prom):
+            got = query(url, concrete)
+            assert len(got) == 1, (url, concrete, got)
+            if "response" in expr:
+                q = float(concrete.split("(", 2)[1].split(",")[0])
+                assert within(float(got[0]["value"][1]), true_quantile(VALUES["chat"], q)), (url, concrete, got)
 
 
 # ---- the real agent, real traffic --------------------------------------------------------------------------------
