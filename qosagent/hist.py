@@ -46,12 +46,18 @@ def bucket_upper(i: int) -> int:
     return ((SUB + i % SUB) << shift) + (1 << shift)
 
 
-def export_bounds_ns(lo_log2: int = 17, hi_log2: int = 37, per_octave: int = 2) -> list[int]:
-    """Bucket edges exported as Prometheus `le` bounds: a few per power of two, each an exact bucket edge."""
-    step = SUB // per_octave
+def export_bounds_ns(lo_log2: int = 17, hi_log2: int = 37, per_octave: int = 2,
+                     fine: tuple[int, int, int] | None = None) -> list[int]:
+    """Bucket edges exported as Prometheus `le` bounds: a few per power of two, each an exact bucket edge.
+
+    `fine` = (from_log2, to_log2, per_octave): the powers of two from 2^from_log2 up to 2^to_log2 ns get that many
+    edges each instead (where the SLOs live). Edges per power of two must divide SUB (1, 2, 4, 8 or 16)."""
     bounds = []
     for e in range(lo_log2, hi_log2):
-        for k in range(0, SUB, step):
+        n = fine[2] if fine is not None and fine[0] <= e < fine[1] else per_octave
+        if n < 1 or SUB % n:
+            raise ValueError(f"edges per power of two must divide {SUB}, got {n}")
+        for k in range(0, SUB, SUB // n):
             bounds.append((SUB + k) << (e - SUB_BITS))
     bounds.append(1 << hi_log2)
     return bounds

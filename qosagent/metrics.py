@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from qosagent import exposition
 from qosagent.capability import State
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class MetricsServer:
                         self.send_header("Content-Length", "0")
                         self.end_headers()
                         return
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                    self._send(200, *scrape_body(registry, self.headers.get("Accept")))
                 elif path == "/healthz":
                     ok, why = agent_health(agent)
                     self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
@@ -171,6 +172,17 @@ class MetricsServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def scrape_body(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """The exposition a scraper asked for: protobuf (native histograms) when its Accept header ranks it first,
+    else text. A protobuf encoding that fails is logged and answered in text: the scrape goes on."""
+    if exposition.wants_protobuf(accept):
+        try:
+            return exposition.encode(registry.collect()), exposition.CONTENT_TYPE
+        except Exception:  # noqa: BLE001 - a bug in the encoder must not cost the scrape
+            log.exception("protobuf exposition failed; answering in text")
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 def agent_health(agent: "Agent") -> tuple[bool, str]:

@@ -553,7 +553,8 @@ class Latency(Capability):
 
         part = snapshot.part(self.name)
         adm = self.ctx.config.admission
-        yield from export.families(part, self.attached(), adm.signal, adm.quantile)
+        yield from export.families(part, self.attached(), adm.signal, adm.quantile,
+                                   self.ctx.config.latency.classic_buckets)
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
         from qosagent.latency import export

@@ -5,23 +5,27 @@ All three read the same LatencyPart, so a scrape and `qosagent status` taken on 
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Iterable
 
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.samples import Sample
 
+from qosagent.exposition import NativeHistogramMetricFamily
 from qosagent.hist import Histogram, export_bounds_ns
 from qosagent.latency import bpfmaps as bm
+from qosagent.latency.config import ClassicBucketsConfig
 from qosagent.latency.model import LatencyPart
 
 QUANTILES = (0.5, 0.95, 0.99)
-BOUNDS_NS = export_bounds_ns()
+LO_LOG2, HI_LOG2 = 17, 37  # classic edges from 131 us to 137 s
+DEFAULT_BUCKETS = ClassicBucketsConfig()
 
 
 def le_text(ns: int) -> str:
@@ -30,9 +34,13 @@ def le_text(ns: int) -> str:
     return f"{whole}.{frac:09d}".rstrip("0").rstrip(".") if frac else f"{whole}.0"
 
 
-def _buckets(h: Histogram) -> list[tuple[str, float]]:
-    cum = h.cumulative(BOUNDS_NS)
-    return [(le_text(b), float(c)) for b, c in zip(BOUNDS_NS, cum)] + [("+Inf", float(h.count))]
+@functools.lru_cache(maxsize=8)
+def classic_bounds_ns(cfg: ClassicBucketsConfig = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The classic `le` edges (ns) of latency.classic_buckets: per_octave per power of two, fine_per_octave over the
+    powers of two that fine_from..fine_to touch. Every edge is an exact internal bucket edge."""
+    lo = min(max(math.floor(math.log2(cfg.fine_from * 1e9)), LO_LOG2), HI_LOG2)
+    hi = min(max(math.ceil(math.log2(cfg.fine_to * 1e9)), lo), HI_LOG2)
+    return tuple(export_bounds_ns(LO_LOG2, HI_LOG2, cfg.per_octave, (lo, hi, cfg.fine_per_octave)))
 
 
 # The latencies of a response, by the name config, status and the metrics use for each: (model field, help).
@@ -49,13 +57,24 @@ SIGNALS = {
 SLO_SIGNALS = ("ttft", "headers", "response")  # admission.signal
 
 
-def families(part: LatencyPart | None, programs_attached: int, signal: str, quantile: float) -> Iterable[Metric]:
+def add_histogram(fam: NativeHistogramMetricFamily, lv: list[str], h: Histogram, bounds_ns: tuple[int, ...]) -> None:
+    """One series of a latency histogram: classic buckets at bounds_ns and, for protobuf scrapers, the native
+    histogram. Every latency histogram family is filled through here."""
+    cum = h.cumulative(list(bounds_ns))
+    buckets = [(le_text(b), float(c)) for b, c in zip(bounds_ns, cum)] + [("+Inf", float(h.count))]
+    fam.add_metric(lv, buckets, h.sum_ns / 1e9)
+    fam.add_native(lv, h)
+
+
+def families(part: LatencyPart | None, programs_attached: int, signal: str, quantile: float,
+             classic_buckets: ClassicBucketsConfig = DEFAULT_BUCKETS) -> Iterable[Metric]:
     yield GaugeMetricFamily("qosagent_latency_programs_attached", "Latency BPF programs attached to their hooks",
                             value=programs_attached)
     if part is None:
         return
     labels = ["tenant", "tier"]
-    hists = {name: HistogramMetricFamily(f"qosagent_{name}_seconds", f"{help_}, since start", labels=labels)
+    bounds = classic_bounds_ns(classic_buckets)
+    hists = {name: NativeHistogramMetricFamily(f"qosagent_{name}_seconds", f"{help_}, since start", labels=labels)
              for name, (_f, help_) in SIGNALS.items()}
     windows = {name: SummaryMetricFamily(f"qosagent_{name}_window_seconds", f"{help_}, over the last latency.window: "
                                          "quantiles (absent while the window is empty), count and sum", labels=labels)
@@ -95,7 +114,7 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
         lv = [t.tenant, t.tier]
         for name, (field_, _h) in SIGNALS.items():
             total: Histogram = getattr(t, field_)
-            hists[name].add_metric(lv, _buckets(total), total.sum_ns / 1e9)
+            add_histogram(hists[name], lv, total, bounds)
             win: Histogram = getattr(t, f"{field_}_window")
             fam = windows[name]
             for q in QUANTILES:
@@ -125,9 +144,9 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
     yield from (slo, requests, unpaired, no_ttft, interim, framed, pipelined, conns, mux, untracked, overlapped, lost,
                 inflight)
     if part.runqueue is not None:
-        rq = HistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes serving "
-                                   "watched ports waited runnable for a CPU, since start")
-        rq.add_metric([], _buckets(part.runqueue), part.runqueue.sum_ns / 1e9)
+        rq = NativeHistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes "
+                                         "serving watched ports waited runnable for a CPU, since start")
+        add_histogram(rq, [], part.runqueue, bounds)
         yield rq
 
 

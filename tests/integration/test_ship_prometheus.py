@@ -11,7 +11,6 @@ import shutil
 import ssl
 import subprocess
 import time
-import urllib.parse
 import urllib.request
 from typing import Any, Iterator
 
@@ -20,36 +19,11 @@ import yaml
 
 from tests.conftest import REPO, agent_argv, agent_env, require
 from tests.integration.latency_helpers import free_port, serving
+from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, stop, wait_for
 from tests.integration.test_ship_deploy import rules_file
 from tests.integration.test_ship_metrics_tls import self_signed
 
-DEADLINE_S = 90
 PASSWORD = "scrape-me"
-
-
-def wait_for(what: str, probe: Any, deadline: float) -> Any:
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except OSError as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}: last answer {last!r}")
-
-
-def stop(proc: subprocess.Popen[str]) -> str:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.stdout.read() if proc.stdout else ""
 
 
 @pytest.fixture(scope="module")
@@ -92,45 +66,15 @@ def scrape(agent: dict[str, Any], path: str = "/metrics") -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def prometheus(agent: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    require(shutil.which("prometheus") is not None, "prometheus not installed (make setup-test)")
     d = tmp_path_factory.mktemp("prometheus")
-    rules = rules_file(d)
-    cfg = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(rules)],
-        "scrape_configs": [{
-            "job_name": "qosagent",
-            "scheme": "https",
-            "tls_config": {"ca_file": str(agent["cert"])},
-            "basic_auth": {"username": "prometheus", "password_file": str(agent["dir"] / "password")},
-            "static_configs": [{"targets": [f"127.0.0.1:{agent['port']}"]}],
-        }],
-    }
-    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    port = free_port()
-    proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                             "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("Prometheus to be ready", lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=5).status == 200,
-                 time.monotonic() + DEADLINE_S)
+    with run_prometheus(d, [{
+        "job_name": "qosagent",
+        "scheme": "https",
+        "tls_config": {"ca_file": str(agent["cert"])},
+        "basic_auth": {"username": "prometheus", "password_file": str(agent["dir"] / "password")},
+        "static_configs": [{"targets": [f"127.0.0.1:{agent['port']}"]}],
+    }], rule_files=(rules_file(d),)) as url:
         yield url
-    finally:
-        stop(proc)
-
-
-def api(url: str, path: str, **params: str) -> Any:
-    q = urllib.parse.urlencode(params)
-    with urllib.request.urlopen(f"{url}/api/v1/{path}?{q}", timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]
-
-
-def query(url: str, promql: str) -> list[dict[str, Any]]:
-    return api(url, "query", query=promql)["result"]
 
 
 def test_prometheus_scrapes_the_agent(prometheus: str, agent: dict[str, Any]) -> None:

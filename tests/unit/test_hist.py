@@ -93,3 +93,14 @@ def test_since_is_the_difference_worked_out_only_when_read() -> None:
     # Counters that went backwards (a reset) read as everything new, as the subtraction has it.
     assert Since(older, newer).count == older.count and Since(older, newer) == older
     assert Since(newer, Histogram()) == newer
+
+
+def test_fine_export_bounds_are_exact_edges_finer_in_their_range() -> None:
+    bounds = export_bounds_ns(17, 37, 2, (23, 32, 8))
+    assert bounds == sorted(set(bounds))
+    assert all(bucket_index(b) + 1 == bucket_index(b + 1) for b in bounds)
+    assert len(bounds) == 2 * (37 - 17 - 9) + 8 * 9 + 1
+    in_fine = [b for b in bounds if 1 << 23 <= b < 1 << 32]
+    assert len(in_fine) == 72 and all(b % (1 << (b.bit_length() - 4)) == 0 for b in in_fine)
+    with pytest.raises(ValueError):
+        export_bounds_ns(17, 37, 3)
