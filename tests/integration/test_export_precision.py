@@ -39,7 +39,8 @@ pytestmark = [pytest.mark.slow]
 
 QS = (0.5, 0.95, 0.99)
 OFF = {c: {"enabled": False} for c in ("latency", "quota", "admission", "dvfs", "placement")}
-HISTOGRAMS = ("qosagent_ttft_seconds", "qosagent_response_seconds", "qosagent_runqueue_latency_seconds")
+HISTOGRAMS = tuple(f"qosagent_{s}_seconds" for s in ("headers", "ttft", "response", "inter_token")) + (
+    "qosagent_runqueue_latency_seconds",)
 
 
 def lognormal_ns(median_s: float, sigma: float, n: int, seed: int) -> list[int]:
