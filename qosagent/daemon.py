@@ -78,7 +78,7 @@ class Agent:
                 if mounted:
                     log.info("mounted %s", ", ".join(mounted))
             except OSError as e:
-                log.warning("could not mount tracefs/bpffs: %s", e)
+                log.warning("could not mount tracefs, bpffs or cgroup2: %s", e)
         nvml_state = f"{self.gpu.name}: {'no GPU data' if isinstance(self.gpu, NoGpu) else 'open'}"
         self.features = features_mod.probe(self.hostfs, nvml_state)
         for cls in registry():

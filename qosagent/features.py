@@ -148,14 +148,27 @@ def _module_file(fs: HostFS, kernel: str, rel: str) -> bool:
     return any(fs.exists(base + ext) for ext in ("", ".xz", ".zst", ".gz"))
 
 
+def _cgroup2_target(fs: HostFS, mounts: dict[str, str]) -> list[tuple[str, str]]:
+    """Where to mount the cgroup v2 hierarchy when no cgroup2 mount is visible (`ip netns exec` gives a fresh /sys
+    without it): where systemd would, /sys/fs/cgroup on a bare /sys, else its hybrid place if that directory exists.
+    Never over a mount (a cgroup v1 host's tmpfs stays as it is)."""
+    if "cgroup2" in mounts.values():
+        return []
+    for point in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        if point not in mounts and fs.is_dir(point):
+            return [(point, "cgroup2")]
+    return []
+
+
 def ensure_mounted(fs: HostFS) -> list[str]:
-    """Mount tracefs and bpffs where they are missing; returns what was mounted. Needs CAP_SYS_ADMIN."""
+    """Mount tracefs, bpffs and the cgroup v2 hierarchy where they are missing; returns what was mounted. Needs
+    CAP_SYS_ADMIN."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     mounts = mount_types(fs)
     done = []
-    for path, fstype in ((TRACEFS, "tracefs"), (BPFFS, "bpf")):
+    for path, fstype in [(TRACEFS, "tracefs"), (BPFFS, "bpf")] + _cgroup2_target(fs, mounts):
         if mounts.get(path) == fstype:
             continue
         target = str(fs.path(path))

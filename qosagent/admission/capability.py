@@ -23,6 +23,7 @@ from qosagent.tenants import LimitsWriter, TenantLimit
 
 if TYPE_CHECKING:
     from qosagent.config import Config
+    from qosagent.features import Features
 
 LIMITS_SERVICE = "quota.limits"
 
@@ -54,13 +55,17 @@ class Admission(Capability):
     def _enforcing(self) -> bool:
         return self.ctx.config.admission.mode == "enforce" and self._writer() is not None
 
-    def probe(self, features: object) -> Verdict:
+    def probe(self, features: "Features") -> Verdict:
         cfg = self.ctx.config.admission
         problems = []
         known = {d.index for d in self.ctx.gpu.devices()}
         missing = sorted(set(cfg.gpu_pressure.gpus) - known)
         if missing and known:
             problems.append(f"gpu_pressure.gpus names GPUs the backend does not report: {missing}")
+        if cfg.signal == "ttft" and self.ctx.config.latency.enabled and not features.cgroup2:
+            problems.append("admission.signal is ttft, but without a cgroup v2 hierarchy the latency egress program "
+                            "cannot read responses: no TTFT, so no SLO breach can be seen; set admission.signal to "
+                            "headers or response on this host")
         if cfg.mode == "enforce" and self._writer() is None:
             problems.append("mode enforce but quota is not enabled or not running: computing and reporting only "
                             "(effectively dry-run)")

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
+from qosagent.features import Features
 from qosagent.admission.capability import LIMITS_SERVICE, Admission
 from qosagent.admission.inputs import gpu_input, tick_input
 from qosagent.admission.precleanup import PreCleanup
@@ -103,10 +104,13 @@ def run(cap: Admission, ticks: int, gold_ms: float, gpu: GpuState | None = None)
     return out
 
 
+HOST = Features(cgroup2="/sys/fs/cgroup")  # what the latency egress program needs for TTFT
+
+
 def test_enforce_writes_overrides_every_tick_and_clears_them_on_stop() -> None:
     w = FakeLimits()
     cap = capability("enforce", w)
-    assert cap.probe(None).state is State.ACTIVE
+    assert cap.probe(HOST).state is State.ACTIVE
     decisions = run(cap, 3, gold_ms=200)
     assert [(d.target, d.action, d.reason, d.applied) for d in decisions] == [("hobby", "cut", "slo_breach", True)]
     assert decisions[0].old == 100 and decisions[0].new == pytest.approx(56.0)  # min(100, admitted 80) x 0.7
@@ -118,7 +122,7 @@ def test_enforce_writes_overrides_every_tick_and_clears_them_on_stop() -> None:
 def test_dry_run_computes_and_reports_but_writes_nothing() -> None:
     w = FakeLimits()
     cap = capability("dry-run", w)
-    assert "dry-run" in cap.probe(None).reason
+    assert "dry-run" in cap.probe(HOST).reason
     decisions = run(cap, 3, gold_ms=200)
     assert [(d.target, d.action, d.applied) for d in decisions] == [("hobby", "cut", False)]
     assert w.calls == []
@@ -129,7 +133,7 @@ def test_dry_run_computes_and_reports_but_writes_nothing() -> None:
 
 def test_enforce_without_quota_is_degraded_and_effectively_dry_run() -> None:
     cap = capability("enforce", None)
-    v = cap.probe(None)
+    v = cap.probe(HOST)
     assert v.state is State.DEGRADED and "quota" in v.reason
     decisions = run(cap, 3, gold_ms=200)
     assert decisions and not any(d.applied for d in decisions)
@@ -138,8 +142,17 @@ def test_enforce_without_quota_is_degraded_and_effectively_dry_run() -> None:
 
 
 def test_serving_gpus_the_backend_does_not_report_degrade_the_capability() -> None:
-    v = capability("enforce", FakeLimits(), "gpu_pressure: {gpus: [0, 3]}\n").probe(None)
+    v = capability("enforce", FakeLimits(), "gpu_pressure: {gpus: [0, 3]}\n").probe(HOST)
     assert v.state is State.DEGRADED and "[3]" in v.reason
+
+
+def test_a_ttft_signal_the_host_cannot_measure_degrades_the_capability() -> None:
+    cap = capability("enforce", FakeLimits())
+    assert cap.probe(Features()).state is State.ACTIVE  # latency off here: its signal is not this host's to judge
+    cap.ctx.config = cap.ctx.config.model_copy(update={"latency": cap.ctx.config.latency.model_copy(
+        update={"enabled": True})})
+    v = cap.probe(Features())
+    assert v.state is State.DEGRADED and "admission.signal is ttft" in v.reason and "headers or response" in v.reason
 
 
 def test_reload_to_dry_run_withdraws_what_was_written() -> None:
