@@ -87,11 +87,12 @@ static __always_inline int qos_port_watched(__u16 lport)
 #define LAT_R_DONE 3  /* ended by its framing */
 #define LAT_R_OFF 4   /* not parsed (a reason was counted): no TTFT; it ends at the next request or the close */
 
-/* What the current response's status line says of its body (lat_sock.framing). A chunked body's end is seen in its
- * last segment (lat_chunked_end); other bodies end at the next request or the close. */
-#define LAT_FR_NONE 0    /* a body follows */
-#define LAT_FR_EMPTY 1   /* 204, 304: no body */
-#define LAT_FR_INTERIM 2 /* 1xx: the real response follows its header block */
+/* How the current response's end is known (lat_sock.framing). */
+#define LAT_FR_NONE 0    /* it is not: the next request or the close ends it */
+#define LAT_FR_LENGTH 1  /* Content-Length: body_left bytes to come */
+#define LAT_FR_CHUNKED 2 /* Transfer-Encoding: chunked: the zero-size chunk ends it */
+#define LAT_FR_EMPTY 3   /* 204, 304, Content-Length: 0: no body */
+#define LAT_FR_INTERIM 4 /* 1xx: the real response follows its header block */
 #define MSG_PEEK_FLAG 2
 
 struct lat_sock {
@@ -108,6 +109,7 @@ struct lat_sock {
     __u8 framing; /* LAT_FR_* */
     __u32 rcv_end; /* sockops mode: the sequence number just past the last request byte seen arrive */
     __u32 snd_end; /* the sequence number just past the last response byte seen leave (valid once snd_seen) */
+    __u32 body_left; /* LAT_FR_LENGTH: body bytes still to leave */
     __u16 scanned;   /* header block bytes scanned so far */
     __u8 snd_seen;
     __u8 tail[3];    /* the last 3 header bytes scanned: a "\r\n\r\n" may straddle two segments */
@@ -362,6 +364,8 @@ static __always_inline void lat_count_conn(const struct lat_sock *s, int tracked
      (__u64)(g) << 48 | (__u64)(h) << 56)
 #define LAT_LOWER 0x2020202020202020ULL /* ORed in: ASCII letters to lower case (header names have any case) */
 #define LAT_7BYTES 0x00ffffffffffffffULL
+#define LAT_LOWER 0x2020202020202020ULL /* ORed in: ASCII letters to lower case (header names have any case) */
+#define LAT_CANDS 8 /* words of a header block whose lines may name its framing, read by lat_framing */
 #define LAT_CRLFCRLF 0x0a0d0a0dU
 
 struct lat_tcp_head {
@@ -414,7 +418,19 @@ struct lat_scan {
      * index would split the verifier's states at each one. */
     __u32 end;
     __u32 found; /* the '\n' that ends the header block, 0: not in these bytes */
+    __u32 ncands;                /* words with lines that may name the framing */
+    __u32 cand_at[LAT_CANDS];    /* where each such word starts in b */
+    __u64 cand_mask[LAT_CANDS];  /* its '\n' bytes (0x80) followed by such a line */
+    __u32 length_at;             /* where a Content-Length value starts in b, 0: none */
+    /* What lat_egress_framing goes on with: the segment's body bytes after the header block. */
+    __u32 rest_off;
+    __u32 rest_len;
+    __u64 now;
+    __u64 sk; /* tracepoint mode: the socket's key in the table (lat_egress sets it) */
+    __u8 psh;
 };
+
+BPF_PROG_ARRAY(lat_tail, 1); /* lat_egress_framing, put there by the agent */
 
 BPF_PERCPU_ARRAY(lat_scan_buf, struct lat_scan, 1);
 
@@ -449,8 +465,12 @@ static __always_inline __u64 lat_bytes_eq(__u64 x, __u64 cs)
     return ~(((y & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | y | 0x7f7f7f7f7f7f7f7fULL);
 }
 
+/* 1 when x is 0, else 0, without a branch (BPF has no set-on-condition: a comparison's value is a jump). */
+#define LAT_IS0(x) ((((x) | -(x)) >> 63) ^ 1)
 #define LAT_CRS 0x0d0d0d0d0d0d0d0dULL
 #define LAT_LFS 0x0a0a0a0a0a0a0a0aULL
+#define LAT_CS 0x6363636363636363ULL /* 'c' */
+#define LAT_TS 0x7474747474747474ULL /* 't' */
 
 /* Scans b[3..3 + n) for the end of the header block ("\r\n\r\n", which may begin in b[0..2], the previous
  * segment's last bytes): returns the index in b of its '\n', 0 when it does not end in these bytes. Eight positions
@@ -459,7 +479,7 @@ static __always_inline __u64 lat_bytes_eq(__u64 x, __u64 cs)
 static __always_inline __u32 lat_scan_head(struct lat_scan *buf, __u32 n)
 {
     buf->end = 3 + n;
-    buf->found = 0;
+    buf->found = buf->ncands = 0;
     for (__u32 j = 3; j < 3 + LAT_SCAN; j += 8) {
         if (j >= LAT_SCAN_END(buf))
             continue;
@@ -475,8 +495,83 @@ static __always_inline __u32 lat_scan_head(struct lat_scan *buf, __u32 n)
         /* clang must not learn that take is 0 or 1: it would turn the product back into a branch. */
         asm volatile("" : "+r"(take));
         buf->found += take * (j + t);
+        /* Lines of this word that may name the framing: after a '\n', a 'c' (Content-Length) or a 't'
+         * (Transfer-Encoding), any case. Their word is noted (at most LAT_CANDS words) for lat_framing. */
+        __u64 after = *(__u64 *)&buf->b[j + 1] | LAT_LOWER;
+        __u64 m = lat_bytes_eq(*(__u64 *)&buf->b[j], LAT_LFS) &
+                  (lat_bytes_eq(after, LAT_CS) | lat_bytes_eq(after, LAT_TS));
+        __u32 c = buf->ncands;
+        buf->cand_mask[c & (LAT_CANDS - 1)] = m;
+        buf->cand_at[c & (LAT_CANDS - 1)] = j;
+        __u64 some = (m | -m) >> 63;
+        asm volatile("" : "+r"(some));
+        buf->ncands = c + some;
     }
     return *(volatile __u32 *)&buf->found;
+}
+
+/* The framing of a header block that ended in this segment, from its Content-Length or Transfer-Encoding line
+ * (when it lies wholly in these bytes, within the first LAT_CANDS candidate words), unless its status decided
+ * already. Chunked wins over a length (RFC 9112 6.3). */
+static __always_inline void lat_framing(struct lat_scan *buf, struct lat_sock *s)
+{
+    if (s->framing != LAT_FR_NONE)
+        return;
+    /* Without branches, as the scan: a branch per candidate made the verifier's paths multiply past its limit. */
+    __u64 length_at = 0, chunked = 0, found = *(volatile __u32 *)&buf->found, ncands = buf->ncands;
+#pragma nounroll
+    for (__u32 c = 0; c < LAT_CANDS; c++) {
+        __u64 m = buf->cand_mask[c];
+        /* The first candidate line of the word: two framing lines are at least 16 bytes apart. */
+        __u32 q = buf->cand_at[c] + (qos_log2(m & -m) >> 3) + 1;
+        /* The mask says to the verifier what the scan ensures: a line starts inside b. */
+        asm volatile("" : "+r"(q));
+        q &= 2 * LAT_SCAN - 1;
+        __u64 ok = (((__u64)c - ncands) >> 63) & (((__u64)q + 17 - found) >> 63); /* c < ncands, q + 18 <= found */
+        __u64 w0 = *(__u64 *)&buf->b[q] | LAT_LOWER;
+        __u64 w1 = *(__u64 *)&buf->b[q + 8] | LAT_LOWER;
+        __u64 w2 = *(__u64 *)&buf->b[q + 16] | LAT_LOWER;
+        __u64 w3 = *(__u32 *)&buf->b[q + 24] | 0x20202020;
+        __u64 is_len = ok & LAT_IS0((w0 ^ LAT_U64('c', 'o', 'n', 't', 'e', 'n', 't', '-')) |
+                                    ((w1 & LAT_7BYTES) ^ LAT_U64('l', 'e', 'n', 'g', 't', 'h', ':', 0)));
+        /* "Transfer-Encoding: chunked" and its CRLF ('\r' | 0x20 is '-', '\n' | 0x20 is '*'). */
+        __u64 is_chunked = ok & LAT_IS0((w0 ^ LAT_U64('t', 'r', 'a', 'n', 's', 'f', 'e', 'r')) |
+                                        (w1 ^ LAT_U64('-', 'e', 'n', 'c', 'o', 'd', 'i', 'n')) |
+                                        (w2 ^ LAT_U64('g', ':', ' ', 'c', 'h', 'u', 'n', 'k')) |
+                                        (w3 ^ ('e' | 'd' << 8 | '-' << 16 | '*' << 24)));
+        /* clang must not learn that these are 0 or 1: it would turn the products back into branches. */
+        asm volatile("" : "+r"(is_len));
+        chunked |= is_chunked;
+        length_at += is_len * (q + 15 - length_at);
+    }
+    if (chunked) {
+        s->framing = LAT_FR_CHUNKED;
+        return;
+    }
+    buf->length_at = length_at;
+    __u32 q = buf->length_at;
+    asm volatile("" : "+r"(q));
+    q &= 2 * LAT_SCAN - 1;
+    if (!q)
+        return;
+    if (buf->b[q] == ' ')
+        q++;
+    /* Up to nine digits (999 999 999 bytes; a longer body's end is left to what comes next), read without
+     * branches: each way out of this loop would be one more path through all that follows, for the verifier. */
+    __u64 v = 0, digits = 0, run = 1;
+#pragma unroll
+    for (int i = 0; i < 9; i++) {
+        __u64 d = (__u64)(buf->b[q + i] - '0') & 0xff;
+        run &= ((d - 10) >> 63) & ((q + i - (__u64)*(volatile __u32 *)&buf->found) >> 63);
+        v = v * (1 + 9 * run) + run * d;
+        digits += run;
+    }
+    asm volatile("" : "+r"(digits));
+    digits &= 15;
+    if (!digits || buf->b[q + digits] != '\r')
+        return;
+    s->framing = v ? LAT_FR_LENGTH : LAT_FR_EMPTY;
+    s->body_left = v;
 }
 
 /* The response ends at its last byte, now, as its framing says: it is counted, and the connection awaits the
@@ -518,8 +613,15 @@ static __always_inline void lat_body(struct __sk_buff *skb, struct lat_sock *s, 
         lat_observe(s->slot, LAT_KIND_ITL, now - s->body_ns);
         s->body_ns = now;
     }
-    if (psh && lat_chunked_end(skb, off, len))
-        lat_complete(s, now);
+    if (s->framing == LAT_FR_LENGTH) {
+        if (len < s->body_left) {
+            s->body_left -= len;
+            return;
+        }
+    } else if (s->framing != LAT_FR_CHUNKED || !psh || !lat_chunked_end(skb, off, len)) {
+        return;
+    }
+    lat_complete(s, now);
 }
 
 /* Response bytes [off, off + len) of skb, new on the wire, leave a tracked socket. */
@@ -594,8 +696,26 @@ static __always_inline void lat_response_segment(struct __sk_buff *skb, struct l
         return;
     }
     s->resp = LAT_R_BODY;
+    buf->rest_off = off + used;
+    buf->rest_len = used < len ? len - used : 0;
+    buf->psh = psh;
+    buf->now = now;
+    /* The framing is read by a program of its own (lat_egress_framing), which then goes on with this segment's
+     * body bytes: verified apart, its paths do not multiply with this one's. When the header block ended in a later
+     * segment than it began (its lines were not all scanned here), or the call fails, the end comes from what follows. */
+    if (!s->scanned)
+        lat_tail.call(skb, 0);
     if (used < len)
         lat_body(skb, s, off + used, len - used, psh, now);
+}
+
+/* The rest of a segment whose header block ended in it (lat_response_segment): its framing, then its body bytes. */
+static __always_inline void lat_framing_and_body(struct __sk_buff *skb, struct lat_scan *buf, struct lat_sock *s)
+{
+    lat_framing(buf, s);
+    __u32 len = buf->rest_len;
+    if (len)
+        lat_body(skb, s, buf->rest_off, len, buf->psh, buf->now);
 }
 
 /* Payload of a tracked socket leaves: the part not seen before (a retransmission, or a packet the learner and a
@@ -851,6 +971,18 @@ int lat_egress(struct __sk_buff *skb)
     return 1;
 }
 
+/* Tail-called by lat_egress when a response's header block ends (see lat_response_segment). */
+int lat_egress_framing(struct __sk_buff *skb)
+{
+    __u32 zero = 0;
+    struct lat_scan *buf = lat_scan_buf.lookup(&zero);
+    struct bpf_sock *sk = skb->sk;
+    struct lat_sock *s = sk ? lat_sk.sk_storage_get(sk, 0, 0) : 0;
+    if (buf && s)
+        lat_framing_and_body(skb, buf, s);
+    return 1;
+}
+
 #else
 /* ---- tracepoint mode: hooks on every socket, state keyed by socket address ---------------------------------- */
 /* Tracked sockets. A hash map would cost a call chain per lookup (~50-100 ns on machines with retpolines and return
@@ -1030,8 +1162,23 @@ int lat_egress(struct __sk_buff *skb)
     __u8 psh = th->flags & LAT_TCP_PSH;
     struct lat_flow_sk *f = lat_flows.lookup(&k);
     struct lat_sock *s = f ? lat_tracked(f->sk) : 0;
-    if (s && s->state != LAT_MUX)
-        lat_leaving(skb, s, seq, psh, off, len);
+    __u32 zero = 0;
+    struct lat_scan *buf = lat_scan_buf.lookup(&zero);
+    if (!s || s->state == LAT_MUX || !buf)
+        return 1;
+    buf->sk = f->sk;
+    lat_leaving(skb, s, seq, psh, off, len);
+    return 1;
+}
+
+/* Tail-called by lat_egress when a response's header block ends (see lat_response_segment). */
+int lat_egress_framing(struct __sk_buff *skb)
+{
+    __u32 zero = 0;
+    struct lat_scan *buf = lat_scan_buf.lookup(&zero);
+    struct lat_sock *s = buf ? lat_tracked(buf->sk) : 0;
+    if (buf && s)
+        lat_framing_and_body(skb, buf, s);
     return 1;
 }
 #endif

@@ -183,7 +183,6 @@ class Latency(Capability):
             ATTACH_CGROUP_INET_EGRESS,
             ATTACH_CGROUP_INET_INGRESS,
             ATTACH_CGROUP_SOCK_OPS,
-            link_create,
         )
 
         root = self._cgroup_root()
@@ -191,20 +190,16 @@ class Latency(Capability):
             sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
             ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
             learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
-            egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
+            egress = self._load_egress()
             self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.ctx.hostfs)
             self._egress = CgroupLinks(egress.fd, ATTACH_CGROUP_INET_EGRESS, self.ctx.hostfs)
             self._cgroup_index = CgroupIndex(self.ctx.hostfs, root)
             self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_cgroup_event)
-            fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                # The learner first: no socket the sock_ops program tracks may have an arrival nobody sees.
-                self._learn_link = link_create(learn.fd, fd, ATTACH_CGROUP_INET_INGRESS)
-                self._learn_egress_link = link_create(egress.fd, fd, ATTACH_CGROUP_INET_EGRESS)
-                self._learn_until = self.ctx.clock() + LEARN_S
-                self._sockops_link = link_create(sockops.fd, fd, ATTACH_CGROUP_SOCK_OPS)
-            finally:
-                os.close(fd)
+            # The learners first: no socket the sock_ops program tracks may have bytes nobody sees.
+            self._learn_link = self._link_root(root, learn.fd, ATTACH_CGROUP_INET_INGRESS)
+            self._learn_egress_link = self._link_root(root, egress.fd, ATTACH_CGROUP_INET_EGRESS)
+            self._learn_until = self.ctx.clock() + LEARN_S
+            self._sockops_link = self._link_root(root, sockops.fd, ATTACH_CGROUP_SOCK_OPS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
             self._release()
             raise CapabilityError(f"attaching the sock_ops latency hooks at {root} failed: {e}") from None
@@ -213,21 +208,34 @@ class Latency(Capability):
         self._watcher = threading.Thread(target=self._watch_cgroups, name="latency-cgroups", daemon=True)
         self._watcher.start()
 
+    def _link_root(self, root: str, prog_fd: int, attach_type: int) -> int:
+        """A link of the program on the cgroup2 root (its fd): a killed agent leaves nothing attached."""
+        from qosagent.ebpf.syscall import link_create
+
+        fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return link_create(prog_fd, fd, attach_type)
+        finally:
+            os.close(fd)
+
+    def _load_egress(self) -> Any:
+        """lat_egress, with lat_egress_framing in its tail-call slot: the framing reader is verified as a program of
+        its own (bpf/latency.c, lat_response_segment)."""
+        from bcc import BPF
+
+        egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
+        framing = self.bpf.load_func(b"lat_egress_framing", BPF.CGROUP_SKB)
+        self.bpf[b"lat_tail"][ctypes.c_int(0)] = ctypes.c_int(framing.fd)
+        return egress
+
     def _attach_egress_root(self) -> None:
         """lat_egress on the cgroup2 root, for the whole run: in tracepoint and kprobe modes it finds a response's
         socket by the packet's addresses, whichever cgroup sends it. A link, so a killed agent leaves nothing."""
-        from bcc import BPF
-
-        from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_EGRESS, link_create
+        from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_EGRESS
 
         root = self._cgroup_root()
         try:
-            egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
-            fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                self._egress_root_link = link_create(egress.fd, fd, ATTACH_CGROUP_INET_EGRESS)
-            finally:
-                os.close(fd)
+            self._egress_root_link = self._link_root(root, self._load_egress().fd, ATTACH_CGROUP_INET_EGRESS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
             self._release()
             raise CapabilityError(f"attaching the latency egress program at {root} failed: {e}") from None

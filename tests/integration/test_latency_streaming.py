@@ -183,3 +183,85 @@ def test_what_cannot_be_read_is_counted_by_reason_never_timed(agent: tuple[Laten
     assert t.no_ttft == {"no_body": 1, "not_http": 1} and t.ttft.count == 0, t
     assert t.headers.count == 2
 
+
+
+@pytest.mark.privileged
+@pytest.mark.slow
+def test_content_length_responses_complete_at_their_last_byte_on_idle_connections(agent: tuple[Latency, int]) -> None:
+    """Non-streaming JSON (Content-Length framing), kept-alive and then idle: counted within a second."""
+    cap, port = agent
+    with sse_server("uvicorn", port=port):
+        c = RawClient(port)
+        try:
+            for _ in range(3):
+                head, rest = request_bytes(c.h11, {"stream": False, "prefill_ms": 20.0, "tokens": 2})
+                c.sock.sendall(head + rest)
+                c.read(Timing(time.perf_counter()))
+                c.h11.start_next_cycle()
+            t = until(lambda: tenant(cap), lambda t: t.requests >= 3, timeout=1.0)
+            assert (t.requests, t.in_flight, t.framed, t.ttft.count) == (3, 0, 3, 3), t
+        finally:
+            c.close()
+
+
+# Scripted responses of a raw server, by request path: what real servers and broken ones write.
+LONG = b"x-padding: " + b"a" * 5000 + b"\r\n"
+SCRIPTS = {
+    b"/http10": [b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nhello, ", b"world\n"],  # ends at the close
+    b"/long": [b"HTTP/1.1 200 OK\r\n" + LONG + b"Content-Length: 2\r\n\r\nok"],
+    b"/empty": [b"HTTP/1.1 204 No Content\r\n\r\n"],
+    b"/reset": [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"6\r\ntoken \r\n"],  # then a reset
+}
+
+
+def scripted_server(port: int, stop: threading.Event) -> threading.Thread:
+    srv = socket.create_server(("127.0.0.1", port))
+    srv.settimeout(0.2)
+
+    def serve() -> None:
+        with srv:
+            while not stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    path = conn.recv(4096).split(b" ")[1]
+                    for i, part in enumerate(SCRIPTS[path]):
+                        if i:
+                            time.sleep(0.02)
+                        conn.sendall(part)
+                    if path == b"/reset":  # SO_LINGER 0: the close sends a reset, mid-stream
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    return th
+
+
+@pytest.mark.privileged
+@pytest.mark.slow
+def test_http10_long_headers_empty_bodies_and_resets_are_counted_never_timed_wrong(agent: tuple[Latency, int]) -> None:
+    cap, port = agent
+    stop = threading.Event()
+    th = scripted_server(port, stop)
+    try:
+        for path in SCRIPTS:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    while c.recv(65536):
+                        pass
+                except ConnectionResetError:
+                    pass
+        t = until(lambda: tenant(cap), lambda t: t.requests >= 4)
+    finally:
+        stop.set()
+        th.join(5)
+    # HTTP/1.0 and the reset stream have a first token; the 5 kB header block is too long to read; 204 has no body.
+    assert (t.requests, t.headers.count, t.unpaired) == (4, 4, 0), t
+    assert t.ttft.count == 2 and t.no_ttft == {"header_too_long": 1, "no_body": 1}, t
+    # HTTP/1.0's body (two writes 20 ms apart) gives one gap; the reset stream's first chunk is its only token.
+    assert t.inter_token.count == 1 and t.inter_token.quantile(0.5) >= 0.015, t.inter_token
+    assert t.framed == 1  # the 204
