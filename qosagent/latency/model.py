@@ -34,7 +34,7 @@ class TenantLatency:
     untracked: int = 0  # connections not tracked because the kernel's socket table had no free slot
     no_ttft: Mapping[str, int] = field(default_factory=dict)  # responses without a TTFT, by reason, since start
     interim: int = 0  # interim (1xx) responses passed over
-    framed: int = 0  # responses ended at their last byte by their framing (chunked end, empty status)
+    framed: int = 0  # responses ended at their last byte by their framing (Content-Length, chunked, 204/304)
 
     def window(self, signal: str) -> Histogram:
         """The window histogram of a latency signal (admission.signal, alert rules): ttft, headers or response."""
