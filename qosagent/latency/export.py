@@ -49,8 +49,9 @@ SIGNALS = {
                 "response headers: when the server accepted the work)"),
     "ttft": ("ttft", "Time from a request's first bytes to the first response body byte (time to first token; "
              "HTTP/1.x responses only, interim 1xx responses passed over)"),
-    "response": ("response", "Time from a request's first bytes to the last response byte (where its framing says the body "
-                 "ends: Content-Length, chunked; else the last write before the next request or the close)"),
+    "response": ("response", "Time from a request's first bytes to the last response byte (where its framing "
+                 "says the body ends: Content-Length, chunked; else the last write before the next request or the "
+                 "close)"),
     "inter_token": ("inter_token", "Gaps between successive body writes of a response (inter-token latency: a write "
                     "is one token or a group of them, as the server flushes)"),
 }
@@ -92,7 +93,8 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
                                   "unseen (no egress program saw it leave)", labels=labels + ["reason"])
     interim = CounterMetricFamily("qosagent_responses_interim", "Interim (1xx) responses passed over", labels=labels)
     framed = CounterMetricFamily("qosagent_responses_framed", "Responses counted at their last byte by their framing "
-                                 "(Content-Length, chunked, 204/304), not by the next request or the close", labels=labels)
+                                 "(Content-Length, chunked, 204/304), not by the next request or the close",
+                                 labels=labels)
     pipelined = CounterMetricFamily("qosagent_requests_pipelined", "Request lines that arrived while a request still "
                                     "waited for its response (HTTP/1.1 pipelining; sockops mode)", labels=labels)
     conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
