@@ -291,17 +291,17 @@ def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path, s
 
 def empty_programs(to: Path) -> str:
     """bpf/ copied to `to`, each probe in latency.c returning before its first statement: the tracepoint probes,
-    the ingress program, and the sock_ops sendmsg callback (connection set-up still picks the sockets, or no
+    the ingress and egress programs, and the sock_ops sendmsg callback (connection set-up still picks the sockets, or no
     per-socket callback would fire at all)."""
     shutil.copytree(REPO / "bpf", to, dirs_exist_ok=True)
     src = (to / "latency.c").read_text()
     out, n = re.subn(r"^((?:RAW_)?TRACEPOINT_PROBE\([^)]*\)\n\{\n)", r"\1    if (1)\n        return 0;\n", src,
                      flags=re.M)
-    out, m = re.subn(r"^(int lat_ingress\(struct __sk_buff \*skb\)\n\{\n)", r"\1    if (1)\n        return 1;\n", out,
-                     flags=re.M)
+    out, m = re.subn(r"^(int lat_(?:ingress|egress|egress_learn)\(struct __sk_buff \*skb\)\n\{\n)",
+                     r"\1    if (1)\n        return 1;\n", out, flags=re.M)
     out, k = re.subn(r"^(static __always_inline void lat_ops_sendmsg\(struct bpf_sock_ops \*skops\)\n\{\n)",
                      r"\1    if (1)\n        return;\n", out, flags=re.M)
-    if n == 0 or m != 1 or k != 1:
+    if n == 0 or m != 4 or k != 1:  # lat_ingress, lat_egress_learn, and lat_egress of each mode
         raise RuntimeError("bpf/latency.c no longer has the probes this bench empties")
     (to / "latency.c").write_text(out)
     return str(to)
@@ -389,7 +389,7 @@ def main() -> None:
                     d_ns, d_cnt = ns - s0[i][1], cnt - s0[i][2]
                     # The root-wide learner runs only in an agent's first seconds (LEARN_S), as it does here: its
                     # runs are shown per event but are not part of the steady state's cost per request.
-                    if name != "lat_ingress_learn":
+                    if not name.endswith("_learn"):
                         total_ns += d_ns
                     if d_cnt:
                         per_event.setdefault(name, []).append(d_ns / d_cnt)

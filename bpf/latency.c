@@ -955,8 +955,8 @@ int lat_ingress_learn(struct __sk_buff *skb)
     return lat_arrival(skb, 1);
 }
 
-/* Response bytes leaving a tracked socket, on the serving cgroups (and on the root while the learner is). */
-int lat_egress(struct __sk_buff *skb)
+/* Response bytes leaving a tracked socket. */
+static __always_inline int lat_departure(struct __sk_buff *skb)
 {
     __u32 off, len;
     struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
@@ -969,6 +969,19 @@ int lat_egress(struct __sk_buff *skb)
     if (s)
         lat_leaving(skb, s, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
     return 1;
+}
+
+/* On the serving cgroups, beside lat_ingress. */
+int lat_egress(struct __sk_buff *skb)
+{
+    return lat_departure(skb);
+}
+
+/* On the cgroup2 root while lat_ingress_learn is: the responses of servers found by the learner. A program of its
+ * own, so that its runs (every packet on the host leaves through it) are told from the steady state's. */
+int lat_egress_learn(struct __sk_buff *skb)
+{
+    return lat_departure(skb);
 }
 
 /* Tail-called by lat_egress when a response's header block ends (see lat_response_segment). */

@@ -191,13 +191,14 @@ class Latency(Capability):
             ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
             learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
             egress = self._load_egress()
+            egress_learn = self.bpf.load_func(b"lat_egress_learn", BPF.CGROUP_SKB)
             self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.ctx.hostfs)
             self._egress = CgroupLinks(egress.fd, ATTACH_CGROUP_INET_EGRESS, self.ctx.hostfs)
             self._cgroup_index = CgroupIndex(self.ctx.hostfs, root)
             self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_cgroup_event)
             # The learners first: no socket the sock_ops program tracks may have bytes nobody sees.
             self._learn_link = self._link_root(root, learn.fd, ATTACH_CGROUP_INET_INGRESS)
-            self._learn_egress_link = self._link_root(root, egress.fd, ATTACH_CGROUP_INET_EGRESS)
+            self._learn_egress_link = self._link_root(root, egress_learn.fd, ATTACH_CGROUP_INET_EGRESS)
             self._learn_until = self.ctx.clock() + LEARN_S
             self._sockops_link = self._link_root(root, sockops.fd, ATTACH_CGROUP_SOCK_OPS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
