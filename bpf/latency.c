@@ -474,18 +474,23 @@ static __always_inline __u64 lat_bytes_eq(__u64 x, __u64 cs)
 
 /* Scans b[3..3 + n) for the end of the header block ("\r\n\r\n", which may begin in b[0..2], the previous
  * segment's last bytes): returns the index in b of its '\n', 0 when it does not end in these bytes. Eight positions
- * at a time and without a branch on the bytes: the verifier walks every path through a loop's rounds, and a branch
- * per byte or per line makes their number grow with the bytes scanned. */
+ * at a time and without a branch on the bytes but one that rejoins at once: the verifier walks every path through a
+ * loop's rounds, and a branch per byte or per line makes their number grow with the bytes scanned. */
 static __always_inline __u32 lat_scan_head(struct lat_scan *buf, __u32 n)
 {
     buf->end = 3 + n;
     buf->found = buf->ncands = 0;
     for (__u32 j = 3; j < 3 + LAT_SCAN; j += 8) {
-        if (j >= LAT_SCAN_END(buf))
+        if (j >= LAT_SCAN_END(buf) || *(volatile __u32 *)&buf->found)
+            break;
+        /* Most words hold no '\n', and all that is looked for ends or follows one: skipped after one compare. Both
+         * ways lead to the next round in the same state, so this branch does not multiply the verifier's paths. */
+        __u64 lf = lat_bytes_eq(*(__u64 *)&buf->b[j], LAT_LFS);
+        if (!lf)
             continue;
         /* Bit 8t+7 of e: b[j+t-3..j+t] is "\r\n\r\n", for t = 0..7 (four unaligned loads, no carry between rounds). */
-        __u64 e = lat_bytes_eq(*(__u64 *)&buf->b[j], LAT_LFS) & lat_bytes_eq(*(__u64 *)&buf->b[j - 1], LAT_CRS) &
-                  lat_bytes_eq(*(__u64 *)&buf->b[j - 2], LAT_LFS) & lat_bytes_eq(*(__u64 *)&buf->b[j - 3], LAT_CRS);
+        __u64 e = lf & lat_bytes_eq(*(__u64 *)&buf->b[j - 1], LAT_CRS) & lat_bytes_eq(*(__u64 *)&buf->b[j - 2], LAT_LFS) &
+                  lat_bytes_eq(*(__u64 *)&buf->b[j - 3], LAT_CRS);
         /* The first such t: the lowest set bit's byte, also without branches. */
         __u64 t = qos_log2(e & -e) >> 3;
         __u64 hit = (e | -e) >> 63;                        /* a match in this word */
@@ -498,8 +503,7 @@ static __always_inline __u32 lat_scan_head(struct lat_scan *buf, __u32 n)
         /* Lines of this word that may name the framing: after a '\n', a 'c' (Content-Length) or a 't'
          * (Transfer-Encoding), any case. Their word is noted (at most LAT_CANDS words) for lat_framing. */
         __u64 after = *(__u64 *)&buf->b[j + 1] | LAT_LOWER;
-        __u64 m = lat_bytes_eq(*(__u64 *)&buf->b[j], LAT_LFS) &
-                  (lat_bytes_eq(after, LAT_CS) | lat_bytes_eq(after, LAT_TS));
+        __u64 m = lf & (lat_bytes_eq(after, LAT_CS) | lat_bytes_eq(after, LAT_TS));
         __u32 c = buf->ncands;
         buf->cand_mask[c & (LAT_CANDS - 1)] = m;
         buf->cand_at[c & (LAT_CANDS - 1)] = j;
