@@ -491,8 +491,9 @@ static __always_inline __u32 lat_scan_head(struct lat_scan *buf, __u32 n)
         /* Bit 8t+7 of e: b[j+t-3..j+t] is "\r\n\r\n", for t = 0..7 (four unaligned loads, no carry between rounds). */
         __u64 e = lf & lat_bytes_eq(*(__u64 *)&buf->b[j - 1], LAT_CRS) & lat_bytes_eq(*(__u64 *)&buf->b[j - 2], LAT_LFS) &
                   lat_bytes_eq(*(__u64 *)&buf->b[j - 3], LAT_CRS);
-        /* The first such t: the lowest set bit's byte, also without branches. */
-        __u64 t = qos_log2(e & -e) >> 3;
+        /* The first such t, also without branches: the lowest set bit, 1 << (8t + 7), shifted down to 1 << 8t and
+         * multiplied by bytes 0..7 puts byte 7 - t of them on top. */
+        __u64 t = 7 - ((((e & -e) >> 7) * 0x0706050403020100ULL) >> 56);
         __u64 hit = (e | -e) >> 63;                        /* a match in this word */
         __u64 first = ((__u64)buf->found - 1) >> 63;       /* none before (found is 0) */
         __u64 in = ((__u64)j + t - LAT_SCAN_END(buf)) >> 63; /* inside the bytes scanned */
@@ -525,13 +526,15 @@ static __always_inline void lat_framing(struct lat_scan *buf, struct lat_sock *s
     __u64 length_at = 0, chunked = 0, found = *(volatile __u32 *)&buf->found, ncands = buf->ncands;
 #pragma nounroll
     for (__u32 c = 0; c < LAT_CANDS; c++) {
+        if (c >= ncands)
+            break;
         __u64 m = buf->cand_mask[c];
         /* The first candidate line of the word: two framing lines are at least 16 bytes apart. */
-        __u32 q = buf->cand_at[c] + (qos_log2(m & -m) >> 3) + 1;
+        __u32 q = buf->cand_at[c] + 8 - ((((m & -m) >> 7) * 0x0706050403020100ULL) >> 56); /* as in the scan */
         /* The mask says to the verifier what the scan ensures: a line starts inside b. */
         asm volatile("" : "+r"(q));
         q &= 2 * LAT_SCAN - 1;
-        __u64 ok = (((__u64)c - ncands) >> 63) & (((__u64)q + 17 - found) >> 63); /* c < ncands, q + 18 <= found */
+        __u64 ok = ((__u64)q + 17 - found) >> 63; /* q + 18 <= found: the line lies in the header block */
         __u64 w0 = *(__u64 *)&buf->b[q] | LAT_LOWER;
         __u64 w1 = *(__u64 *)&buf->b[q + 8] | LAT_LOWER;
         __u64 w2 = *(__u64 *)&buf->b[q + 16] | LAT_LOWER;
