@@ -906,6 +906,20 @@ int lat_sockops(struct bpf_sock_ops *skops)
     return 1; /* sock_ops' verdict only matters for ops we never answer */
 }
 
+/* The state of the tracked socket a TCP segment with payload belongs to, with its header and where its payload is;
+ * 0 for anything else. Headers first: most segments of a busy connection's other direction are pure ACKs, and
+ * telling them apart is cheaper than the storage lookup. No bpf_sk_fullsock() before that: the lookup takes a
+ * sock_common and answers NULL for request and time-wait sockets itself, and a helper call costs ~15 ns here. */
+static __always_inline struct lat_sock *lat_segment(struct __sk_buff *skb, struct lat_tcp_head **th,
+                                                    struct bpf_sock **sk, __u32 *off, __u32 *len)
+{
+    *th = lat_tcp(skb, off, len);
+    *sk = skb->sk;
+    if (!*th || !*sk)
+        return 0;
+    return lat_sk.sk_storage_get(*sk, 0, 0);
+}
+
 /* Whether payload at off starts with an HTTP/1.x request line: evidence of a pipelined request when it comes while
  * one is still waiting for its response (rather than the rest of that request: its body, more of its headers). */
 static __always_inline int lat_request_line(struct __sk_buff *skb, __u32 off)
@@ -924,18 +938,10 @@ static __always_inline int lat_request_line(struct __sk_buff *skb, __u32 off)
  * checked the sequence numbers: rcv_end keeps a retransmitted or reordered old segment from starting a request. */
 static __always_inline int lat_arrival(struct __sk_buff *skb, int learn)
 {
-    /* Headers first: most segments of a long response's connection are the client's pure ACKs, and telling them
-     * apart is cheaper than the socket storage lookup. */
     __u32 off, len;
-    struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
-    if (!th)
-        return 1;
-    struct bpf_sock *sk = skb->sk;
-    if (!sk)
-        return 1;
-    /* No bpf_sk_fullsock() first: the storage lookup takes a sock_common and answers NULL for request and
-     * time-wait sockets itself, and a helper call costs ~15 ns here. */
-    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, 0);
+    struct lat_tcp_head *th;
+    struct bpf_sock *sk;
+    struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len);
     if (!s)
         return 1;
     if (learn)
@@ -966,13 +972,9 @@ int lat_ingress_learn(struct __sk_buff *skb)
 static __always_inline int lat_departure(struct __sk_buff *skb)
 {
     __u32 off, len;
-    struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
-    if (!th)
-        return 1;
-    struct bpf_sock *sk = skb->sk;
-    if (!sk)
-        return 1;
-    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, 0);
+    struct lat_tcp_head *th;
+    struct bpf_sock *sk;
+    struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len);
     if (s)
         lat_leaving(skb, s, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
     return 1;
