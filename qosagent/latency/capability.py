@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import posixpath
 import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -208,6 +209,34 @@ class Latency(Capability):
         self._stopping.clear()
         self._watcher = threading.Thread(target=self._watch_cgroups, name="latency-cgroups", daemon=True)
         self._watcher.start()
+        self._link_listeners(root)
+
+    def _link_listeners(self, root: str) -> None:
+        """Link the cgroups of servers already listening on watched ports in this network namespace: they called
+        listen() before the agent, so nothing reports them until their first request reaches the learner or their
+        first write, and the requests of connections opened before that would go unseen. Servers in other network
+        namespaces (pods) are left to the learner and to their first write."""
+        import psutil
+
+        from qosagent.placement.discovery import cgroup_paths
+
+        ports = set(bm.watched(self.ctx.config))
+        try:
+            pids = {c.pid for c in psutil.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
+        except (psutil.Error, OSError) as e:
+            log.warning("latency: listing the listening sockets failed (%s): serving cgroups are learnt from "
+                        "traffic only", e)
+            return
+        for pid in sorted(pids):
+            v2 = cgroup_paths(self.ctx.hostfs.try_read(f"/proc/{pid}/cgroup") or "")[0]
+            path = posixpath.join(root, v2.lstrip("/")) if v2 else ""
+            try:
+                cgid = os.stat(self.ctx.hostfs.path(path)).st_ino if path else 0
+            except OSError:
+                cgid = 0
+            if cgid:
+                self._link_cgroup(cgid, pid)
 
     def _link_root(self, root: str, prog_fd: int, attach_type: int) -> int:
         """A link of the program on the cgroup2 root (its fd): a killed agent leaves nothing attached."""

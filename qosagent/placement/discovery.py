@@ -44,7 +44,7 @@ def proc_start(fs: HostFS, pid: int) -> int | None:
     return _stat_start(text) if text else None
 
 
-def _cgroup_path(text: str) -> tuple[str, str, str]:
+def cgroup_paths(text: str) -> tuple[str, str, str]:
     """(v2 path, v1 cpuset path, v1 systemd path) from /proc/PID/cgroup."""
     v2 = cpuset = systemd = ""
     for line in text.splitlines():
@@ -158,7 +158,7 @@ def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid
             continue
         cmdline = cmd_raw.replace("\0", " ").strip()
         name = functools.cache(lambda pid=pid: fs.try_read(f"/proc/{pid}/comm") or "")
-        cgroups = functools.cache(lambda pid=pid: _cgroup_path(fs.try_read(f"/proc/{pid}/cgroup") or ""))
+        cgroups = functools.cache(lambda pid=pid: cgroup_paths(fs.try_read(f"/proc/{pid}/cgroup") or ""))
         # Selectors name cgroups as systemd and kubelet lay them out: the v2 tree, else v1's systemd hierarchy.
         hit = matcher.match(name, lambda: cmdline, lambda: cgroups()[0] or cgroups()[2] or cgroups()[1])
         if hit is None and pid not in wanted_gpu:

@@ -107,7 +107,8 @@ def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgro
 
 
 @pytest.mark.privileged
-def test_a_server_running_before_the_agent_is_found_by_its_first_request(bpf: None, cgroup: str) -> None:
+def test_a_server_running_before_the_agent_is_timed_by_the_learner_from_its_first_request(bpf: None,
+                                                                                    cgroup: str) -> None:
     port = free_port()
     server = start_server(cgroup, port)
     cap = latency(port)
@@ -119,6 +120,27 @@ def test_a_server_running_before_the_agent_is_found_by_its_first_request(bpf: No
         get(port)  # now through the server's own cgroup only
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 2)
         assert (t.requests, t.connections, t.unpaired, t.headers.count) == (2, 2, 0, 2)
+    finally:
+        cap.stop()
+        server.kill()
+        server.wait()
+    assert not programs_on(cgroup)
+
+
+@pytest.mark.privileged
+def test_a_server_listening_before_the_agent_is_hooked_at_start_and_its_first_request_counted(
+        bpf: None, cgroup: str) -> None:
+    """No listen() to report it, no request while the learner runs: its listening socket names its cgroup."""
+    port = free_port()
+    server = start_server(cgroup, port)
+    cap = latency(port)
+    cap.start()
+    try:
+        cap.stop_learning()
+        assert cap.cgroups() == [cgroup]
+        get(port)
+        t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 1)
+        assert (t.requests, t.unpaired, t.headers.count) == (1, 0, 1), t
     finally:
         cap.stop()
         server.kill()
