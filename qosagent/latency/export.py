@@ -195,6 +195,10 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
             row[name] = _quantiles(getattr(t, f"{field_}_window"))
             row[f"{name}_total"] = _quantiles(getattr(t, field_))
         row["ttft_note"] = _ttft_note(t)
+        # Body writes per response over the window: the first body write is the TTFT, each later one an inter-token
+        # gap (a write is a token or a group of them, as the server flushes).
+        tw = t.ttft_window.count
+        row["body_writes_per_response"] = round((tw + t.inter_token_window.count) / tw, 2) if tw else None
         row.update({"slo_p99": bound or None, "slo_signal": signal, "slo_quantile": quantile,
                     "slo_latency": judged, "slo": slo_state(judged, bound)})
         tenants.append(row)

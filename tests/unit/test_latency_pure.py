@@ -156,6 +156,8 @@ def test_status_and_render_agree_on_quantiles_and_slo() -> None:
     assert rows["acme"]["response"]["p50"] == Histogram.of([10_000_000] * 99 + [200_000_000]).quantile(0.5)
     assert rows["acme"]["slo"] == "ok"  # the p99 rank lands in the 10 ms bucket
     assert (rows["acme"]["slo_signal"], rows["acme"]["slo_quantile"]) == ("ttft", 0.99)
+    assert rows["acme"]["body_writes_per_response"] == 2.0  # the same histogram as TTFT and inter-token here
+    assert rows["hobby"]["body_writes_per_response"] is None
     assert rows["hobby"]["slo"] == "no data"
     text = export.render(st)
     assert re.search(r"^acme\s+gold\s+100\s+10\.\d", text, re.M), text
