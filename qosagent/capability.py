@@ -77,6 +77,11 @@ class Capability:
     def start(self) -> None:
         """Load, attach, save originals. Raise CapabilityError with an operator-facing message."""
 
+    def started(self, verdict: Verdict) -> Verdict:
+        """The verdict once started: start() may have found less than probe() promised (a program the kernel's
+        verifier refused, say) and carried on without it."""
+        return verdict
+
     def collect(self) -> Any:
         """This tick's immutable part of the Snapshot."""
         return None

@@ -98,6 +98,7 @@ class Agent:
                 self.verdicts[cls.name] = Verdict(State.UNAVAILABLE, str(e))
                 cap.stop()
                 continue
+            verdict = cap.started(verdict)
             cap.verdict = verdict
             self.verdicts[cls.name] = verdict
             self.capabilities.append(cap)

@@ -51,6 +51,8 @@ class Latency(Capability):
         self.runq = False
         self.arrival = False  # request clocks start at arrival (sock:sk_data_ready), else at the first read
         self.egress = False  # responses are read as they leave (TTFT, inter-token): a cgroup_skb egress program
+        self._egress_error = "no cgroup v2 hierarchy for the egress program"  # why not, when not
+        self._egress_lost = False  # probe promised it, start could not attach it
         self.bpf: Any = None
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
@@ -118,8 +120,10 @@ class Latency(Capability):
                 notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
         self.runq = cfg.runqueue.enabled and all(features.has_tracepoint(tp) for tp in RUNQ_TRACEPOINTS)
         if cfg.runqueue.enabled and not self.runq:
-            return Verdict(State.DEGRADED, "; ".join(notes + ["run-queue latency off: sched tracepoints missing"]))
-        return Verdict(State.ACTIVE, "; ".join(notes))
+            notes.append("run-queue latency off: sched tracepoints missing")
+        # Without TTFT (the default SLO signal) or run-queue latency the capability is short of what it promises.
+        degraded = not self.egress or (cfg.runqueue.enabled and not self.runq)
+        return Verdict(State.DEGRADED if degraded else State.ACTIVE, "; ".join(notes))
 
     def start(self) -> None:
         from qosagent.ebpf.loader import BpfError, compile_program
@@ -172,6 +176,12 @@ class Latency(Capability):
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
+
+    def started(self, verdict: Verdict) -> Verdict:
+        if not self._egress_lost:
+            return verdict
+        why = f"time to first token and inter-token latency unavailable: {self._egress_error}"
+        return Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, why) if r))
 
     def _attach_sockops(self) -> None:
         """The sock_ops program on the cgroup2 root (it sees every TCP socket's connection events, and picks the
@@ -260,15 +270,19 @@ class Latency(Capability):
 
     def _attach_egress_root(self) -> None:
         """lat_egress on the cgroup2 root, for the whole run: in tracepoint and kprobe modes it finds a response's
-        socket by the packet's addresses, whichever cgroup sends it. A link, so a killed agent leaves nothing."""
+        socket by the packet's addresses, whichever cgroup sends it. A link, so a killed agent leaves nothing.
+        Where it cannot be (a verifier of another kernel refusing the parser, say), the send hooks still time the
+        headers and responses: TTFT and inter-token latency are unavailable, with the reason, and nothing else."""
         from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_EGRESS
 
-        root = self._cgroup_root()
         try:
+            root = self._cgroup_root()
             self._egress_root_link = self._link_root(root, self._load_egress().fd, ATTACH_CGROUP_INET_EGRESS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
-            self._release()
-            raise CapabilityError(f"attaching the latency egress program at {root} failed: {e}") from None
+            self.egress = False
+            self._egress_lost = True
+            self._egress_error = f"the egress program could not be attached: {e}"
+            log.warning("latency: %s; time to first token and inter-token latency unavailable", self._egress_error)
 
     def _cgroup_root(self) -> str:
         from qosagent.ebpf.cgroups import cgroup2_mount
@@ -603,7 +617,7 @@ class Latency(Capability):
         out = export.status(part, slo, adm.signal, adm.quantile)
         out["mode"] = self.mode
         out["ttft"] = ("measured: responses read as they leave" if self.egress else
-                       "unavailable: no cgroup v2 hierarchy for the egress program")
+                       f"unavailable: {self._egress_error}")
         out["programs"] = self.programs
         if self.mode == "sockops":
             out["cgroups"] = self.cgroups()

@@ -172,7 +172,7 @@ def test_slo_state() -> None:
 
 
 def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True, mode: str = "auto",
-           sockops: bool = False, cgroup2: str = "") -> tuple[str, str, str]:
+           sockops: bool = False, cgroup2: str = "/sys/fs/cgroup") -> tuple[str, str, str]:
     from qosagent.capability import AgentContext
     from qosagent.features import TRACEPOINTS, Features
     from qosagent.gpu.backend import NoGpu
@@ -192,10 +192,10 @@ ALL_TP = {"sock/inet_sock_set_state", "sock/sock_recv_length", "sock/sock_send_l
 
 
 def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
-    assert _probe(ALL_TP, cgroup2="/sys/fs/cgroup") == ("active", "", "tracepoint")
+    assert _probe(ALL_TP) == ("active", "", "tracepoint")
     # Without a cgroup2 mount no egress program reads the responses: said, and the rest still measured.
-    assert _probe(ALL_TP) == ("active", "no cgroup v2 hierarchy: time to first token and inter-token latency "
-                                        "unavailable", "tracepoint")
+    assert _probe(ALL_TP, cgroup2="") == ("degraded", "no cgroup v2 hierarchy: time to first token and inter-token latency "
+                                          "unavailable", "tracepoint")
     old = ALL_TP - {"sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready"}
     state, reason, mode = _probe(old, kprobes=True)
     assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "first read" in reason
@@ -206,11 +206,11 @@ def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
 
 def test_probe_prefers_sockops_where_the_kernel_and_a_cgroup2_mount_allow_and_honours_a_forced_mode() -> None:
     assert _probe(ALL_TP, sockops=True, cgroup2="/sys/fs/cgroup") == ("active", "", "sockops")
-    assert _probe(ALL_TP, sockops=True)[2] == "tracepoint"  # no cgroup v2: the tracepoints
+    assert _probe(ALL_TP, sockops=True, cgroup2="")[2] == "tracepoint"  # no cgroup v2: the tracepoints
     assert _probe(ALL_TP, sockops=True, cgroup2="/sys/fs/cgroup", mode="tracepoint")[2] == "tracepoint"
     state, reason, _ = _probe(ALL_TP, mode="sockops", cgroup2="/sys/fs/cgroup")
     assert state == "unavailable" and "6.15" in reason
-    state, reason, _ = _probe(ALL_TP, mode="sockops", sockops=True)
+    state, reason, _ = _probe(ALL_TP, mode="sockops", sockops=True, cgroup2="")
     assert state == "unavailable" and "cgroup v2" in reason
     state, reason, _ = _probe(ALL_TP, mode="kprobe")
     assert state == "unavailable" and "kprobes" in reason
