@@ -194,8 +194,8 @@ ALL_TP = {"sock/inet_sock_set_state", "sock/sock_recv_length", "sock/sock_send_l
 def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
     assert _probe(ALL_TP) == ("active", "", "tracepoint")
     # Without a cgroup2 mount no egress program reads the responses: said, and the rest still measured.
-    assert _probe(ALL_TP, cgroup2="") == ("degraded", "no cgroup v2 hierarchy: time to first token and inter-token latency "
-                                          "unavailable", "tracepoint")
+    no_ttft = "no cgroup v2 hierarchy: time to first token and inter-token latency unavailable"
+    assert _probe(ALL_TP, cgroup2="") == ("degraded", no_ttft, "tracepoint")
     old = ALL_TP - {"sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready"}
     state, reason, mode = _probe(old, kprobes=True)
     assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "first read" in reason
