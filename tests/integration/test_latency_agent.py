@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import agent_argv, agent_env, require
 from tests.integration.latency_helpers import free_port, serving
+from tests.kernel_modes import latency_modes
 
 N = 30  # requests per server
 FAST_DELAY = 0.020
@@ -135,9 +136,9 @@ class AgentProc:
         return self.proc.returncode
 
 
-@pytest.fixture
-def agent(bpf: None, tmp_path: Path) -> Iterator[AgentProc]:
-    a = AgentProc(tmp_path, EXAMPLE)
+@pytest.fixture(params=latency_modes())
+def agent(request: pytest.FixtureRequest, bpf: None, tmp_path: Path) -> Iterator[AgentProc]:
+    a = AgentProc(tmp_path, EXAMPLE + f"latency:\n  mode: {request.param}\n")  # each mode this kernel offers
     try:
         a.wait_ready()
         yield a
