@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import TIME_SCALE, agent_argv, agent_env, require
 from tests.integration.latency_helpers import free_port, serving
 from tests.kernel_modes import latency_modes
 
@@ -102,7 +102,7 @@ class AgentProc:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 30.0 * TIME_SCALE) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"agent exited early:\n{self.log.read_text()}"

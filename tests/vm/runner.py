@@ -107,7 +107,9 @@ def run(script: str, kernel: str | None = None, cpus: int = 2, memory: str = "3G
     with tempfile.TemporaryDirectory(prefix="qosagent-vm-") as tmp:
         # The guest sees the host's /tmp (under an overlay), so the script travels as a file: no quoting.
         path = Path(tmp) / "run.sh"
-        path.write_text(PROLOGUE + script + "\n")
+        # Emulation is about ten times slower than the host at compiling BPF programs: waits for the agent scale.
+        scale = 2 if accel == "kvm" else 10
+        path.write_text(PROLOGUE + f"export QOSAGENT_TEST_TIME_SCALE={scale}\n" + script + "\n")
         argv = ["nice", "-n", str(NICE), str(VENV_BIN / "vng"), "--run", str(kernel_image(kernel)),
                 "--cpus", str(cpus), "--memory", memory, "--name", "qosagent-vm", "--exec", f"bash {path}"]
         if accel == "tcg":
