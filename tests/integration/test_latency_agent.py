@@ -121,7 +121,7 @@ class AgentProc:
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run(agent_argv("status", "--json", "--socket", self.sock), env=agent_env(),
-                             capture_output=True, text=True, timeout=30, check=True)
+                             capture_output=True, text=True, timeout=30 * TIME_SCALE, check=True)
         return json.loads(out.stdout)
 
     def stop(self) -> int:

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from qosagent.status import request
 from tests.integration.latency_helpers import free_port, serving, until
 from tests.integration.test_latency_agent import EXAMPLE, AgentProc
 
@@ -62,12 +63,15 @@ def one_run(mode: str, requests: int, idle: int) -> dict[str, Any]:
                 c.getresponse().read()
                 c.close()
 
+            # The status socket in-process, not `qosagent status`: a Python start takes tens of seconds emulated.
+            def status() -> dict[str, Any]:
+                return request(agent.sock, {"cmd": "status"}, timeout=60)
+
             def acme() -> dict[str, Any]:
-                st = agent.status()["latency"]
-                return next((t for t in st["tenants"] if t["tenant"] == "acme"), {})
+                return next((t for t in status()["latency"]["tenants"] if t["tenant"] == "acme"), {})
 
             row = until(acme, lambda r: r.get("requests") == requests, timeout=10)
-            st = agent.status()
+            st = status()
             verdict = {k: st.get("capabilities", {}).get("latency", {}).get(k) for k in ("state", "reason")}
             with urllib.request.urlopen(agent.url("/metrics"), timeout=10) as r:
                 text = r.read().decode()
