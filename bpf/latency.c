@@ -15,9 +15,10 @@
  *    response bytes leave. Every other socket on the host (clients, other services) costs nothing per request.
  *    State is socket local storage.
  *  - otherwise, tracepoints that fire for every socket: inet_sock_set_state, the sock_recv_length /
- *    sock_send_length raw tracepoints (>= 6.4) or, built with QOS_KPROBE, kretprobes on tcp_recvmsg /
- *    tcp_sendmsg, and sk_data_ready (QOS_ARRIVAL, >= 6.6) for arrival. State is a table keyed by socket address;
- *    with QOS_EGRESS, a cgroup_skb egress program on the cgroup2 root finds a response's socket by its addresses.
+ *    sock_send_length raw tracepoints (>= 6.4) or, built with QOS_KPROBE, kprobes on tcp_cleanup_rbuf /
+ *    tcp_sendmsg, and sk_data_ready (QOS_ARRIVAL, >= 6.6; with QOS_KPROBE a kprobe on sock_def_readable) for
+ *    arrival. State is a table keyed by socket address; with QOS_EGRESS, a cgroup_skb egress program on the
+ *    cgroup2 root finds a response's socket by its addresses.
  * Only tracepoint arguments and UAPI types are used: in tracepoint mode `sk` is an opaque key, never dereferenced. */
 #include <uapi/linux/ptrace.h>
 #include <uapi/linux/in.h>
@@ -1263,64 +1264,54 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 }
 
 #ifdef QOS_ARRIVAL
-/* Bytes queued on a tracked socket (>= 6.6). A request's clock starts when its first bytes arrive, not when the
+/* Bytes queued on a tracked socket. A request's clock starts when its first bytes arrive, not when the
  * application gets round to reading them: time in the socket's queue is part of what the client waits. */
+static __always_inline void lat_arrived(__u64 sk)
+{
+    struct lat_sock *s = lat_tracked(sk);
+    if (!s || s->state == LAT_WAITING || s->state == LAT_MUX || s->arrived_ns)
+        return;
+    s->arrived_ns = bpf_ktime_get_ns();
+}
+
+#ifdef QOS_KPROBE
+/* Before 6.6 there is no sk_data_ready tracepoint: a kprobe on sock_def_readable, the TCP socket's data-ready
+ * callback that the tracepoint was later put in. Its first argument is the socket, used only as the key. Not
+ * tcp_rcv_established: it runs for every segment, the client's pure ACKs too, and telling those apart would mean
+ * reading the skb. */
+int kp_data_ready(struct pt_regs *ctx)
+{
+    lat_arrived(PT_REGS_PARM1(ctx));
+    return 0;
+}
+#else
 RAW_TRACEPOINT_PROBE(sk_data_ready)
 {
-    struct lat_sock *s = lat_tracked(ctx->args[0]); /* TP_PROTO(const struct sock *sk) */
-    if (!s || s->state == LAT_WAITING || s->state == LAT_MUX || s->arrived_ns)
-        return 0;
-    s->arrived_ns = bpf_ktime_get_ns();
+    lat_arrived(ctx->args[0]); /* TP_PROTO(const struct sock *sk), >= 6.6 */
     return 0;
 }
 #endif
+#endif
 
 #ifdef QOS_KPROBE
-/* Kernels without the sock_*_length tracepoints: the same hooks from tcp_recvmsg / tcp_sendmsg, whose first
- * argument is the socket and whose return value is the byte count. The flags of tcp_recvmsg moved between kernel
- * versions, so MSG_PEEK reads are not filtered here (rare on servers; documented). */
-/* The socket of each thread's tcp_recvmsg/tcp_sendmsg call in progress, for its return probe. */
-struct kp_sock {
-    __u64 sk;
-};
-
-BPF_F_TABLE("lru_hash", struct lat_pid_key, struct kp_sock, kp_sk, 16384, 0);
-
-/* Entry of both tcp_recvmsg and tcp_sendmsg: remember the socket for the return probe. */
-int kp_tcp_enter(struct pt_regs *ctx)
+/* Kernels without the sock_*_length tracepoints: kprobes at function entry only, on functions whose arguments
+ * carry the socket (a key, never dereferenced) and the byte count. No kretprobes: a kretprobe takes one of a small
+ * pool of instances (maxactive, about 2 per CPU) for as long as the call runs, and every thread on the host blocked
+ * in tcp_recvmsg (an idle keep-alive connection's reader) holds one, so once a handful are blocked every later
+ * call's return is missed and nothing is counted.
+ *  - reads: tcp_cleanup_rbuf(sk, copied), called by tcp_recvmsg (and splice's tcp_read_sock) with the bytes it
+ *    copied to the application; 0 when it read nothing. MSG_PEEK reads are not told apart (documented); a read
+ *    that waits for more (MSG_WAITALL, SO_RCVLOWAT) shows as an extra read.
+ *  - writes: tcp_sendmsg(sk, msg, size), the bytes the application hands over, timed at the call. */
+int kp_tcp_read(struct pt_regs *ctx)
 {
-    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct kp_sock k = {.sk = PT_REGS_PARM1(ctx)};
-    if (lat_tracked(k.sk))
-        kp_sk.update(&t, &k);
+    lat_recv(PT_REGS_PARM1(ctx), (int)PT_REGS_PARM2(ctx), 0);
     return 0;
 }
 
-/* The tracked socket of this thread's call that returns now, or 0. */
-static __always_inline __u64 kp_exit(void)
+int kp_tcp_sendmsg(struct pt_regs *ctx)
 {
-    struct lat_pid_key t = {.pid = (__u32)bpf_get_current_pid_tgid()};
-    struct kp_sock *k = kp_sk.lookup(&t);
-    if (!k)
-        return 0;
-    __u64 sk = k->sk;
-    kp_sk.delete(&t);
-    return sk;
-}
-
-int kp_tcp_recvmsg_ret(struct pt_regs *ctx)
-{
-    __u64 sk = kp_exit();
-    if (sk)
-        lat_recv(sk, (int)PT_REGS_RC(ctx), 0);
-    return 0;
-}
-
-int kp_tcp_sendmsg_ret(struct pt_regs *ctx)
-{
-    __u64 sk = kp_exit();
-    if (sk)
-        lat_send(sk, (int)PT_REGS_RC(ctx));
+    lat_send(PT_REGS_PARM1(ctx), (int)PT_REGS_PARM3(ctx));
     return 0;
 }
 #else

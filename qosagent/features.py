@@ -26,6 +26,9 @@ TRACEPOINTS = (
     "sched/sched_switch",
 )
 
+# Kernel functions the latency capability's kprobe fallback (kernels before 6.4) attaches to, by name in kallsyms.
+KPROBE_FUNCTIONS = ("tcp_cleanup_rbuf", "tcp_sendmsg", "sock_def_readable")
+
 
 @dataclass
 class Features:
@@ -36,6 +39,7 @@ class Features:
     bpffs: str = "absent"
     tracepoints: dict[str, bool] = field(default_factory=dict)
     kprobes: bool = False
+    kprobe_functions: dict[str, bool] = field(default_factory=dict)  # KPROBE_FUNCTIONS found in kallsyms
     cls_bpf: bool = False
     clsact: bool = False
     tcx: bool = False
@@ -116,6 +120,7 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
 
     f.cgroup2 = cgroup2_mount(fs) or ""
     f.kprobes = fs.exists("/sys/bus/event_source/devices/kprobe") or "register_kprobe" in syms
+    f.kprobe_functions = {fn: fn in syms for fn in KPROBE_FUNCTIONS}
     f.cls_bpf = "cls_bpf_classify" in syms or _module_file(fs, f.kernel, "net/sched/cls_bpf.ko")
     f.clsact = "clsact_init" in syms or "ingress_init" in syms or _module_file(fs, f.kernel, "net/sched/sch_ingress.ko")
     f.tcx = "tcx_prog_attach" in syms

@@ -18,6 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_FIXTURES = next((p / "shared" / "fixtures" for p in REPO.parents if (p / "shared" / "fixtures").is_dir()),
                        REPO.parent / "shared" / "fixtures")
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# Waits for the agent's start are multiplied by this: the kernel matrix's VMs (tests/vm) run under emulation when
+# KVM is not available, where compiling a BPF program takes tens of seconds instead of one.
+TIME_SCALE = float(os.environ.get("QOSAGENT_TEST_TIME_SCALE", "1"))
 
 
 def require(condition: bool, why: str) -> None:

@@ -33,7 +33,11 @@ log = logging.getLogger("qosagent.latency")
 
 SOCKET_TRACEPOINTS = ("sock/sock_recv_length", "sock/sock_send_length")
 RUNQ_TRACEPOINTS = ("sched/sched_wakeup", "sched/sched_wakeup_new", "sched/sched_switch")
-KPROBES = (("tcp_recvmsg", "kp_tcp_enter", "kp_tcp_recvmsg_ret"), ("tcp_sendmsg", "kp_tcp_enter", "kp_tcp_sendmsg_ret"))
+# The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency.c says why no kretprobes).
+KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
+# The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the
+# tracepoint was put in, TCP's data-ready callback.
+KPROBE_ARRIVAL = ("sock_def_readable", "kp_data_ready")
 RUNQ_REFRESH_S = 1.0  # how often the threads of the serving processes are re-listed
 CGROUP_EVENT_POLL_MS = 200  # how long the cgroup watcher blocks on the ring buffer before checking for stop
 # How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
@@ -89,6 +93,7 @@ class Latency(Capability):
         sockops_ok = features.sockops_sendmsg and bool(features.cgroup2)
         tracepoints_ok = all(features.has_tracepoint(tp) for tp in SOCKET_TRACEPOINTS)
         set_state = features.has_tracepoint("sock/inet_sock_set_state")
+        kprobe_fns = all(features.kprobe_functions.get(fn, False) for fn, _ in KPROBES)
         notes = []
         if cfg.mode == "sockops" or (cfg.mode == "auto" and sockops_ok):
             if not sockops_ok:
@@ -100,21 +105,30 @@ class Latency(Capability):
             self.egress = True  # and the egress program response bytes leave
         elif cfg.mode in ("auto", "tracepoint") and set_state and tracepoints_ok:
             self.mode = "tracepoint"
-        elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes:
+        elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes and kprobe_fns:
             self.mode = "kprobe"
-            notes.append("kprobe fallback on tcp_recvmsg/tcp_sendmsg")
+            notes.append("kprobe fallback on " + "/".join(fn for fn, _ in KPROBES))
         else:
+            kp_why = "no kprobes" if not features.kprobes else "no " + "/".join(
+                fn for fn, _ in KPROBES if not features.kprobe_functions.get(fn, False)) + " to probe"
             missing = ("no sock:inet_sock_set_state tracepoint (kernel < 4.16)" if not set_state else
                        "no sock:sock_recv_length/sock_send_length tracepoints (kernel < 6.4)" if cfg.mode != "kprobe"
-                       else "no kprobes")
+                       else kp_why)
             if cfg.mode == "auto":
-                missing += ", no kprobes for the tcp_recvmsg/tcp_sendmsg fallback" if set_state else ""
+                missing += f", {kp_why} for the kprobe fallback" if set_state else ""
                 missing += ", and no per-socket sock_ops hooks (kernel < 6.15 or no cgroup v2)"
             return Verdict(State.UNAVAILABLE, f"latency.mode {cfg.mode}: {missing}")
         if self.mode != "sockops":
             self.egress = bool(features.cgroup2)
             if not self.egress:
                 notes.append("no cgroup v2 hierarchy: time to first token and inter-token latency unavailable")
+        if self.mode == "kprobe":
+            self.arrival = features.kprobe_functions.get(KPROBE_ARRIVAL[0], False)
+            if self.arrival:
+                notes.append(f"request arrival from a kprobe on {KPROBE_ARRIVAL[0]}")
+            else:
+                notes.append(f"no {KPROBE_ARRIVAL[0]} to probe: requests timed from their first read, not arrival")
+        elif self.mode != "sockops":
             self.arrival = features.has_tracepoint("sock/sk_data_ready")
             if not self.arrival:
                 notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
@@ -149,9 +163,10 @@ class Latency(Capability):
         try:
             self.bpf = compile_program("latency", defines)
             if self.mode == "kprobe":
-                for fn, entry, ret in KPROBES:
-                    self.bpf.attach_kprobe(event=fn.encode(), fn_name=entry.encode())
-                    self.bpf.attach_kretprobe(event=fn.encode(), fn_name=ret.encode())
+                for fn, prog in KPROBES:
+                    self.bpf.attach_kprobe(event=fn.encode(), fn_name=prog.encode())
+                if self.arrival:
+                    self.bpf.attach_kprobe(event=KPROBE_ARRIVAL[0].encode(), fn_name=KPROBE_ARRIVAL[1].encode())
         except BpfError as e:
             raise CapabilityError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from qosagent.status import NoAgent, request
-from tests.conftest import agent_argv, agent_env
+from tests.conftest import TIME_SCALE, agent_argv, agent_env
 
 
 def start_quota_agent(netns: str, config: Path, socket: str, log: Path) -> subprocess.Popen:
@@ -16,7 +16,7 @@ def start_quota_agent(netns: str, config: Path, socket: str, log: Path) -> subpr
         agent = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}",
                                   *agent_argv("run", "--config", str(config))],
                                  env=agent_env(), stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
+    deadline = time.time() + 60 * TIME_SCALE
     while time.time() < deadline:
         assert agent.poll() is None, log.read_text()
         try:
@@ -29,4 +29,4 @@ def start_quota_agent(netns: str, config: Path, socket: str, log: Path) -> subpr
         time.sleep(0.2)
     agent.kill()
     agent.wait(10)
-    raise AssertionError("agent not ready in 60 s\n" + log.read_text())
+    raise AssertionError(f"agent not ready in {60 * TIME_SCALE:.0f} s\n" + log.read_text())

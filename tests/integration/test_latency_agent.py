@@ -20,8 +20,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import TIME_SCALE, agent_argv, agent_env, require
 from tests.integration.latency_helpers import free_port, serving
+from tests.kernel_modes import latency_modes
 
 N = 30  # requests per server
 FAST_DELAY = 0.020
@@ -101,7 +102,7 @@ class AgentProc:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 30.0 * TIME_SCALE) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"agent exited early:\n{self.log.read_text()}"
@@ -120,7 +121,7 @@ class AgentProc:
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run(agent_argv("status", "--json", "--socket", self.sock), env=agent_env(),
-                             capture_output=True, text=True, timeout=30, check=True)
+                             capture_output=True, text=True, timeout=30 * TIME_SCALE, check=True)
         return json.loads(out.stdout)
 
     def stop(self) -> int:
@@ -135,9 +136,9 @@ class AgentProc:
         return self.proc.returncode
 
 
-@pytest.fixture
-def agent(bpf: None, tmp_path: Path) -> Iterator[AgentProc]:
-    a = AgentProc(tmp_path, EXAMPLE)
+@pytest.fixture(params=latency_modes())
+def agent(request: pytest.FixtureRequest, bpf: None, tmp_path: Path) -> Iterator[AgentProc]:
+    a = AgentProc(tmp_path, EXAMPLE + f"latency:\n  mode: {request.param}\n")  # each mode this kernel offers
     try:
         a.wait_ready()
         yield a

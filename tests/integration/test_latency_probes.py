@@ -18,10 +18,11 @@ from qosagent.config import parse
 from qosagent.features import probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
-from qosagent.latency.capability import KPROBES, Latency
+from qosagent.latency.capability import KPROBE_ARRIVAL, KPROBES, Latency
 from qosagent.latency.model import LatencyPart
 from qosagent.tenants import tenant_id
 from tests.integration.latency_helpers import serving
+from tests.kernel_modes import READS, latency_modes
 
 PORTS = (18011, 18012, 18013, 18014, 18015)
 
@@ -73,9 +74,12 @@ def started(mode: str) -> Iterator[Latency]:
     fs = HostFS("/")
     features.ensure_mounted(fs)
     cap = Latency(AgentContext(config=config("127.0.0.2/32", mode=mode), hostfs=fs, gpu=NoGpu("test")))
-    assert cap.probe(probe(fs)).state is State.ACTIVE
-    assert cap.mode == mode  # this kernel (6.18, cgroup2) has what both modes need
-    assert cap.arrival, "this kernel has sock:sk_data_ready and cgroup ingress; the arrival clock must be in use"
+    feats = probe(fs)
+    assert cap.probe(feats).state is State.ACTIVE
+    assert cap.mode == mode  # only modes this kernel offers are asked for (tests/kernel_modes.py)
+    assert cap.arrival == (mode == "sockops" or feats.has_tracepoint("sock/sk_data_ready") or (
+        mode == "kprobe" and feats.kprobe_functions[KPROBE_ARRIVAL[0]])), \
+        "the arrival clock must be in use wherever the kernel has a hook for it"
     cap.start()
     try:
         yield cap
@@ -83,15 +87,16 @@ def started(mode: str) -> Iterator[Latency]:
         cap.stop()
 
 
-@pytest.fixture(params=["sockops", "tracepoint"])
+@pytest.fixture(params=latency_modes())
 def latency(request: pytest.FixtureRequest, bpf: None) -> Iterator[Latency]:
     with started(request.param) as cap:
         yield cap
 
 
-@pytest.fixture
-def tracepoint_latency(bpf: None) -> Iterator[Latency]:
-    with started("tracepoint") as cap:
+@pytest.fixture(params=latency_modes(*READS))
+def tracepoint_latency(request: pytest.FixtureRequest, bpf: None) -> Iterator[Latency]:
+    """A mode that sees reads: tracepoint, or its kprobe fallback on older kernels."""
+    with started(request.param) as cap:
         yield cap
 
 
@@ -179,18 +184,20 @@ def test_reload_rewrites_the_tenant_maps_in_place(latency: Latency, servers: Non
 
 @pytest.mark.privileged
 def test_kprobe_fallback_compiles_and_loads(bpf: None) -> None:
-    """This machine has no kprobes to attach to; what can be checked is that the fallback passes the verifier."""
+    """Where the kernel has no kprobes to attach to, what can be checked is that the fallback passes the verifier
+    (tests/vm runs it attached, on 6.1)."""
     from bcc import BPF
 
     from qosagent.ebpf.loader import compile_program
 
-    b = compile_program("latency", {"QOS_KPROBE": 1})
+    b = compile_program("latency", {"QOS_KPROBE": 1, "QOS_ARRIVAL": 1})
     try:
-        for _event, entry, ret in KPROBES:
-            assert b.load_func(entry.encode(), BPF.KPROBE).fd >= 0
-            assert b.load_func(ret.encode(), BPF.KPROBE).fd >= 0
-        # The kprobe build must not also attach the socket tracepoints (each event would be counted twice).
-        assert not any(b"sock_recv_length" in tp or b"sock_send_length" in tp
+        for _event, prog in KPROBES:
+            assert b.load_func(prog.encode(), BPF.KPROBE).fd >= 0
+        assert b.load_func(KPROBE_ARRIVAL[1].encode(), BPF.KPROBE).fd >= 0
+        # The kprobe build must not also attach the socket tracepoints (each event would be counted twice), nor
+        # sk_data_ready, which kernels that need the kprobes do not have.
+        assert not any(b"sock_recv_length" in tp or b"sock_send_length" in tp or b"sk_data_ready" in tp
                        for tp in list(b.tracepoint_fds) + list(b.raw_tracepoint_fds))
     finally:
         b.cleanup()

@@ -172,9 +172,10 @@ def test_slo_state() -> None:
 
 
 def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True, mode: str = "auto",
-           sockops: bool = False, cgroup2: str = "/sys/fs/cgroup") -> tuple[str, str, str]:
+           sockops: bool = False, cgroup2: str = "/sys/fs/cgroup",
+           absent_fns: tuple[str, ...] = ()) -> tuple[str, str, str]:
     from qosagent.capability import AgentContext
-    from qosagent.features import TRACEPOINTS, Features
+    from qosagent.features import KPROBE_FUNCTIONS, TRACEPOINTS, Features
     from qosagent.gpu.backend import NoGpu
     from qosagent.hostfs import HostFS
     from qosagent.latency.capability import Latency
@@ -182,6 +183,7 @@ def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True, 
     cfg = parse({"latency": {"mode": mode, "runqueue": {"enabled": runqueue}}}, "t")
     cap = Latency(AgentContext(config=cfg, hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
     f = Features(tracepoints={tp: tp in tracepoints for tp in TRACEPOINTS}, kprobes=kprobes,
+                 kprobe_functions={fn: fn not in absent_fns for fn in KPROBE_FUNCTIONS},
                  sockops_sendmsg=sockops, cgroup2=cgroup2)
     v = cap.probe(f)
     return v.state.value, v.reason, cap.mode
@@ -198,7 +200,12 @@ def test_probe_picks_tracepoints_then_kprobes_by_what_the_kernel_has() -> None:
     assert _probe(ALL_TP, cgroup2="") == ("degraded", no_ttft, "tracepoint")
     old = ALL_TP - {"sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready"}
     state, reason, mode = _probe(old, kprobes=True)
-    assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "first read" in reason
+    assert (state, mode) == ("active", "kprobe") and "kprobe fallback" in reason and "arrival" in reason
+    assert "first read" not in reason  # sock_def_readable is probed for the arrival clock
+    state, reason, mode = _probe(old, kprobes=True, absent_fns=("sock_def_readable",))
+    assert (state, mode) == ("active", "kprobe") and "first read" in reason
+    state, reason, _ = _probe(old, kprobes=True, absent_fns=("tcp_cleanup_rbuf",))
+    assert state == "unavailable" and "tcp_cleanup_rbuf" in reason
     state, reason, _ = _probe(old, kprobes=False)
     assert state == "unavailable" and "no kprobes" in reason
     assert _probe(set())[0] == "unavailable"

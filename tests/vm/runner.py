@@ -1,0 +1,204 @@
+"""Boot a cached distro kernel in a VM on this host's root filesystem and run a shell script in it.
+
+The kernels are unpacked by scripts/vm-kernel.sh (from `make setup-test`) under QOSAGENT_VM_CACHE
+(/var/lib/qosagent-vm/kernels/<version>). virtme-ng boots one with the host's root filesystem shared read-only (9p;
+/etc, /tmp, /var and a few more get a throwaway overlay in the guest), so the guest runs this checkout and its
+.venv as they are here. KVM when it works, QEMU's TCG emulation when it does not (nested KVM often fails). QEMU
+runs niced, in a session of its own that is killed on timeout: no VM outlives a run.
+
+    python -m tests.vm.runner [--kernel VERSION] [--cpus N] [--memory SIZE] [--numa] -- pytest args...
+
+runs `pytest args` in the VM with CI=true and exits with pytest's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("QOSAGENT_VM_CACHE", "/var/lib/qosagent-vm"))
+VENV_BIN = REPO / ".venv" / "bin"
+UP_MARK = "qosagent-vm: up"
+NICE = 15  # the host's CPUs are shared: the VM yields to everything else
+# The guest's first line: its uptime when its command starts. The rest mounts what a systemd host would have.
+PROLOGUE = f"""\
+echo "{UP_MARK} $(cut -d' ' -f1 /proc/uptime)"
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export HOME=/root CI=true QOSAGENT_IN_VM=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+grep -q ' /sys/fs/bpf bpf ' /proc/mounts || mount -t bpf bpf /sys/fs/bpf
+grep -q ' /sys/kernel/tracing tracefs ' /proc/mounts || mount -t tracefs tracefs /sys/kernel/tracing
+ip link set lo up
+cd {shlex.quote(str(REPO))}
+"""
+
+
+@dataclass
+class VmResult:
+    kernel: str
+    accel: str  # "kvm" or "tcg"
+    rc: int  # the script's exit status; 124 when the VM was killed at the timeout
+    output: str  # the guest's stdout and stderr, and virtme-ng's own messages
+    boot_s: float | None  # from starting QEMU to the guest's first command (None: it never got there)
+    wall_s: float  # from starting QEMU to its exit
+    timed_out: bool
+
+
+def kernels() -> list[str]:
+    """Kernel versions unpacked in the cache, oldest first."""
+    root = CACHE / "kernels"
+    found = [d.name for d in root.iterdir() if (d / ".complete").exists()] if root.is_dir() else []
+    return sorted(found, key=lambda v: [int(x) if x.isdigit() else x for x in re.split(r"[.-]", v)])
+
+
+def kernel_image(version: str) -> Path:
+    return CACHE / "kernels" / version / "boot" / f"vmlinuz-{version}"
+
+
+def missing() -> str | None:
+    """Why a VM cannot be started here, or None."""
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("qemu-system-x86_64") is None:
+        return "qemu-system-x86_64 not installed (make setup-test)"
+    if not (VENV_BIN / "vng").exists():
+        return "virtme-ng not installed in .venv (make setup-test)"
+    if not kernels():
+        return f"no kernel unpacked under {CACHE}/kernels (make setup-test)"
+    return None
+
+
+@functools.cache
+def kvm_works() -> bool:
+    """Whether QEMU can create a KVM vCPU here: nested KVM can exist and still fail at the vCPU's first MSR write,
+    at once. A paused VM that is still alive after a second has passed that point."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK) or os.environ.get("QOSAGENT_VM_KVM") == "0":
+        return False
+    try:
+        r = subprocess.run(["timeout", "1", "qemu-system-x86_64", "-accel", "kvm", "-machine", "q35", "-cpu", "max",
+                            "-nodefaults", "-display", "none", "-S", "-m", "64"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 124
+
+
+def run(script: str, kernel: str | None = None, cpus: int = 2, memory: str = "3G", timeout: float = 1200,
+        numa: bool = False, echo: Callable[[str], None] | None = None) -> VmResult:
+    """Run `script` (bash) in the repository's directory inside a VM booted from `kernel` (default: the newest
+    cached), as root with CI=true. numa: two NUMA nodes, half the memory and CPUs each."""
+    why = missing()
+    if why:
+        raise RuntimeError(f"cannot start a VM: {why}")
+    kernel = kernel or kernels()[-1]
+    accel = "kvm" if kvm_works() else "tcg"
+    with tempfile.TemporaryDirectory(prefix="qosagent-vm-") as tmp:
+        # The guest sees the host's /tmp (under an overlay), so the script travels as a file: no quoting.
+        path = Path(tmp) / "run.sh"
+        # Emulation is about ten times slower than the host at compiling BPF programs: waits for the agent scale.
+        scale = 2 if accel == "kvm" else 10
+        path.write_text(PROLOGUE + f"export QOSAGENT_TEST_TIME_SCALE={scale}\n" + script + "\n")
+        argv = ["nice", "-n", str(NICE), str(VENV_BIN / "vng"), "--run", str(kernel_image(kernel)),
+                "--cpus", str(cpus), "--memory", memory, "--name", "qosagent-vm", "--exec", f"bash {path}"]
+        if accel == "tcg":
+            argv.append("--disable-kvm")
+        if numa:
+            mb = _megabytes(memory)
+            half = cpus // 2
+            argv += ["--numa", f"{mb // 2}M,cpus=0-{half - 1}", "--numa", f"{mb - mb // 2}M,cpus={half}-{cpus - 1}"]
+        env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}")
+        lines: list[str] = []
+        up: list[float] = []
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, text=True, errors="replace", start_new_session=True, cwd=REPO)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not up and line.startswith(UP_MARK):
+                    up.append(time.monotonic() - t0)
+                lines.append(line)
+                if echo:
+                    echo(line)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = 124
+        finally:
+            _end_session(proc)
+        reader.join(timeout=10)
+        wall = time.monotonic() - t0
+    return VmResult(kernel=kernel, accel=accel, rc=rc, output="".join(lines), boot_s=up[0] if up else None,
+                    wall_s=wall, timed_out=timed_out)
+
+
+def _end_session(proc: subprocess.Popen[str]) -> None:
+    """Stop QEMU and virtme-ng (the session this run started, and nothing else) if they are still there."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is gone; children (QEMU) may remain in the group a moment longer.
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+
+
+def _megabytes(size: str) -> int:
+    m = re.fullmatch(r"(\d+)([MG])?", size.upper())
+    if not m:
+        raise ValueError(f"memory size {size!r}: want N, NM or NG")
+    return int(m.group(1)) * (1024 if m.group(2) == "G" else 1)
+
+
+def pytest_script(args: list[str]) -> str:
+    """The guest's command for a pytest selection (no cache writes: the checkout is read-only there)."""
+    return "exec .venv/bin/python -m pytest -p no:cacheprovider " + " ".join(shlex.quote(a) for a in args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.vm.runner", description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", help="a cached kernel version (default: the newest)")
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--memory", default="3G")
+    p.add_argument("--numa", action="store_true", help="two NUMA nodes")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--shell", help="run this bash command instead of pytest")
+    p.add_argument("pytest_args", nargs="*")
+    a = p.parse_args(argv)
+    script = a.shell if a.shell else pytest_script(a.pytest_args)
+    r = run(script, kernel=a.kernel, cpus=a.cpus, memory=a.memory, timeout=a.timeout, numa=a.numa,
+            echo=lambda line: sys.stdout.write(line))
+    boot = f"{r.boot_s:.1f}" if r.boot_s is not None else "-"
+    print(f"qosagent-vm: kernel {r.kernel} ({r.accel}): exit {r.rc}, boot {boot} s, total {r.wall_s:.1f} s"
+          + (" (timed out)" if r.timed_out else ""), file=sys.stderr)
+    return r.rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
