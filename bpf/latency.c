@@ -646,12 +646,17 @@ static __always_inline void lat_response_segment(struct __sk_buff *skb, struct l
     }
     __u32 zero = 0;
     struct lat_scan *buf = lat_scan_buf.lookup(&zero);
-    __u32 n = len < LAT_SCAN ? len : LAT_SCAN;
-    /* clang knows n <= LAT_SCAN and would drop the mask; the verifier needs it on the register it checks. */
+    /* 1 to LAT_SCAN - 1 bytes, and the size passed is bounded by arithmetic on itself: clang knows the bounds and
+     * would drop a mask, or merge "0 < n <= max" into one compare of n - 1, and older verifiers (6.1) see no range
+     * through that, nor from a compare of a copy of n reloaded from the stack. */
+    __u32 n = len < LAT_SCAN ? len : LAT_SCAN - 1;
     asm volatile("" : "+r"(n));
-    n &= 2 * LAT_SCAN - 1;
-    if ((s->resp != LAT_R_START && s->resp != LAT_R_HEAD) || !buf || n == 0 || n > LAT_SCAN ||
-        bpf_skb_load_bytes(skb, off, &buf->b[3], n)) {
+    n &= LAT_SCAN - 1;
+    __u32 size = n;
+    asm volatile("" : "+r"(size));
+    size = ((size - 1) & (LAT_SCAN - 1)) + 1;
+    if ((s->resp != LAT_R_START && s->resp != LAT_R_HEAD) || !buf || n == 0 ||
+        bpf_skb_load_bytes(skb, off, &buf->b[3], size)) {
         lat_response_bytes(s, now);
         return;
     }

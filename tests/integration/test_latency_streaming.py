@@ -36,12 +36,12 @@ from tests.integration.sse_client import (
     split_body_request,
 )
 from tests.integration.sse_server import sse_server
+from tests.kernel_modes import latency_modes
 
-MODES = ("sockops", "tracepoint")
 N = 40  # streamed requests per run
 
 
-@pytest.fixture(params=MODES)
+@pytest.fixture(params=latency_modes())
 def agent(request: pytest.FixtureRequest, bpf: None) -> Iterator[tuple[Latency, int]]:
     """The latency capability in the given mode, watching a free port that the test's server will serve."""
     port = free_port()

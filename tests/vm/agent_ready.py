@@ -79,7 +79,7 @@ def one_run(mode: str, requests: int, idle: int) -> dict[str, Any]:
                         if line.startswith("qosagent_connections_total{") and 'tenant="acme"' in line)
             return {"mode": mode, "ready_s": round(ready_s, 1), "requests_sent": requests,
                     "requests_counted": row.get("requests", 0), "connections_counted": conns,
-                    "ttfb_p50": (row.get("ttfb_total") or {}).get("p50"), "idle_connections": idle,
+                    "headers_p50": (row.get("headers_total") or {}).get("p50"), "idle_connections": idle,
                     "verdict": verdict}
         finally:
             agent.stop()
