@@ -63,10 +63,17 @@ def run_prometheus(d: Path, scrape_configs: list[dict[str, Any]], *, native: boo
         argv.append("--enable-feature=native-histograms")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("Prometheus to be ready", lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=5).status == 200,
-                 time.monotonic() + DEADLINE_S)
+    with running(proc, "Prometheus to be ready",
+                 lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=5).status == 200):
         yield url
+
+
+@contextlib.contextmanager
+def running(proc: subprocess.Popen[str], what: str, ready: Any) -> Iterator[None]:
+    """proc, once ready() says so (within DEADLINE_S); stopped on exit, its output printed when it failed."""
+    try:
+        wait_for(what, ready, time.monotonic() + DEADLINE_S)
+        yield
     finally:
         out = stop(proc)
         if proc.returncode not in (0, -15):

@@ -19,7 +19,7 @@ import yaml
 
 from tests.conftest import REPO, agent_argv, agent_env, require
 from tests.integration.latency_helpers import free_port, serving
-from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, stop, wait_for
+from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, running, wait_for
 from tests.integration.test_ship_deploy import rules_file
 from tests.integration.test_ship_metrics_tls import self_signed
 
@@ -43,14 +43,8 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     proc = subprocess.Popen(agent_argv("run", "--config", str(conf)), env=agent_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     info = {"port": port, "cert": cert, "dir": d, "proc": proc, "tenant_port": tenant_port}
-    try:
-        wait_for("the agent's /readyz", lambda: scrape(info, "/readyz")[0] == 200,
-                 time.monotonic() + DEADLINE_S)
+    with running(proc, "the agent's /readyz", lambda: scrape(info, "/readyz")[0] == 200):
         yield info
-    finally:
-        out = stop(proc)
-        if proc.returncode not in (0, -15):
-            print(out)
 
 
 def scrape(agent: dict[str, Any], path: str = "/metrics") -> tuple[int, str]:
