@@ -56,7 +56,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 "$VENV/bin/python" -c 'import bcc, pyroute2, qosagent' || { echo "setup: imports failed" >&2; exit 1; }
 
-# The kernel matrix (tests/vm): QEMU, virtme-ng and Debian 12's 6.1 kernel in a cache, never installed on the host.
-if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ] && [ "${QOSAGENT_VM:-1}" != 0 ]; then
+# The kernel matrix (tests/vm, `make test-kernels`): QEMU, virtme-ng and Debian 12's 6.1 kernel in a cache, never
+# installed on the host.
+if [ "${QOSAGENT_SETUP_VM:-0}" = 1 ]; then
   VENV="$VENV" scripts/vm-kernel.sh
 fi

@@ -1,6 +1,6 @@
 """Boot a cached distro kernel in a VM on this host's root filesystem and run a shell script in it.
 
-The kernels are unpacked by scripts/vm-kernel.sh (from `make setup-test`) under QOSAGENT_VM_CACHE
+The kernels are unpacked by scripts/vm-kernel.sh (from `make setup-kernels`) under QOSAGENT_VM_CACHE
 (/var/lib/qosagent-vm/kernels/<version>). virtme-ng boots one with the host's root filesystem shared read-only (9p;
 /etc, /tmp, /var and a few more get a throwaway overlay in the guest), so the guest runs this checkout and its
 .venv as they are here. KVM when it works, QEMU's TCG emulation when it does not (nested KVM often fails). QEMU
@@ -73,11 +73,11 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "not root"
     if shutil.which("qemu-system-x86_64") is None:
-        return "qemu-system-x86_64 not installed (make setup-test)"
+        return "qemu-system-x86_64 not installed (make setup-kernels)"
     if not (VENV_BIN / "vng").exists():
-        return "virtme-ng not installed in .venv (make setup-test)"
+        return "virtme-ng not installed in .venv (make setup-kernels)"
     if not kernels():
-        return f"no kernel unpacked under {CACHE}/kernels (make setup-test)"
+        return f"no kernel unpacked under {CACHE}/kernels (make setup-kernels)"
     return None
 
 

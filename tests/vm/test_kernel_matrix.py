@@ -63,6 +63,7 @@ def kernels() -> list[str]:
         return ["none cached"]
 
 
+@pytest.mark.kernel_matrix
 @pytest.mark.slow
 @pytest.mark.privileged
 @pytest.mark.parametrize("kernel", kernels())
