@@ -4,8 +4,8 @@
 # Idempotent and quick when all is there. Nothing is installed into /boot, /lib/modules or dpkg's database for the
 # VM's kernel, and the host's own kernel set-up is never touched: virtme-ng links the cache's modules directory into
 # the guest's /lib/modules itself, and the cache's `build` link points at the cache's headers.
-# Called by scripts/setup.sh with QOSAGENT_SETUP_VM=1 (`make setup-kernels`); QOSAGENT_VM_KERNEL=<version> picks another kernel,
-# QOSAGENT_VM_CACHE another cache.
+# Called by scripts/setup.sh with QOSAGENT_SETUP_VM=1 (`make setup-kernels`); QOSAGENT_VM_KERNEL=<version> picks
+# another kernel, QOSAGENT_VM_CACHE another cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

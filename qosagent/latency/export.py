@@ -55,7 +55,6 @@ SIGNALS = {
     "inter_token": ("inter_token", "Gaps between successive body writes of a response (inter-token latency: a write "
                     "is one token or a group of them, as the server flushes)"),
 }
-SLO_SIGNALS = ("ttft", "headers", "response")  # admission.signal
 
 
 def add_histogram(fam: NativeHistogramMetricFamily, lv: list[str], h: Histogram, bounds_ns: tuple[int, ...]) -> None:
