@@ -43,16 +43,16 @@ def classic_bounds_ns(cfg: ClassicBucketsConfig = DEFAULT_BUCKETS) -> tuple[int,
     return tuple(export_bounds_ns(LO_LOG2, HI_LOG2, cfg.per_octave, (lo, hi, cfg.fine_per_octave)))
 
 
-# The latencies of a response, by the name config, status and the metrics use for each: (model field, help).
+# The latencies of a response, by the one name the config, the model's fields, status and the metrics use: help.
 SIGNALS = {
-    "headers": ("headers", "Time from a request's first bytes to the first response bytes written (for HTTP, the "
+    "headers": ("Time from a request's first bytes to the first response bytes written (for HTTP, the "
                 "response headers: when the server accepted the work)"),
-    "ttft": ("ttft", "Time from a request's first bytes to the first response body byte (time to first token; "
+    "ttft": ("Time from a request's first bytes to the first response body byte (time to first token; "
              "HTTP/1.x responses only, interim 1xx responses passed over)"),
-    "response": ("response", "Time from a request's first bytes to the last response byte (where its framing "
+    "response": ("Time from a request's first bytes to the last response byte (where its framing "
                  "says the body ends: Content-Length, chunked; else the last write before the next request or the "
                  "close)"),
-    "inter_token": ("inter_token", "Gaps between successive body writes of a response (inter-token latency: a write "
+    "inter_token": ("Gaps between successive body writes of a response (inter-token latency: a write "
                     "is one token or a group of them, as the server flushes)"),
 }
 
@@ -75,10 +75,10 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
     labels = ["tenant", "tier"]
     bounds = classic_bounds_ns(classic_buckets)
     hists = {name: NativeHistogramMetricFamily(f"qosagent_{name}_seconds", f"{help_}, since start", labels=labels)
-             for name, (_f, help_) in SIGNALS.items()}
+             for name, help_ in SIGNALS.items()}
     windows = {name: SummaryMetricFamily(f"qosagent_{name}_window_seconds", f"{help_}, over the last latency.window: "
                                          "quantiles (absent while the window is empty), count and sum", labels=labels)
-               for name, (_f, help_) in SIGNALS.items()}
+               for name, help_ in SIGNALS.items()}
     slo = GaugeMetricFamily("qosagent_slo_latency_seconds", "The latency the SLO is judged on, as admission judges "
                             "it: admission.quantile of admission.signal over the last latency.window (absent while "
                             "the window is empty)", labels=labels + ["signal", "slo_quantile"])
@@ -113,10 +113,10 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
                                  labels=labels)
     for t in part.tenants.values():
         lv = [t.tenant, t.tier]
-        for name, (field_, _h) in SIGNALS.items():
-            total: Histogram = getattr(t, field_)
+        for name in SIGNALS:
+            total: Histogram = getattr(t, name)
             add_histogram(hists[name], lv, total, bounds)
-            win: Histogram = getattr(t, f"{field_}_window")
+            win: Histogram = getattr(t, f"{name}_window")
             fam = windows[name]
             for q in QUANTILES:
                 v = win.quantile(q)
@@ -190,9 +190,9 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
             "multiplexed_connections": t.multiplexed_connections, "untracked": t.untracked, "lost": t.lost,
             "no_ttft": dict(t.no_ttft), "interim": t.interim, "framed": t.framed,
         }
-        for name, (field_, _h) in SIGNALS.items():
-            row[name] = _quantiles(getattr(t, f"{field_}_window"))
-            row[f"{name}_total"] = _quantiles(getattr(t, field_))
+        for name in SIGNALS:
+            row[name] = _quantiles(getattr(t, f"{name}_window"))
+            row[f"{name}_total"] = _quantiles(getattr(t, name))
         row["ttft_note"] = _ttft_note(t)
         # Body writes per response over the window: the first body write is the TTFT, each later one an inter-token
         # gap (a write is a token or a group of them, as the server flushes).
