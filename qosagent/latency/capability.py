@@ -255,13 +255,14 @@ class Latency(Capability):
             return
         for pid in sorted(pids):
             v2 = cgroup_paths(self.ctx.hostfs.try_read(f"/proc/{pid}/cgroup") or "")[0]
-            path = posixpath.join(root, v2.lstrip("/")) if v2 else ""
+            if not v2:
+                continue
+            path = posixpath.join(root, v2.lstrip("/"))
             try:
-                cgid = os.stat(self.ctx.hostfs.path(path)).st_ino if path else 0
+                cgid = os.stat(self.ctx.hostfs.path(path)).st_ino  # the id, as the kernel would report it
             except OSError:
-                cgid = 0
-            if cgid:
-                self._link_cgroup(cgid, pid)
+                continue  # the process or its cgroup went meanwhile
+            self._link_cgroup(cgid, pid, path)
 
     def _link_root(self, root: str, prog_fd: int, attach_type: int) -> int:
         """A link of the program on the cgroup2 root (its fd): a killed agent leaves nothing attached."""
@@ -320,12 +321,13 @@ class Latency(Capability):
         ev = ctypes.cast(data, ctypes.POINTER(_CgroupEvent)).contents
         self._link_cgroup(int(ev.id), int(ev.tgid))
 
-    def _link_cgroup(self, cgid: int, tgid: int) -> None:
-        """Attach the ingress program to the cgroup the kernel saw a watched port served from."""
+    def _link_cgroup(self, cgid: int, tgid: int, path: str | None = None) -> None:
+        """Attach the ingress and egress programs to a cgroup a watched port is served from: its id as the kernel
+        reports it (its path then found under the hierarchy), or its path when the agent found it itself."""
         with self._cgroup_lock:
             if self._ingress is None:
                 return
-            path = self._cgroup_index.path_of(cgid)
+            path = path or self._cgroup_index.path_of(cgid)
             if path is None:
                 self._cgroup_errors += 1
                 log.warning("latency: cgroup id %d (where %s serves a watched port) not found under %s: request "
