@@ -427,7 +427,7 @@ struct lat_scan {
     __u32 rest_off;
     __u32 rest_len;
     __u64 now;
-    __u64 sk; /* tracepoint mode: the socket's key in the table */
+    __u64 sk; /* tracepoint mode: the socket's key in the table (lat_egress sets it) */
     __u8 psh;
 };
 
@@ -633,8 +633,8 @@ static __always_inline void lat_body(struct __sk_buff *skb, struct lat_sock *s, 
 }
 
 /* Response bytes [off, off + len) of skb, new on the wire, leave a tracked socket. */
-static __always_inline void lat_response_segment(struct __sk_buff *skb, struct lat_sock *s, __u64 key, __u32 off,
-                                                 __u32 len, __u8 psh)
+static __always_inline void lat_response_segment(struct __sk_buff *skb, struct lat_sock *s, __u32 off, __u32 len,
+                                                 __u8 psh)
 {
     if (s->state != LAT_WAITING && s->state != LAT_RESPONDING)
         return; /* idle, pushing, done: nothing of a request's to time (the send hooks count unpaired writes) */
@@ -709,17 +709,15 @@ static __always_inline void lat_response_segment(struct __sk_buff *skb, struct l
         return;
     }
     s->resp = LAT_R_BODY;
+    buf->rest_off = off + used;
+    buf->rest_len = used < len ? len - used : 0;
+    buf->psh = psh;
+    buf->now = now;
     /* The framing is read by a program of its own (lat_egress_framing), which then goes on with this segment's
      * body bytes: verified apart, its paths do not multiply with this one's. When the header block ended in a later
      * segment than it began (its lines were not all scanned here), or the call fails, the end comes from what follows. */
-    if (!s->scanned) {
-        buf->sk = key;
-        buf->rest_off = off + used;
-        buf->rest_len = used < len ? len - used : 0;
-        buf->psh = psh;
-        buf->now = now;
+    if (!s->scanned)
         lat_tail.call(skb, 0);
-    }
     if (used < len)
         lat_body(skb, s, off + used, len - used, psh, now);
 }
@@ -734,10 +732,9 @@ static __always_inline void lat_framing_and_body(struct __sk_buff *skb, struct l
 }
 
 /* Payload of a tracked socket leaves: the part not seen before (a retransmission, or a packet the learner and a
- * serving cgroup's program both see, brings nothing new) is response bytes. key: the socket's key in tracepoint
- * mode's table, for lat_egress_framing to find it again (0 in sockops mode, where the packet names it). */
-static __always_inline void lat_leaving(struct __sk_buff *skb, struct lat_sock *s, __u64 key, __u32 seq, __u8 psh,
-                                        __u32 off, __u32 len)
+ * serving cgroup's program both see, brings nothing new) is response bytes. */
+static __always_inline void lat_leaving(struct __sk_buff *skb, struct lat_sock *s, __u32 seq, __u8 psh, __u32 off,
+                                        __u32 len)
 {
     __u32 end = seq + len;
     if (s->snd_seen) {
@@ -751,7 +748,7 @@ static __always_inline void lat_leaving(struct __sk_buff *skb, struct lat_sock *
     }
     s->snd_seen = 1;
     s->snd_end = end;
-    lat_response_segment(skb, s, key, off, len, psh);
+    lat_response_segment(skb, s, off, len, psh);
 }
 #endif
 
@@ -985,7 +982,7 @@ static __always_inline int lat_departure(struct __sk_buff *skb)
     struct bpf_sock *sk;
     struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len);
     if (s)
-        lat_leaving(skb, s, 0, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
+        lat_leaving(skb, s, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
     return 1;
 }
 
@@ -1193,8 +1190,12 @@ int lat_egress(struct __sk_buff *skb)
     __u8 psh = th->flags & LAT_TCP_PSH;
     struct lat_flow_sk *f = lat_flows.lookup(&k);
     struct lat_sock *s = f ? lat_tracked(f->sk) : 0;
-    if (s && s->state != LAT_MUX)
-        lat_leaving(skb, s, f->sk, seq, psh, off, len);
+    __u32 zero = 0;
+    struct lat_scan *buf = lat_scan_buf.lookup(&zero);
+    if (!s || s->state == LAT_MUX || !buf)
+        return 1;
+    buf->sk = f->sk;
+    lat_leaving(skb, s, seq, psh, off, len);
     return 1;
 }
 
