@@ -45,6 +45,26 @@ class CapabilityError(Exception):
     """A capability cannot start or went wrong in a way the daemon reports; message is for the operator."""
 
 
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Change:
+    """A reload one capability has prepared against a new config: checked, nothing written yet.
+
+    The daemon prepares every capability first and commits only when none refused, so a refusal leaves all of them
+    on the old config. `commit` writes; when it fails part-way it puts back what it wrote and raises
+    CapabilityError. `undo` puts the old config back after a commit that succeeded, when a later capability's
+    commit failed."""
+
+    commit: Callable[[], None] = _nothing
+    undo: Callable[[], None] = _nothing
+
+
+UNCHANGED = Change()
+
+
 @dataclass
 class AgentContext:
     """What a capability may touch: the host through seams, never directly."""
@@ -55,6 +75,9 @@ class AgentContext:
     clock: Callable[[], float] = time.monotonic
     # What one capability offers another, by a dotted name (e.g. "quota.limits" -> tenants.LimitsWriter).
     services: dict[str, Any] = field(default_factory=dict)
+    # The verdicts of the capabilities probed (and started, in the agent) before this one, by name: what a
+    # capability may count on from another at probe, in `qosagent check` as in the agent.
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qosagent"))
 
 
@@ -93,8 +116,11 @@ class Capability:
     def apply(self, decisions: list[Decision]) -> None:
         """Write what was decided (nothing in dry-run)."""
 
-    def reload(self, config: "Config") -> None:
-        """Take a new, already validated config in place; raise CapabilityError to keep the old one."""
+    def prepare(self, config: "Config") -> Change:
+        """Check a new, already validated config against what runs, writing nothing; raise CapabilityError to
+        refuse it (the old config then stays everywhere). Keys marked RESTART in the schema never differ here.
+        A capability that reads its config each tick has nothing to prepare."""
+        return UNCHANGED
 
     def stop(self) -> None:
         """Undo everything start() and apply() did, in reverse; safe to call twice."""

@@ -116,7 +116,7 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
     gpu = _gpu_backend(cfg)
     feats = probe(fs, f"{gpu.name}: " + (getattr(gpu, "reason", "") or f"{len(gpu.devices())} GPU(s)"))
     ctx = AgentContext(config=cfg, hostfs=fs, gpu=gpu)
-    verdicts: dict[str, Verdict] = {}
+    verdicts: dict[str, Verdict] = ctx.verdicts
     for cls in registry():
         if not cls.enabled(cfg):
             verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")

@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from qosagent.admission.config import AdmissionConfig
-from qosagent.configbase import Duration, Port, Section
+from qosagent.configbase import RESTART, Duration, Port, Section
 from qosagent.dvfs.config import DvfsConfig
 from qosagent.gpu.config import GpuConfig
 from qosagent.latency.config import LatencyConfig
@@ -126,12 +126,13 @@ def _default_tiers() -> dict[str, TierConfig]:
 
 class Config(Section):
     interval: Duration = 0.1
-    log_level: str = Field(default="info", pattern="^(debug|info|warning|error)$")
-    state_dir: str = "/run/qosagent"
-    metrics: MetricsConfig = MetricsConfig()
-    status: StatusConfig = StatusConfig()
-    bpf: BpfConfig = BpfConfig()
-    gpu: GpuConfig = GpuConfig()
+    # Keys marked RESTART are read once at start (a reload that changes one is refused, naming it).
+    log_level: Annotated[str, RESTART] = Field(default="info", pattern="^(debug|info|warning|error)$")
+    state_dir: Annotated[str, RESTART] = "/run/qosagent"
+    metrics: Annotated[MetricsConfig, RESTART] = MetricsConfig()
+    status: Annotated[StatusConfig, RESTART] = StatusConfig()
+    bpf: Annotated[BpfConfig, RESTART] = BpfConfig()
+    gpu: Annotated[GpuConfig, RESTART] = GpuConfig()
     tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
     tenants: list[TenantConfig] = Field(default_factory=list)
     latency: LatencyConfig = LatencyConfig()

@@ -18,3 +18,28 @@ class Section(BaseModel):
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description="duration such as 100ms or 10s")]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Mode = Literal["enforce", "dry-run"]
+
+
+class _Restart:
+    """Marks a key that is read only at start (what was loaded, attached or opened from it stays): a reload that
+    changes it is refused, naming the key, instead of reporting success and changing nothing."""
+
+    def __repr__(self) -> str:
+        return "RESTART"
+
+
+RESTART = _Restart()
+
+
+def restart_changes(old: BaseModel, new: BaseModel, prefix: str = "") -> list[str]:
+    """Key paths marked RESTART whose value differs between two configs of the same schema."""
+    out: list[str] = []
+    for name, field in type(old).model_fields.items():
+        a, b = getattr(old, name), getattr(new, name)
+        path = prefix + name
+        if RESTART in field.metadata:
+            if a != b:
+                out.append(path)
+        elif isinstance(a, BaseModel) and type(a) is type(b):
+            out.extend(restart_changes(a, b, path + "."))
+    return out

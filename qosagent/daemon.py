@@ -16,8 +16,9 @@ from typing import Any
 
 from qosagent import config as config_mod
 from qosagent import features as features_mod
-from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict, registry
+from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, registry
 from qosagent.config import Config, ConfigError
+from qosagent.configbase import restart_changes
 from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu, make_backend
 from qosagent.hostfs import HostFS
 from qosagent.snapshot import Decision, Snapshot
@@ -58,7 +59,7 @@ class Agent:
         self.gpu = gpu if gpu is not None else _gpu_backend(cfg)
         self.ctx = AgentContext(config=cfg, hostfs=hostfs, gpu=self.gpu)
         self.capabilities: list[Capability] = []
-        self.verdicts: dict[str, Verdict] = {}
+        self.verdicts: dict[str, Verdict] = self.ctx.verdicts
         self.stats = SelfStats(started_monotonic=time.monotonic())
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=cfg.status.decisions_kept)
         self.latest: Snapshot = Snapshot.build(0, time.monotonic(), time.time(), {})
@@ -68,6 +69,10 @@ class Agent:
         self._reload_done = threading.Condition()
         self._reload_result: tuple[int, tuple[bool, str]] = (0, (True, ""))
         self.features: features_mod.Features | None = None
+        # What each capability started as, and which are degraded only by errors in ticks: those get their verdict
+        # back at the first tick without one (a map read that failed once is not a standing fault).
+        self._started: dict[str, Verdict] = {}
+        self._tick_degraded: set[str] = set()
         self._servers: list[Any] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -101,6 +106,7 @@ class Agent:
             verdict = cap.started(verdict)
             cap.verdict = verdict
             self.verdicts[cls.name] = verdict
+            self._started[cls.name] = verdict
             self.capabilities.append(cap)
             log.info("%s %s%s", cls.name, verdict.state.value, f" ({verdict.reason})" if verdict.reason else "")
 
@@ -121,12 +127,14 @@ class Agent:
     def tick(self) -> Snapshot:
         t0 = time.monotonic()
         parts: dict[str, Any] = {"gpu": self._sample_gpu()}
+        failed: set[str] = set()
         for cap in self.capabilities:
             try:
                 parts[cap.name] = cap.collect()
             except Exception as e:  # noqa: BLE001 - counted and reported; the loop goes on
                 self.stats.collect_errors[cap.name] += 1
-                self._degrade(cap, f"collect failed: {e}")
+                failed.add(cap.name)
+                self._degrade(cap, f"collect failed: {e}", transient=True)
                 log.debug("%s collect failed", cap.name, exc_info=True)
         snap = Snapshot.build(self.latest.seq + 1, t0, time.time(), parts)
         decided: list[Decision] = []
@@ -136,13 +144,15 @@ class Agent:
                 cap.apply(decisions)
             except Exception as e:  # noqa: BLE001
                 self.stats.apply_errors[cap.name] += 1
-                self._degrade(cap, f"decide/apply failed: {e}")
+                failed.add(cap.name)
+                self._degrade(cap, f"decide/apply failed: {e}", transient=True)
                 log.warning("%s: %s", cap.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 continue
             for d in decisions:
                 log.info("decision %s %s %s: %s (%s)%s", d.capability, d.target, d.action, d.change(), d.reason,
                          "" if d.applied else " [dry-run]")
             decided.extend(decisions)
+        self._recover(failed)
         self.decisions.extend(decided)
         snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, snap.parts, tuple(decided))
         self.latest = snap
@@ -159,25 +169,41 @@ class Agent:
             self.stats.collect_errors["gpu"] += 1
             return GpuState(available=False, reason=f"sample failed: {e}")
 
-    def _degrade(self, cap: Capability, reason: str) -> None:
-        v = Verdict(State.DEGRADED, reason)
-        if self.verdicts.get(cap.name) != v:
-            self.verdicts[cap.name] = v
+    def _degrade(self, cap: Capability, reason: str, transient: bool = False) -> None:
+        self.verdicts[cap.name] = Verdict(State.DEGRADED, reason)
+        if transient:
+            self._tick_degraded.add(cap.name)
+        else:
+            self._tick_degraded.discard(cap.name)
+
+    def _recover(self, failed: set[str]) -> None:
+        for name in sorted(self._tick_degraded - failed):
+            self._tick_degraded.discard(name)
+            self.verdicts[name] = self._started[name]
+            log.info("%s recovered: %s", name, self._started[name].state.value)
 
     # ---- reload ------------------------------------------------------------------------------------------
     def reload(self) -> tuple[bool, str]:
-        """Re-read the config file; a bad one keeps the old config running and says why."""
+        """Re-read the config file, as one transaction over every capability: all of them prepare against the new
+        config before any writes, and a refusal or a failed commit leaves every one on the old config."""
         try:
             new = config_mod.load(self.config_path)
         except ConfigError as e:
             return self._reload_failed(str(e))
-        changed = [cls.name for cls in registry() if cls.enabled(new) != cls.enabled(self.config)]
-        if changed:
-            return self._reload_failed(f"enabling or disabling capabilities needs a restart: {', '.join(changed)}")
+        restart = restart_changes(self.config, new)
+        if restart:
+            return self._reload_failed(f"changing {', '.join(restart)} needs a restart")
+        prepared: list[tuple[Capability, Change]] = []
         for cap in self.capabilities:
             try:
-                cap.reload(new)
+                prepared.append((cap, cap.prepare(new)))
             except CapabilityError as e:
+                return self._reload_failed(f"{cap.name}: {e}")
+        for i, (cap, change) in enumerate(prepared):
+            try:
+                change.commit()
+            except CapabilityError as e:
+                self._undo(prepared[:i])
                 return self._reload_failed(f"{cap.name}: {e}")
         self.config = new
         self.ctx.config = new
@@ -185,6 +211,14 @@ class Agent:
         self.stats.last_reload_error = ""
         log.info("config reloaded from %s", self.config_path or config_mod.DEFAULT_SOURCE)
         return True, "reloaded"
+
+    def _undo(self, committed: list[tuple[Capability, Change]]) -> None:
+        for cap, change in reversed(committed):
+            try:
+                change.undo()
+            except Exception as e:  # noqa: BLE001 - the others are still put back; this one says it is not
+                log.exception("%s: putting the old config back failed", cap.name)
+                self._degrade(cap, f"a failed reload could not be undone: {e}")
 
     def _reload_failed(self, why: str) -> tuple[bool, str]:
         self.stats.reloads_failed += 1

@@ -53,6 +53,11 @@ class AgentCollector:
         for name, n in sorted(a.stats.collect_errors.items()):
             errors.add_metric([name], n)
         yield errors
+        apply_errors = CounterMetricFamily("qosagent_apply_errors", "Failed decisions or writes of a capability "
+                                           "(maps, sysfs, NVML, affinity) by capability", labels=["capability"])
+        for name, n in sorted(a.stats.apply_errors.items()):
+            apply_errors.add_metric([name], n)
+        yield apply_errors
         reloads = CounterMetricFamily("qosagent_config_reloads", "Config reloads by result", labels=["result"])
         reloads.add_metric(["ok"], a.stats.reloads_ok)
         reloads.add_metric(["failed"], a.stats.reloads_failed)

@@ -17,7 +17,7 @@ from qosagent.admission import policy
 from qosagent.admission.inputs import config_baseline, tick_input
 from qosagent.admission.model import AdmissionPart
 from qosagent.admission.precleanup import PreCleanup
-from qosagent.capability import Capability, State, Verdict
+from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
 from qosagent.snapshot import Decision, Snapshot
 from qosagent.tenants import LimitsWriter, TenantLimit
 
@@ -66,7 +66,9 @@ class Admission(Capability):
             problems.append("admission.signal is ttft, but without a cgroup v2 hierarchy the latency egress program "
                             "cannot read responses: no TTFT, so no SLO breach can be seen; set admission.signal to "
                             "headers or response on this host")
-        if cfg.mode == "enforce" and self._writer() is None:
+        quota = self.ctx.verdicts.get("quota")
+        quota_runs = quota is not None and quota.state in (State.ACTIVE, State.DEGRADED)
+        if cfg.mode == "enforce" and not quota_runs and self._writer() is None:
             problems.append("mode enforce but quota is not enabled or not running: computing and reporting only "
                             "(effectively dry-run)")
         if problems:
@@ -85,9 +87,11 @@ class Admission(Capability):
             writer.set_overrides({})
             self._written = False
 
-    def reload(self, config: "Config") -> None:
+    def prepare(self, config: "Config") -> Change:
+        # The policy reads its config each tick: nothing to write, only a warning worth giving before it takes.
         if config.admission.mode == "enforce" and self._writer() is None:
             self.log.warning("mode enforce without a running quota capability: limits are computed, not written")
+        return UNCHANGED
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def collect(self) -> AdmissionPart:

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, HttpUrl, model_validator
 
-from qosagent.configbase import Duration, Mode, Section
+from qosagent.configbase import RESTART, Duration, Mode, Section
 
 
 class PreCleanupConfig(Section):
@@ -42,7 +42,7 @@ class GpuPressureConfig(Section):
 
 
 class AdmissionConfig(Section):
-    enabled: bool = False
+    enabled: Annotated[bool, RESTART] = False
     mode: Mode = "dry-run"
     # Which latency the SLO is held against (docs/latency.md): time to first token (the first response body byte,
     # what streaming clients wait for), to the response headers, or to the last response byte. Status, metrics and

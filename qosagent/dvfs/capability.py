@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
+from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.dvfs import cpufreq, policy, sensors
 from qosagent.dvfs.config import DvfsConfig, parse_freq
 from qosagent.dvfs.gpuclocks import GpuActuator, GpuIO
@@ -225,13 +225,8 @@ class Dvfs(Capability):
             if gpu is not ctx.gpu:
                 gpu.close()
 
-    def reload(self, config: "Config") -> None:
+    def prepare(self, config: "Config") -> Change:
         new = config.dvfs
-        if new.mode != self.cfg.mode:
-            raise CapabilityError("changing dvfs.mode needs a restart (originals are saved only in enforce)")
-        for key in ("actuator", "thermal_types", "hwmon_names"):
-            if getattr(new, key) != getattr(self.cfg, key):
-                raise CapabilityError(f"changing dvfs.{key} needs a restart (sensors and knobs are probed at start)")
         params = {}
         for p in self.policies:
             if p.name in self.params:
@@ -241,17 +236,20 @@ class Dvfs(Capability):
                 params[p.name] = pr
         # A point that is gone or now means another frequency is forgotten: the next tick picks from the new table
         # without waiting for a dwell, so what is written always matches what status shows.
-        for name, st in self.states.items():
-            if st.point is not None and params[name].khz.get(st.point) != self.params[name].khz[st.point]:
-                self.states[name] = policy.State(transitions=st.transitions)
-        self.cfg = new
-        self.params = params
+        states = {name: (policy.State(transitions=st.transitions)
+                         if st.point is not None and params[name].khz.get(st.point) != self.params[name].khz[st.point]
+                         else st) for name, st in self.states.items()}
         crits = [c for c in (*(s.critical_c for s in self.reader.sensors), new.emergency_c) if c is not None]
-        self.critical_c = min(crits) if crits else None
+        old = _Tables(self.cfg, self.params, self.states, self.critical_c)
+        return Change(lambda: self._take(_Tables(new, params, states, min(crits) if crits else None)),
+                      lambda: self._take(old))
+
+    def _take(self, t: "_Tables") -> None:
+        self.cfg, self.params, self.states, self.critical_c = t.cfg, t.params, dict(t.states), t.critical_c
         if self.gpu:
-            self.gpu.bands = list(new.gpu.bands)
-            self.gpu.hysteresis_c = new.gpu.temp_hysteresis_c
-            self.gpu.dwell_s = new.dwell
+            self.gpu.bands = list(t.cfg.gpu.bands)
+            self.gpu.hysteresis_c = t.cfg.gpu.temp_hysteresis_c
+            self.gpu.dwell_s = t.cfg.dwell
 
     # ---- the tick ----------------------------------------------------------------------------------------
     def collect(self) -> DvfsPart:
@@ -551,3 +549,12 @@ class Dvfs(Capability):
             lines.append("discarded readings: " + ", ".join(f"{k} x{n}" for k, n in sorted(bad.items())))
         return "\n".join(lines)
 
+
+@dataclass(frozen=True)
+class _Tables:
+    """What a config makes of the decision tables: kept for the one in force, so a reload can be undone."""
+
+    cfg: DvfsConfig
+    params: dict[str, policy.Params]
+    states: dict[str, policy.State]
+    critical_c: float | None

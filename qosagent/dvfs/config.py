@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qosagent.configbase import Duration, Mode, Section
+from qosagent.configbase import RESTART, Duration, Mode, Section
 
 _FREQ = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|khz|mhz|ghz)\s*$", re.IGNORECASE)
 _KHZ = {"khz": 1, "mhz": 1000, "ghz": 1000_000}
@@ -105,14 +105,15 @@ def _default_bands() -> list[GpuBand]:
 
 
 class DvfsGpuConfig(Section):
-    enabled: bool = True
+    enabled: Annotated[bool, RESTART] = True
     bands: list[GpuBand] = Field(default_factory=_default_bands)
     temp_hysteresis_c: float = Field(default=3.0, ge=0, le=20)
 
 
 class DvfsConfig(Section):
-    enabled: bool = False
-    mode: Mode = "dry-run"
+    enabled: Annotated[bool, RESTART] = False
+    # Originals are saved only in enforce.
+    mode: Annotated[Mode, RESTART] = "dry-run"
     points: list[OperatingPoint] = Field(default_factory=_default_points)
     temp_hysteresis_c: float = Field(default=2.0, ge=0, le=20)
     load_hysteresis_pct: float = Field(default=5.0, ge=0, le=50)
@@ -126,12 +127,14 @@ class DvfsConfig(Section):
     # consecutive ticks goes to the lowest point at once, dwell and write cap notwithstanding.
     emergency_c: float | None = Field(default=None, ge=30, le=150)
     emergency_readings: int = Field(default=3, ge=1, le=100)
-    actuator: Literal["auto", "scaling_setspeed", "scaling_max_freq", "max_perf_pct"] = "auto"
+    actuator: Annotated[Literal["auto", "scaling_setspeed", "scaling_max_freq", "max_perf_pct"], RESTART] = "auto"
     # A value read back may differ from the one written by this much (drivers round to their P-state steps).
     readback_tolerance_mhz: float = Field(default=100.0, ge=0)
-    thermal_types: list[str] = Field(default_factory=lambda: [
+    # Sensors and knobs are found at start.
+    thermal_types: Annotated[list[str], RESTART] = Field(default_factory=lambda: [
         "x86_pkg_temp", "cpu-thermal", "cpu_thermal", "acpitz", "soc_thermal", "k10temp"])
-    hwmon_names: list[str] = Field(default_factory=lambda: ["coretemp", "k10temp", "zenpower", "cpu_thermal"])
+    hwmon_names: Annotated[list[str], RESTART] = Field(
+        default_factory=lambda: ["coretemp", "k10temp", "zenpower", "cpu_thermal"])
     gpu: DvfsGpuConfig = DvfsGpuConfig()
 
     @field_validator("points")

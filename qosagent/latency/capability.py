@@ -12,9 +12,10 @@ import logging
 import os
 import posixpath
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from qosagent.capability import Capability, CapabilityError, State, Verdict
+from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
@@ -61,6 +62,7 @@ class Latency(Capability):
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
+        self._maps: _Maps | None = None  # what the tenant and port maps say (the last start or reload)
         self._window: Window[bm.Raw] | None = None
         self._runq_next = 0.0
         self._ports: "TenantPorts | None" = None  # tenant_ports as written
@@ -179,7 +181,8 @@ class Latency(Capability):
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(self.bpf[b"lat_counters"].Leaf)
-        self._fill_maps(self.ctx.config)
+        self._maps = None
+        self._write_maps(self._plan_maps(self.ctx.config))
         if self.mode == "sockops":
             # Maps first, hooks last: a connection established before the tenant maps were written would be
             # resolved against empty ones.
@@ -187,7 +190,6 @@ class Latency(Capability):
         elif self.egress:
             self._attach_egress_root()
         self.programs = self._program_ids()
-        self._window = Window(self.ctx.config.latency.window)
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
@@ -416,29 +418,36 @@ class Latency(Capability):
         return out
 
     # ---- maps from config --------------------------------------------------------------------------------
-    def _fill_maps(self, cfg: "Config") -> None:
-        """Make the tenant and port maps say what cfg says, in place: entries added, changed, removed."""
+    def _plan_maps(self, cfg: "Config") -> "_Maps":
+        """What cfg makes of the tenant and port maps; writes nothing."""
         try:
             table = tenant_table(cfg)
         except ValueError as e:
             raise CapabilityError(str(e)) from None
         ports, cidrs = tenant_entries(cfg)
-        slots = self._assign_slots(table)
+        return _Maps(table, self._assign_slots(table), {p: tid for p, tid in ports.items()}, tuple(cidrs),
+                     tuple(bm.watched(cfg)), tuple(cfg.latency.multiplexed_ports), cfg.latency.window)
+
+    def _write_maps(self, m: "_Maps") -> None:
+        """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
         b = self.bpf
-        self._sync(b[b"lat_slots"], {(tid,): slot for tid, slot in slots.items()},
+        self._sync(b[b"lat_slots"], {(tid,): slot for tid, slot in m.slots.items()},
                    lambda t, k: t.Key(tenant=k[0]), lambda t, v: t.Leaf(slot=v))
-        self._slots = slots
+        self._slots = dict(m.slots)
         self._plan_reads()
-        self._sync(b[b"watched_ports"], {(p,): 1 for p in bm.watched(cfg)},
+        self._sync(b[b"watched_ports"], {(p,): 1 for p in m.watched},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
-        self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in cfg.latency.multiplexed_ports},
+        self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in m.mux},
                    lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
         assert self._ports is not None
-        self._ports.sync({p: (tid, 0) for p, tid in ports.items()})
-        self._sync(b[b"tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in cidrs},
+        self._ports.sync({p: (tid, 0) for p, tid in m.ports.items()})
+        self._sync(b[b"tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in m.cidrs},
                    self._cidr_key, lambda t, v: t.Leaf(tenant=v))
-        self._known.update(table)
-        self._tenants = table
+        self._known.update(m.tenants)
+        self._tenants = m.tenants
+        if self._maps is None or self._maps.window != m.window:
+            self._window = Window(m.window)
+        self._maps = m
 
     def _assign_slots(self, table: dict[int, TenantInfo]) -> dict[int, int]:
         """Slots for table's tenants: those already numbered keep theirs (their counts since start go on), new ones
@@ -476,17 +485,23 @@ class Latency(Capability):
             if bytes(k) not in wanted_keys:
                 del tbl[k]
 
-    def reload(self, config: "Config") -> None:
+    def prepare(self, config: "Config") -> Change:
         if self.bpf is None:
-            return
-        try:
-            self._fill_maps(config)
-        except CapabilityError:
-            raise
-        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception on map writes
-            raise CapabilityError(f"updating the tenant maps failed part-way ({e}); reload again to retry") from None
-        if config.latency.window != self.ctx.config.latency.window:
-            self._window = Window(config.latency.window)
+            return UNCHANGED
+        new, old = self._plan_maps(config), self._maps
+        assert old is not None
+
+        def commit() -> None:
+            try:
+                self._write_maps(new)
+            except Exception as e:  # noqa: BLE001 - bcc raises plain Exception on map writes
+                try:
+                    self._write_maps(old)
+                except Exception:  # noqa: BLE001
+                    log.exception("latency: putting the old tenant maps back after a failed reload failed")
+                raise CapabilityError(f"updating the tenant maps failed: {e}") from None
+
+        return Change(commit, lambda: self._write_maps(old))
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:
@@ -663,3 +678,16 @@ def _flows_defines(cfg: "Config") -> dict[str, object]:
     from qosagent.quota.datapath import pin_dir
 
     return {"QOS_FLOWS_PIN": f'"{pin_dir(cfg)}/tenant_flows"', "QOS_FLOWS": cfg.quota.flow_entries}
+
+
+@dataclass(frozen=True)
+class _Maps:
+    """What a config makes of the tenant and port maps: kept for the one in force, so a reload can be undone."""
+
+    tenants: dict[int, TenantInfo]
+    slots: dict[int, int]  # tenant id -> its slot (row) in the kernel's arrays
+    ports: dict[int, int]  # port -> the tenant that claims it alone
+    cidrs: tuple[Any, ...]
+    watched: tuple[int, ...]
+    mux: tuple[int, ...]
+    window: float

@@ -1,15 +1,15 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qosagent.configbase import Duration, Port, Section
+from qosagent.configbase import RESTART, Duration, Port, Section
 
 
 class RunqueueConfig(Section):
     # Run-queue latency of the processes that serve the watched ports (learned from their socket events).
-    enabled: bool = True
+    enabled: Annotated[bool, RESTART] = True
 
 
 class ClassicBucketsConfig(Section):
@@ -34,11 +34,11 @@ class ClassicBucketsConfig(Section):
 
 
 class LatencyConfig(Section):
-    enabled: bool = True
+    enabled: Annotated[bool, RESTART] = True
     # Which kernel hooks time requests (docs/latency.md, "Modes"). auto: sockops where the kernel has the per-socket
     # sendmsg callback (>= 6.15) and a cgroup v2 hierarchy, else tracepoint, else kprobe. sockops costs nothing on
     # sockets that are not served on watched ports; tracepoint also tells pipelined HTTP/1.1 requests apart.
-    mode: Literal["auto", "sockops", "tracepoint", "kprobe"] = "auto"
+    mode: Annotated[Literal["auto", "sockops", "tracepoint", "kprobe"], RESTART] = "auto"
     # vLLM and Triton HTTP serve on 8000 (Triton gRPC on 8001), TGI on 8080 in its container and 3000 by default
     # when launched by hand. Sockets on these ports are measured even when no tenant claims them ("unmatched").
     ports: list[Port] = Field(default_factory=lambda: [8000, 8001, 8080, 3000])
@@ -49,7 +49,7 @@ class LatencyConfig(Section):
     # Server-side connections tracked at once in tracepoint and kprobe modes: slots of the kernel's socket table (a
     # power of two; sockops mode keeps state on the socket itself and needs no table). A connection
     # whose bucket of four slots is full is counted as untracked: ~0.3 % of them at a sixth of the slots in use.
-    socket_slots: int = 65536
+    socket_slots: Annotated[int, RESTART] = 65536
     runqueue: RunqueueConfig = RunqueueConfig()
     classic_buckets: ClassicBucketsConfig = ClassicBucketsConfig()
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
+from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.placement import applier
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
@@ -169,17 +169,27 @@ class Placement(Capability):
         store.load()
         return applier.restore_all(ctx.hostfs, store) if store.entries else []
 
-    def reload(self, config: "Config") -> None:
-        was_enforcing = self.enforce
-        self._configure(config)
-        # CPUs come and go (hotplug); a reload is when the operator expects the agent to look again.
-        self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
-        if was_enforcing and not self.enforce:
-            # A dry run must not leave earlier pins behind as if they were still decided.
-            for line in applier.restore_all(self.ctx.hostfs, self.store):
-                self.log.info("%s", line.removeprefix("placement: "))
-            self.records = {}
-        self._next_reconcile = float("-inf")
+    def prepare(self, config: "Config") -> Change:
+        old = self.ctx.config
+
+        def commit() -> None:
+            was_enforcing = self.enforce
+            self._configure(config)
+            # CPUs come and go (hotplug); a reload is when the operator expects the agent to look again.
+            self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
+            if was_enforcing and not self.enforce:
+                # A dry run must not leave earlier pins behind as if they were still decided.
+                for line in applier.restore_all(self.ctx.hostfs, self.store):
+                    self.log.info("%s", line.removeprefix("placement: "))
+                self.records = {}
+            self._next_reconcile = float("-inf")
+
+        def undo() -> None:
+            # Pins a dry run restored come back at the next reconcile, which this forces.
+            self._configure(old)
+            self._next_reconcile = float("-inf")
+
+        return Change(commit, undo)
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def collect(self) -> PlacementView:

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qosagent.configbase import Duration, Mode, Section
+from qosagent.configbase import RESTART, Duration, Mode, Section
 from qosagent.cpulist import parse_cpulist
 
 
@@ -44,7 +44,7 @@ class Selector(Section):
 
 
 class PlacementConfig(Section):
-    enabled: bool = False
+    enabled: Annotated[bool, RESTART] = False
     mode: Mode = "dry-run"
     # How often processes are discovered, placed and verified; placement is not a per-tick concern.
     reconcile_interval: Duration = 5.0

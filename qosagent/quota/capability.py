@@ -1,4 +1,4 @@
-"""Per-tenant quotas in the kernel: the quota capability's face (probe, start, collect, reload, stop, detach),
+"""Per-tenant quotas in the kernel: the quota capability's face (probe, start, collect, prepare, stop, detach),
 the adaptive-limit writer offered to admission, and its metrics and status."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
+from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.config import UNMATCHED, Config
 from qosagent.quota import datapath as dp
 from qosagent.quota import tc
@@ -57,6 +58,16 @@ def _baseline_buckets(cfg: Config) -> dict[int, tuple[Bucket | None, Bucket | No
         if req or conn:
             out[tenant_id(name)] = (req, conn)
     return out
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What a config makes of the datapath: kept for the old config too, so a reload can be undone."""
+
+    config: Config
+    interfaces: list[str]
+    derived: tuple[dict[str, Any], dict[int, TenantInfo]]
+    overrides: dict[str, TenantLimit]
 
 
 class LimitsWriter:
@@ -195,16 +206,10 @@ class Quota(Capability):
         self.unmatched_counts = r.counts.get(UNMATCHED_ID, (0, 0, 0, 0))
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0))
 
-    def reload(self, config: Config) -> None:
+    def prepare(self, config: Config) -> Change:
         d = self.datapath
         if d is None:
-            return
-        old = self.ctx.config
-        q_old, q_new = old.quota, config.quota
-        if (q_old.tc_prio, q_old.tc_handle, q_old.flow_entries, q_old.header_scan_bytes, old.bpf.pin_root) != \
-                (q_new.tc_prio, q_new.tc_handle, q_new.flow_entries, q_new.header_scan_bytes, config.bpf.pin_root):
-            raise CapabilityError("quota tc_prio, tc_handle, flow_entries, header_scan_bytes and bpf.pin_root "
-                                  "change only with a restart")
+            return UNCHANGED
         names = interfaces(config)
         try:
             with tc.IPRoute() as ipr:
@@ -213,17 +218,32 @@ class Quota(Capability):
             raise CapabilityError(f"cannot list interfaces: {e}") from e
         if missing:
             raise CapabilityError(f"interface(s) not found: {', '.join(missing)}")
-        derived = self._derive(config)
-        self.overrides = {n: v for n, v in self.overrides.items() if n in {t.name for t in config.tenants}}
-        try:
-            d.write_config(config, _baseline_buckets(config))
-            d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in self.overrides.items()})
-            for line in d.attach(names):
-                log.info("%s", line)
-        except Exception as e:  # noqa: BLE001
-            raise CapabilityError(f"updating the quota maps failed: {e}") from e
-        self.attached = names
-        self.specs, self.table = derived
+        new = _Written(config, names, self._derive(config),
+                       {n: v for n, v in self.overrides.items() if n in {t.name for t in config.tenants}})
+        old = _Written(self.ctx.config, self.attached, (self.specs, self.table), self.overrides)
+
+        def commit() -> None:
+            try:
+                self._write(new)
+            except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
+                try:
+                    self._write(old)
+                except Exception:  # noqa: BLE001
+                    log.exception("quota: putting the old config back after a failed reload failed")
+                raise CapabilityError(f"updating the quota maps failed: {e}") from e
+
+        return Change(commit, lambda: self._write(old))
+
+    def _write(self, w: "_Written") -> None:
+        d = self.datapath
+        assert d is not None
+        d.write_config(w.config, _baseline_buckets(w.config))
+        d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in w.overrides.items()})
+        for line in d.attach(w.interfaces):
+            log.info("%s", line)
+        self.attached = list(w.interfaces)
+        self.specs, self.table = w.derived
+        self.overrides = dict(w.overrides)
 
     def stop(self) -> None:
         """A clean stop removes everything (only a dead agent leaves the classifier enforcing)."""

@@ -167,7 +167,7 @@ def test_reload_rewrites_the_tenant_maps_in_place(latency: Latency, servers: Non
     ports = latency.bpf[b"tenant_ports"].map_fd
     assert read_claims(ports) == {18014: (tenant_id("solo"), 0)}
     new = config("127.0.0.4/32", solo_port=18015, mode=latency.mode)
-    latency.reload(new)
+    latency.prepare(new).commit()
     latency.ctx.config = new
     assert latency.bpf[b"tenant_cidrs"].map_fd == fd_before
     assert len(list(latency.bpf[b"tenant_cidrs"].keys())) == 2  # lab's new address and edge's, nothing stale

@@ -311,7 +311,7 @@ def pin_then_reload(tmp_path: Path, children: Children, word: str,
     agent.tick()
     assert all(v == TARGET for v in cpus_of(p.pid).values())
     text = f"latency: {{enabled: false}}\nstate_dir: {tmp_path}/state\n" + reloaded
-    placement(agent).reload(config_mod.parse_text(text, "reloaded"))
+    placement(agent).prepare(config_mod.parse_text(text, "reloaded")).commit()
     return p, before, agent
 
 

@@ -142,6 +142,8 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_capability_state", ', capability="latency", state="unavailable"', "1x20"),
             ("qosagent_capability_state", ', capability="quota", state="unavailable"', "0x20"),
             ("qosagent_collect_errors_total", ', capability="dvfs"', "0+5x30"),
+            ("qosagent_apply_errors_total", ', capability="quota"', "0+1x30"),
+            ("qosagent_apply_errors_total", ', capability="dvfs"', "0x30"),
             ("qosagent_tier_slo_p99_seconds", ', tier="gold"', "0.12x20"),
             ("qosagent_slo_latency_seconds", ', tenant="shop", tier="gold", signal="ttft", slo_quantile="0.95"',
              "0.2x20"),
@@ -161,6 +163,9 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             {"eval_time": "25m", "alertname": "QosagentCollectErrors", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "job": "qosagent",
                                 "capability": "dvfs"}}]},
+            {"eval_time": "25m", "alertname": "QosagentApplyErrors", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
+                                "capability": "quota"}}]},
             {"eval_time": "15m", "alertname": "QosagentLoopOverrunning", "exp_alerts": []},
             {"eval_time": "15m", "alertname": "QosagentTenantShed", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze"}}]},

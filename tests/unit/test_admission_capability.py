@@ -19,7 +19,7 @@ from qosagent.features import Features
 from qosagent.admission.capability import LIMITS_SERVICE, Admission
 from qosagent.admission.inputs import gpu_input, tick_input
 from qosagent.admission.precleanup import PreCleanup
-from qosagent.capability import AgentContext, State
+from qosagent.capability import AgentContext, State, Verdict
 from qosagent.config import ConfigError, parse_text
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import (
@@ -92,6 +92,7 @@ def capability(mode: str = "enforce", writer: FakeLimits | None = None,
     ctx = AgentContext(config=config(mode, extra), hostfs=HostFS("/"), gpu=FakeBackend.preset("single"))
     if writer is not None:
         ctx.services[LIMITS_SERVICE] = writer
+        ctx.verdicts["quota"] = Verdict(State.ACTIVE)
     return Admission(ctx)
 
 
@@ -139,6 +140,15 @@ def test_enforce_without_quota_is_degraded_and_effectively_dry_run() -> None:
     assert decisions and not any(d.applied for d in decisions)
     # The baseline comes from config when quota does not answer for it.
     assert cap.baseline == {"hobby": TenantLimit(100, 10)}
+
+
+def test_enforce_is_judged_by_quota_s_verdict_not_its_running_service() -> None:
+    # `qosagent check` probes without starting anything: quota's probe verdict is what admission can count on.
+    cap = capability("enforce", None)
+    cap.ctx.verdicts["quota"] = Verdict(State.ACTIVE, "ingress of lo")
+    assert cap.probe(HOST).state is State.ACTIVE
+    cap.ctx.verdicts["quota"] = Verdict(State.UNAVAILABLE, "needs root")
+    assert cap.probe(HOST).state is State.DEGRADED
 
 
 def test_serving_gpus_the_backend_does_not_report_degrade_the_capability() -> None:

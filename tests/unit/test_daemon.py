@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from qosagent import capability, config
-from qosagent.capability import Capability, CapabilityError, State, Verdict
+from qosagent.capability import Capability, CapabilityError, Change, State, Verdict
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
@@ -21,8 +21,21 @@ from qosagent.status import StatusServer, request
 EVENTS: list[str] = []
 
 
-def make_cap(name: str, *, fail_start: bool = False, fail_collect: bool = False, fail_stop: bool = False) -> type:
+def make_cap(name: str, *, fail_start: bool = False, fail_collect: bool = False, fail_stop: bool = False,
+             refuse: bool = False, fail_commit: bool = False) -> type:
     class Scripted(Capability):
+        def prepare(self, config: Any) -> Change:
+            EVENTS.append(f"prepare {name}")
+            if refuse:
+                raise CapabilityError("out of slots")
+
+            def commit() -> None:
+                EVENTS.append(f"commit {name}")
+                if fail_commit:
+                    raise CapabilityError("map write failed")
+
+            return Change(commit, lambda: EVENTS.append(f"undo {name}"))
+
         def probe(self, features: Any) -> Verdict:
             return Verdict(State.ACTIVE)
 
@@ -101,6 +114,26 @@ def test_collect_failure_is_counted_and_degrades_without_stopping(scripted, tmp_
     assert len(a.decisions) == 4
 
 
+def test_a_capability_degraded_by_tick_errors_recovers_when_they_stop(scripted, tmp_path) -> None:
+    failing = {"collect": True}
+
+    class Flaky(make_cap("a")):  # type: ignore[misc, valid-type]
+        def collect(self) -> Any:
+            if failing["collect"]:
+                raise OSError("map read failed")
+            return {"n": 1}
+
+    scripted(Flaky)
+    a = agent(tmp_path)
+    a.start()
+    a.tick()
+    assert a.verdicts["a"] == Verdict(State.DEGRADED, "collect failed: map read failed")
+    failing["collect"] = False
+    a.tick()
+    assert a.verdicts["a"] == Verdict(State.ACTIVE)
+    assert a.stats.collect_errors["a"] == 1
+
+
 def test_reload_keeps_old_config_on_error(scripted, tmp_path) -> None:
     scripted(make_cap("a"))
     a = agent(tmp_path, "interval: 200ms\nlatency: {enabled: false}\n")
@@ -112,6 +145,42 @@ def test_reload_keeps_old_config_on_error(scripted, tmp_path) -> None:
     (tmp_path / "cfg.yaml").write_text("interval: 50ms\nlatency: {enabled: false}\n")
     assert a.reload() == (True, "reloaded")
     assert a.config.interval == pytest.approx(0.05)
+
+
+def test_a_reload_one_capability_refuses_writes_nothing_anywhere(scripted, tmp_path) -> None:
+    scripted(make_cap("a"), make_cap("b", refuse=True), make_cap("c"))
+    a = agent(tmp_path, "interval: 200ms\nlatency: {enabled: false}\n")
+    a.start()
+    EVENTS.clear()
+    (tmp_path / "cfg.yaml").write_text("interval: 50ms\nlatency: {enabled: false}\n")
+    assert a.reload() == (False, "b: out of slots")
+    assert EVENTS == ["prepare a", "prepare b"]
+    assert a.config.interval == pytest.approx(0.2)
+
+
+def test_a_failed_commit_puts_the_ones_before_it_back(scripted, tmp_path) -> None:
+    scripted(make_cap("a"), make_cap("b"), make_cap("c", fail_commit=True))
+    a = agent(tmp_path, "interval: 200ms\nlatency: {enabled: false}\n")
+    a.start()
+    EVENTS.clear()
+    (tmp_path / "cfg.yaml").write_text("interval: 50ms\nlatency: {enabled: false}\n")
+    assert a.reload() == (False, "c: map write failed")
+    assert EVENTS == ["prepare a", "prepare b", "prepare c", "commit a", "commit b", "commit c", "undo b", "undo a"]
+    assert a.config.interval == pytest.approx(0.2)
+
+
+def test_a_restart_only_key_is_refused_by_name(scripted, tmp_path) -> None:
+    scripted(make_cap("a"))
+    a = agent(tmp_path, "latency: {enabled: false}\n")
+    a.start()
+    EVENTS.clear()
+    (tmp_path / "cfg.yaml").write_text("latency: {enabled: false, mode: tracepoint, socket_slots: 1024}\n"
+                                       "quota: {tc_prio: 7}\n")
+    ok, why = a.reload()
+    assert not ok and why == "changing latency.mode, latency.socket_slots, quota.tc_prio needs a restart"
+    assert EVENTS == []
+    (tmp_path / "cfg.yaml").write_text("latency: {enabled: true}\n")
+    assert a.reload() == (False, "changing latency.enabled needs a restart")
 
 
 def test_loop_stops_on_request_and_notifies(scripted, tmp_path) -> None:

@@ -440,14 +440,12 @@ def test_metrics_and_status_show_what_it_did(tmp_path) -> None:
     cap.stop()
 
 
-def test_reload_takes_a_new_table_and_refuses_a_mode_change(tmp_path) -> None:
+def test_reload_takes_a_new_table(tmp_path) -> None:
     root, fs, clock, cfg = setup(tmp_path, intel_passive)
     cap = make_dvfs(fs, cfg, clock)
     tick(cap, clock)
-    with pytest.raises(CapabilityError, match="mode"):
-        cap.reload(make_config(tmp_path, CAPPED | {"mode": "dry-run"}))
-    cap.reload(make_config(tmp_path, {"points": [
-        {"name": "tight", "temp_below_c": 70, "freq": "1200MHz"}, {"name": "full", "freq": "100%"}]}))
+    cap.prepare(make_config(tmp_path, {"points": [
+        {"name": "tight", "temp_below_c": 70, "freq": "1200MHz"}, {"name": "full", "freq": "100%"}]})).commit()
     # The old point is gone from the table: the next tick picks from the new one without waiting for a dwell.
     clock.advance(0.1)
     (d, _) = tick(cap, clock, 2)
@@ -455,6 +453,21 @@ def test_reload_takes_a_new_table_and_refuses_a_mode_change(tmp_path) -> None:
     assert read(root, f"{P0}/scaling_max_freq") == "1200000"
     cap.stop()
     assert read(root, f"{P0}/scaling_max_freq") == "4500000"
+
+
+def test_an_undone_reload_leaves_the_old_table(tmp_path) -> None:
+    root, fs, clock, cfg = setup(tmp_path, intel_passive)
+    cap = make_dvfs(fs, cfg, clock)
+    tick(cap, clock)
+    before = (cap.cfg, cap.params, cap.states)
+    change = cap.prepare(make_config(tmp_path, {"points": [
+        {"name": "tight", "temp_below_c": 70, "freq": "1200MHz"}, {"name": "full", "freq": "100%"}]}))
+    assert (cap.cfg, cap.params, cap.states) == before  # prepared, not taken
+    change.commit()
+    assert cap.params != before[1]
+    change.undo()
+    assert (cap.cfg, cap.params, cap.states) == before
+    cap.stop()
 
 
 def test_restore_skips_a_knob_that_is_gone_and_keeps_one_that_fails(tmp_path) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel
 
 from qosagent.config import Config
+from qosagent.configbase import RESTART
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "configuration.md"
@@ -57,3 +58,18 @@ def test_every_schema_key_is_documented_and_every_documented_key_exists() -> Non
     assert len(documented) == len(set(documented)), "a key is documented twice"
     missing, stale = sorted(schema - set(documented)), sorted(set(documented) - schema)
     assert not missing and not stale, f"undocumented keys: {missing}; documented but not in the schema: {stale}"
+
+
+def restart_keys(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[str]:
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        if RESTART in field.metadata:
+            yield key
+        sub = _section(field.annotation)
+        if sub:
+            yield from restart_keys(sub[1], key + sub[0] + ".")
+
+
+def test_the_keys_a_reload_refuses_are_the_ones_the_doc_marks() -> None:
+    marked = re.findall(r"^\| `([^`]+)` \|[^|]*\| Restart only\.", DOC.read_text(), flags=re.M)
+    assert sorted(marked) == sorted(restart_keys())
