@@ -105,8 +105,12 @@ class Capability:
         verifier refused, say) and carried on without it."""
         return verdict
 
+    def maintain(self) -> None:
+        """Periodic side effects (a heartbeat, re-listing what the kernel is told to watch, pruning links), each at
+        its own cadence (schedule.Every): run by the daemon every tick before collect, so collect only reads."""
+
     def collect(self) -> Any:
-        """This tick's immutable part of the Snapshot."""
+        """This tick's immutable part of the Snapshot; reads only."""
         return None
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:

@@ -130,6 +130,13 @@ class Agent:
         failed: set[str] = set()
         for cap in self.capabilities:
             try:
+                cap.maintain()
+            except Exception as e:  # noqa: BLE001 - a side effect that failed is a failed write: counted as one
+                self.stats.apply_errors[cap.name] += 1
+                failed.add(cap.name)
+                self._degrade(cap, f"maintenance failed: {e}", transient=True)
+                log.warning("%s: maintenance failed: %s", cap.name, e)
+            try:
                 parts[cap.name] = cap.collect()
             except Exception as e:  # noqa: BLE001 - counted and reported; the loop goes on
                 self.stats.collect_errors[cap.name] += 1

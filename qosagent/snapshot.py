@@ -27,6 +27,9 @@ class Decision:
     wall_time: float = field(default_factory=time.time)
     # How the change reads for a person where old and new do not on their own (admission's None is "unlimited").
     shown: str = ""
+    # What apply() carries out: the capability's own typed action. The rest of a Decision is its audit view, never
+    # parsed back into a command.
+    command: Any = field(default=None, compare=False, repr=False)
 
     def change(self) -> str:
         return self.shown or f"{'-' if self.old is None else self.old} -> {'-' if self.new is None else self.new}"

@@ -1,4 +1,6 @@
-"""Files under state_dir that must survive the agent (saved originals): written whole or not at all."""
+"""Files under state_dir that must survive the agent (saved originals): written whole or not at all, and never
+forgotten: one that cannot be read is kept, and the capability that owns it refuses to start until an operator
+has looked (a file dropped would leave a crashed agent's changes with no way back)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,21 @@ def save_json(path: str, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class StateFileError(ValueError):
+    """A state file that exists but cannot be read as ours; it is kept as it is."""
+
+
+def load_json(path: str) -> Any:
+    """The data at path, or None when there is no file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StateFileError(f"{path}: unreadable: {e}") from None
 
 
 def remove(path: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from qosagent.admission.model import AdmissionPart
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.dvfs import cpufreq, policy, sensors
 from qosagent.dvfs.config import DvfsConfig, parse_freq
@@ -21,6 +22,7 @@ from qosagent.dvfs.gpuclocks import GpuActuator, GpuIO
 from qosagent.dvfs.rollback import Originals
 from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu
 from qosagent.hostfs import HostFS
+from qosagent.schedule import Every
 from qosagent.snapshot import Decision, Snapshot
 
 if TYPE_CHECKING:
@@ -114,7 +116,7 @@ class Dvfs(Capability):
         self.reader = sensors.SensorReader(ctx.hostfs, [])
         self.loads: sensors.LoadTracker | None = None
         self.cur_khz: dict[str, int] = {}
-        self._freq_read_at = -math.inf
+        self._freq_read = Every(self.cfg.freq_read_interval)
         self.critical_c: float | None = None
         self.writes: dict[str, int] = {}
         self.gpu: GpuActuator | None = None
@@ -246,6 +248,7 @@ class Dvfs(Capability):
 
     def _take(self, t: "_Tables") -> None:
         self.cfg, self.params, self.states, self.critical_c = t.cfg, t.params, dict(t.states), t.critical_c
+        self._freq_read.period = t.cfg.freq_read_interval
         if self.gpu:
             self.gpu.bands = list(t.cfg.gpu.bands)
             self.gpu.hysteresis_c = t.cfg.gpu.temp_hysteresis_c
@@ -261,8 +264,7 @@ class Dvfs(Capability):
             text = fs.try_read("/proc/stat")
             if text is not None:
                 loads = self.loads.update(now, sensors.parse_proc_stat(text))
-        if now - self._freq_read_at >= self.cfg.freq_read_interval:
-            self._freq_read_at = now
+        if self._freq_read.due(now):
             for p in self.policies:
                 v = cpufreq.ints(fs.try_read(f"{p.dir}/scaling_cur_freq"))
                 if v:
@@ -297,7 +299,7 @@ class Dvfs(Capability):
         if part is None:
             return []
         adm = snapshot.part("admission")
-        near = frozenset(getattr(adm, "near_slo", frozenset()) or ())
+        near = adm.near_slo if isinstance(adm, AdmissionPart) else frozenset()
         now = snapshot.monotonic
         out = []
         for view in part.policies:
@@ -312,12 +314,13 @@ class Dvfs(Capability):
                 out.append(Decision(self.name, view.name, "set_freq", step.old, st.point, st.reason,
                                     {"kind": st.kind, "temp_c": part.hottest_c, "load": view.load,
                                      "near_slo": sorted(near), "target_khz": pr.khz[st.point]},
-                                    applied=self.enforce))
+                                    applied=self.enforce, command=SetFreq(view.name, pr.khz[st.point], st.point)))
         gpus = snapshot.part("gpu")
         if self.gpu and isinstance(gpus, GpuState):
             for index, old, new, temp in self.gpu.decide(gpus, now):
                 out.append(Decision(self.name, f"gpu{index}", "gpu_band", old or "none", new or "none",
-                                    f"GPU {index} at {temp:.0f} C", {"temp_c": temp}, applied=self.enforce))
+                                    f"GPU {index} at {temp:.0f} C", {"temp_c": temp}, applied=self.enforce,
+                                    command=GpuBandChange(index, new)))
         return out
 
     def apply(self, decisions: list[Decision]) -> None:
@@ -325,16 +328,17 @@ class Dvfs(Capability):
             return
         pstate = False
         for d in decisions:
-            if d.action == "gpu_band" and self.gpu:
-                self.gpu.apply(int(d.target[3:]), None if d.new == "none" else d.new)
+            c = d.command
+            if isinstance(c, GpuBandChange) and self.gpu:
+                self.gpu.apply(c.gpu, c.band)
                 continue
-            if d.action != "set_freq" or d.target in self.notes:
+            if not isinstance(c, SetFreq) or c.policy in self.notes:
                 continue
-            p = next(p for p in self.policies if p.name == d.target)
+            p = next(p for p in self.policies if p.name == c.policy)
             if p.actuator == "max_perf_pct":
                 pstate = True
                 continue
-            self._write_policy(p, int(d.inputs["target_khz"]), d.new)
+            self._write_policy(p, c.khz, c.point)
         if pstate:
             self._write_max_perf_pct()
 
@@ -558,3 +562,20 @@ class _Tables:
     params: dict[str, policy.Params]
     states: dict[str, policy.State]
     critical_c: float | None
+
+
+@dataclass(frozen=True)
+class SetFreq:
+    """Cap one cpufreq policy at the frequency of an operating point."""
+
+    policy: str
+    khz: int
+    point: str
+
+
+@dataclass(frozen=True)
+class GpuBandChange:
+    """Put one GPU in a band (its clocks and power limit), or out of every band (None: the originals back)."""
+
+    gpu: int
+    band: str | None

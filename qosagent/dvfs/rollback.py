@@ -9,7 +9,6 @@ original back only where the value is still ours, and leaves alone (and reports)
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -51,17 +50,14 @@ class Originals:
         """What a previous agent left; raises ValueError for a file that cannot be ours (it is then kept)."""
         o = cls(state_dir, host_root)
         assert o.path is not None
-        try:
-            with open(o.path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
+        data = statefile.load_json(o.path)
+        if data is None:
             return o
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{o.path}: unreadable: {e}") from None
         if not isinstance(data, dict) or data.get("version") != VERSION:
-            raise ValueError(f"{o.path}: not a version {VERSION} DVFS originals file")
+            raise statefile.StateFileError(f"{o.path}: not a version {VERSION} DVFS originals file")
         if data.get("host_root") != host_root:
-            raise ValueError(f"{o.path}: saved for host root {data.get('host_root')!r}, not {host_root!r}")
+            raise statefile.StateFileError(
+                f"{o.path}: saved for host root {data.get('host_root')!r}, not {host_root!r}")
         for e in data.get("entries", []):
             o.entries[str(e["key"])] = Entry(str(e["original"]), [str(v) for v in e.get("ours", [])])
         return o

@@ -20,6 +20,7 @@ from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.window import Window
+from qosagent.schedule import Every
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, tenant_entries, tenant_table
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ class Latency(Capability):
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
         self._maps: _Maps | None = None  # what the tenant and port maps say (the last start or reload)
         self._window: Window[bm.Raw] | None = None
-        self._runq_next = 0.0
+        # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
+        self._refresh = Every(RUNQ_REFRESH_S)
         self._ports: "TenantPorts | None" = None  # tenant_ports as written
         self._nslots = 0  # LAT_SLOTS of the loaded program
         self._slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
@@ -525,22 +527,25 @@ class Latency(Capability):
                        ArrayRange(self._hist_fd, bm.KINDS * self._nslots, 1, bm.ROW_SIZE) if self.runq else None,
                        ArrayRange(self._counters_fd, 0, used, self._counters_size))
 
+    def maintain(self) -> None:
+        now = self.ctx.clock()
+        if not self._refresh.due(now):
+            return
+        if self.runq:
+            self._refresh_runq_threads()
+        if self.mode == "sockops":
+            self._prune_cgroups()
+            if self._learn_link is not None and now >= self._learn_until:
+                self.stop_learning()
+                log.info("latency: arrivals now hooked on the serving cgroups only: %s",
+                         ", ".join(self.cgroups()) or "none yet")
+
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
         raw = self.read_raw()
         assert self._window is not None
         base_t, base = self._window.push(now, raw)
         elapsed = now - base_t
-        if now >= self._runq_next:
-            self._runq_next = now + RUNQ_REFRESH_S
-            if self.runq:
-                self._refresh_runq_threads()
-            if self.mode == "sockops":
-                self._prune_cgroups()
-                if self._learn_link is not None and now >= self._learn_until:
-                    self.stop_learning()
-                    log.info("latency: arrivals now hooked on the serving cgroups only: %s",
-                             ", ".join(self.cgroups()) or "none yet")
         cfg = self.ctx.config
         current = self._tenants
         # Configured tenants, and any a reload removed that still have counts since start.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import logging
 import os
 import platform
@@ -161,22 +160,24 @@ class OriginalsStore:
     def __init__(self, state_dir: str | None):
         self.path = os.path.join(state_dir, self.FILE) if state_dir else None
         self.entries: dict[int, Original] = {}
+        self.unreadable = False  # the file on disk could not be read: it is never written over or removed
 
     def load(self) -> None:
+        """What a previous agent saved; raises statefile.StateFileError for a file that cannot be ours (kept)."""
         if not self.path:
             return
         try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-            self.entries = {int(pid): Original.from_json(v) for pid, v in data.items()}
-        except FileNotFoundError:
-            self.entries = {}
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-            log.warning("%s unreadable (%s); earlier originals are lost", self.path, e)
-            self.entries = {}
+            data = statefile.load_json(self.path)
+            try:
+                self.entries = {int(pid): Original.from_json(v) for pid, v in (data or {}).items()}
+            except (AttributeError, ValueError, KeyError, TypeError, AssertionError) as e:
+                raise statefile.StateFileError(f"{self.path}: not a placement originals file ({e})") from None
+        except statefile.StateFileError:
+            self.unreadable = True
+            raise
 
     def save(self) -> None:
-        if not self.path:
+        if not self.path or self.unreadable:
             return
         if not self.entries:
             self.remove()
@@ -184,7 +185,7 @@ class OriginalsStore:
         statefile.save_json(self.path, {str(p): o.as_json() for p, o in self.entries.items()})
 
     def remove(self) -> None:
-        if self.path:
+        if self.path and not self.unreadable:
             statefile.remove(self.path)
 
 
@@ -196,7 +197,9 @@ def restore(fs: HostFS, pid: int, orig: Original) -> AffinityResult:
 
 
 def restore_all(fs: HostFS, store: OriginalsStore) -> list[str]:
+    """Originals back; one that could not be written stays saved for a later try (`qosagent detach`)."""
     lines = []
+    kept = {}
     for pid, orig in sorted(store.entries.items()):
         try:
             res = restore(fs, pid, orig)
@@ -204,7 +207,8 @@ def restore_all(fs: HostFS, store: OriginalsStore) -> list[str]:
         except Exited:
             lines.append(f"placement: pid {pid}: exited, nothing to restore")
         except OSError as e:
-            lines.append(f"placement: pid {pid}: restore failed: {e.strerror or e}")
-    store.entries = {}
-    store.remove()
+            lines.append(f"placement: pid {pid}: restore failed: {e.strerror or e}; kept for a later restore")
+            kept[pid] = orig
+    store.entries = kept
+    store.save()
     return lines

@@ -22,6 +22,8 @@ from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology
+from qosagent.schedule import Every
+from qosagent.statefile import StateFileError
 from qosagent.snapshot import Decision, Snapshot
 
 if TYPE_CHECKING:
@@ -95,11 +97,12 @@ class Placement(Capability):
         self._targets: dict[int, Target] = {}
         self._procs: dict[int, ProcInfo] = {}
         self._gpu_pids: set[int] = set()
-        self._next_reconcile = float("-inf")
+        self._reconcile = Every(self.cfg.reconcile_interval)
         self._configure(ctx.config)
 
     def _configure(self, config: "Config") -> None:
         self.cfg = config.placement
+        self._reconcile.period = self.cfg.reconcile_interval
         self.matcher = Matcher(self.cfg.selectors)
         self.policy = Policy(
             reserved=parse_cpulist(self.cfg.reserved_cpus),
@@ -138,7 +141,10 @@ class Placement(Capability):
         self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
         for w in self.topology.warnings:
             self.log.warning("topology: %s", w)
-        self.store.load()
+        try:
+            self.store.load()
+        except StateFileError as e:
+            raise CapabilityError(f"{e}; move it away (or run `qosagent detach`) before starting placement") from None
         # Originals a crashed agent saved are the true originals of processes it pinned: adopt those still running.
         adopted = {}
         for pid, orig in self.store.entries.items():
@@ -166,7 +172,10 @@ class Placement(Capability):
     @classmethod
     def detach(cls, ctx: AgentContext) -> list[str]:
         store = applier.OriginalsStore(ctx.config.state_dir)
-        store.load()
+        try:
+            store.load()
+        except StateFileError as e:
+            return [f"placement: {e}; kept, restore the affinities it names by hand and remove it"]
         return applier.restore_all(ctx.hostfs, store) if store.entries else []
 
     def prepare(self, config: "Config") -> Change:
@@ -182,12 +191,12 @@ class Placement(Capability):
                 for line in applier.restore_all(self.ctx.hostfs, self.store):
                     self.log.info("%s", line.removeprefix("placement: "))
                 self.records = {}
-            self._next_reconcile = float("-inf")
+            self._reconcile.again()
 
         def undo() -> None:
             # Pins a dry run restored come back at the next reconcile, which this forces.
             self._configure(old)
-            self._next_reconcile = float("-inf")
+            self._reconcile.again()
 
         return Change(commit, undo)
 
@@ -197,9 +206,8 @@ class Placement(Capability):
         now = self.ctx.clock()
         procs: tuple[ProcInfo, ...] = ()
         gone: frozenset[int] = frozenset()
-        reconcile = now >= self._next_reconcile
+        reconcile = self._reconcile.due(now)
         if reconcile:
-            self._next_reconcile = now + self.cfg.reconcile_interval
             gpu_pids = self._gpu_pids if self.cfg.gpu_processes else set()
             procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid()))
             for p in procs:
@@ -226,7 +234,7 @@ class Placement(Capability):
                     gpus_of[p.pid].append(g.index)
             if self.cfg.gpu_processes and set(gpus_of) != self._gpu_pids:
                 # A new GPU process is found by the next tick, not a whole reconcile interval later.
-                self._next_reconcile = float("-inf")
+                self._reconcile.again()
             self._gpu_pids = set(gpus_of)
         if view is None or not view.reconcile:
             return []

@@ -103,9 +103,6 @@ class Quota(Capability):
         self.overrides: dict[str, TenantLimit] = {}
         self.attached: list[str] = []
         self.others: list[str] = []
-        # From the last collect, for metrics and status: packets passed by reason, and the unmatched tenant's counts.
-        self.passed: dict[str, int] = {}
-        self.unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
@@ -165,10 +162,14 @@ class Quota(Capability):
             log.info("adopted pinned quota state at %s", self.datapath.path)
         self.ctx.services["quota.limits"] = LimitsWriter(self)
 
+    def maintain(self) -> None:
+        # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
+        assert self.datapath is not None
+        self.datapath.heartbeat()
+
     def collect(self) -> QuotaPart:
         d = self.datapath
         assert d is not None
-        d.heartbeat()
         r = d.read()
         now = r.ktime_ns / 1e9
         self._history.append((now, dict(r.counts)))
@@ -202,9 +203,9 @@ class Quota(Capability):
                 admitted=c[0], dropped=c[1], conn_admitted=c[2], conn_dropped=c[3],
                 admitted_rps=(c[0] - o[0]) / span if span > 0 else 0.0,
                 dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
-        self.passed = dict(r.stats)
-        self.unmatched_counts = r.counts.get(UNMATCHED_ID, (0, 0, 0, 0))
-        return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0))
+        return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
+                         unmatched_counts=r.counts.get(UNMATCHED_ID, (0, 0, 0, 0)), passed=dict(r.stats),
+                         interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others))
 
     def prepare(self, config: Config) -> Change:
         d = self.datapath
@@ -297,14 +298,14 @@ class Quota(Capability):
                 base.add_metric([t.tenant, t.tier], t.baseline.rps)
             if t.bucket_tokens is not None:
                 tokens.add_metric([t.tenant, t.tier], t.bucket_tokens)
-        um = self.unmatched_counts
+        um = part.unmatched_counts
         req.add_metric([UNMATCHED, "none", "admitted"], um[0])
         conn.add_metric([UNMATCHED, "none", "admitted"], um[2])
         yield from (req, conn, limit, base, tokens)
         passed = CounterMetricFamily("qosagent_quota_passed_packets", "Packets passed without a quota check, by "
                                      "reason (unmatched: new connections and requests of no tenant)",
                                      labels=["reason"])
-        for reason, n in sorted(self.passed.items()):
+        for reason, n in sorted(part.passed.items()):
             passed.add_metric([reason], n)
         yield passed
 
@@ -317,11 +318,11 @@ class Quota(Capability):
             return None if x is None else {"rps": x.rps, "burst": x.burst}
 
         return {
-            "interfaces": self.attached,
-            "pins": self.datapath.path if self.datapath else None,
-            "others_on_hook": self.others,
+            "interfaces": list(part.interfaces),
+            "pins": part.pins,
+            "others_on_hook": list(part.others_on_hook),
             "unmatched_packets": part.unmatched_packets,
-            "passed": self.passed,
+            "passed": dict(part.passed),
             "tenants": [{
                 "tenant": t.tenant, "tier": t.tier, "limit": lim(t.limit), "baseline": lim(t.baseline),
                 "admitted": t.admitted, "dropped": t.dropped, "conn_admitted": t.conn_admitted,

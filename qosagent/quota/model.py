@@ -27,3 +27,9 @@ class TenantQuota:
 class QuotaPart:
     tenants: Mapping[str, TenantQuota] = field(default_factory=dict)
     unmatched_packets: int = 0  # new connections and requests on watched ports that matched no tenant
+    # The unmatched tenant's counts (admitted, dropped, connections admitted, dropped): never limited, still counted.
+    unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
+    passed: Mapping[str, int] = field(default_factory=dict)  # packets passed without a quota check, by reason
+    interfaces: tuple[str, ...] = ()  # where the classifier is attached
+    pins: str | None = None
+    others_on_hook: tuple[str, ...] = ()  # other filters and programs on the same hook, as probe found them

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from qosagent import config
+from qosagent.capability import AgentContext, CapabilityError
+from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.placement import applier
+from qosagent.placement.capability import Placement
+from qosagent.statefile import StateFileError
 from tests.placement_trees import proc_entry
 
 BEFORE = "7f00 default anon=300 N0=100 N1=150 N2=50\n7f10 default file=/lib/x N1=10\n"
@@ -53,9 +58,28 @@ def test_originals_survive_a_round_trip(tmp_path) -> None:
     again = applier.OriginalsStore(str(tmp_path / "state"))
     again.load()
     assert again.entries == store.entries
-    (tmp_path / "state" / "placement-originals.json").write_text("{not json")
-    again.load()
-    assert again.entries == {}, "a damaged file is reported and ignored, never a crash"
     store.entries = {}
     store.save()
     assert not (tmp_path / "state" / "placement-originals.json").exists()
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"7": {"threads": {}}}', '["a list"]'])
+def test_a_damaged_originals_file_is_kept_and_stops_placement(tmp_path, text: str) -> None:
+    """Never forgotten: dropping it would leave the pins a crashed agent made with no way back."""
+    path = tmp_path / "state" / "placement-originals.json"
+    path.parent.mkdir()
+    path.write_text(text)
+    store = applier.OriginalsStore(str(tmp_path / "state"))
+    with pytest.raises(StateFileError, match="placement-originals.json"):
+        store.load()
+    store.save()
+    store.remove()
+    assert applier.restore_all(HostFS(tmp_path), store) == []
+    assert path.read_text() == text
+    cfg = config.parse({"state_dir": str(tmp_path / "state"), "latency": {"enabled": False},
+                        "placement": {"enabled": True, "mode": "enforce"}}, "t")
+    ctx = AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=NoGpu())
+    with pytest.raises(CapabilityError, match="move it away"):
+        Placement(ctx).start()
+    assert "kept" in Placement.detach(ctx)[0]
+    assert path.read_text() == text
