@@ -10,6 +10,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qosagent.ebpf.loader import headers_present
 from qosagent.hostfs import HostFS
 
 TRACEFS = "/sys/kernel/tracing"
@@ -100,7 +101,7 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
     f = Features(kernel=platform.release() if on_host else (fs.try_read("/proc/sys/kernel/osrelease") or ""))
     f.btf = fs.exists("/sys/kernel/btf/vmlinux")
     # BCC compiles against headers at this real path (a DaemonSet mounts /lib/modules at the same place).
-    f.kernel_headers = os.path.exists(f"/lib/modules/{platform.release()}/build/include")
+    f.kernel_headers = headers_present()
     mounts = mount_types(fs)
     known = _filesystems(fs)
     for attr, path, fstype in (("tracefs", TRACEFS, "tracefs"), ("bpffs", BPFFS, "bpf")):
@@ -124,14 +125,11 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
     f.cls_bpf = "cls_bpf_classify" in syms or _module_file(fs, f.kernel, "net/sched/cls_bpf.ko")
     f.clsact = "clsact_init" in syms or "ingress_init" in syms or _module_file(fs, f.kernel, "net/sched/sch_ingress.ko")
     f.tcx = "tcx_prog_attach" in syms
-    # Older kernels (and snapshots of them) lay cpufreq out as cpuN/cpufreq only, without cpufreq/policyN.
-    policies = fs.glob("/sys/devices/system/cpu/cpufreq", "policy*") or [
-        d for d in (f"{c}/cpufreq" for c in fs.glob("/sys/devices/system/cpu", "cpu[0-9]*")) if fs.is_dir(d)]
-    for pol in policies:
-        f.cpufreq[pol.removesuffix("/cpufreq").rsplit("/", 1)[1]] = {
-            "driver": fs.try_read(f"{pol}/scaling_driver") or "unknown",
-            "governor": fs.try_read(f"{pol}/scaling_governor") or "unknown",
-        }
+    # The policies as dvfs will see them (names included), so check and run never disagree.
+    from qosagent.dvfs import cpufreq
+
+    for pol in cpufreq.discover(fs):
+        f.cpufreq[pol.name] = {"driver": pol.driver, "governor": pol.governor}
     for zone in fs.glob("/sys/class/thermal", "thermal_zone*"):
         f.thermal_zones[zone.rsplit("/", 1)[1]] = fs.try_read(f"{zone}/type") or "unknown"
     for chip in fs.glob("/sys/class/hwmon", "hwmon*"):

@@ -11,6 +11,7 @@ from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
 from qosagent.quota.model import QuotaPart
 from qosagent.quota.rules import baseline as quota_baseline
+from qosagent.quota.rules import limit_of
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit
 
@@ -22,10 +23,10 @@ def config_baseline(cfg: Config) -> dict[str, TenantLimit]:
 
 
 def _floor_burst(floor: QuotaSpec | None) -> int:
-    # A floor without a burst admits one second's worth at once: the quota writer reads the floor the same way.
+    # Read as the quota writer reads the floor.
     if floor is None or not floor.rps:
         return 0
-    return floor.burst if floor.burst is not None else max(int(floor.rps), 1)
+    return limit_of(floor.rps, floor.burst).burst
 
 
 def gpu_input(gpu: GpuState | None, serving: list[int]) -> GpuInput:

@@ -90,6 +90,11 @@ class TenantQuotaSpec:
     floor: TenantLimit | None  # the tier's guaranteed floor: adaptive overrides never go below
 
 
+def limit_of(rps: float, burst: int | None = None) -> TenantLimit:
+    """A configured rate as a limit: without a burst, one second's worth is admitted at once (at least one)."""
+    return TenantLimit(rps, burst if burst is not None else max(int(rps), 1))
+
+
 def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
     """The configured quotas per tenant: the tenant's own fields, else its tier's defaults."""
     out = {}
@@ -97,13 +102,11 @@ def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
         q = _merged(t, cfg)
         req = conn = None
         if q is not None and q.rps is not None:
-            req = TenantLimit(q.rps, q.burst if q.burst is not None else max(int(q.rps), 1))
+            req = limit_of(q.rps, q.burst)
         if q is not None and q.connections_per_s is not None:
-            conn = TenantLimit(q.connections_per_s, max(int(q.connections_per_s), 1))
+            conn = limit_of(q.connections_per_s)
         fl = cfg.tiers[t.tier].floor
-        floor = None
-        if fl is not None and fl.rps is not None:
-            floor = TenantLimit(fl.rps, fl.burst if fl.burst is not None else max(int(fl.rps), 1))
+        floor = limit_of(fl.rps, fl.burst) if fl is not None and fl.rps is not None else None
         out[t.name] = TenantQuotaSpec(req, conn, floor)
     return out
 
