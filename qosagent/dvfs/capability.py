@@ -1,27 +1,29 @@
 """DVFS: CPU frequency (and GPU clocks/power) from temperature and load, with hysteresis, bounds and rollback.
 
 collect reads sensors, load and (at a slower cadence) current frequency; decide runs the pure operating-point
-step per cpufreq policy and the GPU bands; apply writes through Writer (originals saved and persisted first);
-stop restores in reverse. In dry-run nothing is written and nothing needs restoring.
+step per cpufreq policy and the GPU bands; apply hands each decision's command to the CPU actuator
+(qosagent/dvfs/actuator.py: originals saved and persisted first) or the GPU one (gpuclocks.py); stop restores in
+reverse. In dry-run nothing is written and nothing needs restoring. The part and commands are in model.py, what
+is shown of them in export.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.admission.model import AdmissionPart
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
-from qosagent.dvfs import cpufreq, policy, sensors
+from qosagent.dvfs import cpufreq, export, policy, sensors
+from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
-from qosagent.dvfs.gpuclocks import GpuActuator, GpuIO
+from qosagent.dvfs.gpuclocks import GpuActuator
+from qosagent.dvfs.model import DvfsPart, GpuBandChange, PolicyView, SetFreq
 from qosagent.dvfs.rollback import Originals
-from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu
-from qosagent.hostfs import HostFS
+from qosagent.gpu.backend import GpuError, GpuState, NoGpu
 from qosagent.schedule import Every
 from qosagent.snapshot import Decision, Snapshot
 
@@ -35,57 +37,6 @@ log = logging.getLogger("qosagent.dvfs")
 
 # Write errors that mean "this knob is not ours to turn here": the policy goes to monitor only.
 _READ_ONLY = ("EROFS", "EACCES", "EPERM")
-
-
-@dataclass(frozen=True)
-class PolicyView:
-    name: str
-    cpus: tuple[int, ...]
-    driver: str
-    governor: str
-    actuator: str | None
-    point: str | None
-    target_khz: int | None
-    cur_khz: int | None
-    load: float | None
-    transitions: int
-    kind: str
-    reason: str
-    held: str
-    note: str  # why this policy is not (or no longer) actuated
-
-
-@dataclass(frozen=True)
-class DvfsPart:
-    mode: str
-    temperatures: Mapping[str, float]
-    hottest_c: float | None
-    critical_c: float | None
-    emergency: bool
-    policies: tuple[PolicyView, ...]
-    gpu_bands: Mapping[int, str | None]
-    gpu_off: Mapping[str, str]
-    bad_readings: Mapping[tuple[str, str], int]
-    writes: Mapping[str, int]
-
-
-class KnobIO:
-    """Rollback's access to every kind of knob DVFS turns."""
-
-    def __init__(self, fs: HostFS, gpu: GpuBackend):
-        self.fs = fs
-        self.gpu = GpuIO(gpu)
-
-    def read(self, key: str) -> str | None:
-        if key.startswith("gpu:"):
-            return self.gpu.read(key)
-        return self.fs.read_text(key.removeprefix("file:"))
-
-    def write(self, key: str, value: str) -> None:
-        if key.startswith("gpu:"):
-            self.gpu.write(key, value)
-        else:
-            self.fs.write_text(key.removeprefix("file:"), value)
 
 
 def _params(cfg: DvfsConfig, p: cpufreq.Policy) -> policy.Params | None:
@@ -107,20 +58,16 @@ class Dvfs(Capability):
         self.cfg: DvfsConfig = ctx.config.dvfs
         self.enforce = self.cfg.mode == "enforce"
         self.originals = Originals(ctx.config.state_dir if self.enforce else None, str(ctx.hostfs.root))
-        self.writer = cpufreq.Writer(ctx.hostfs, self.originals)
+        self.cpu = CpuFreqActuator(ctx.hostfs, self.originals, self.cfg.readback_tolerance_mhz)
         self.policies: list[cpufreq.Policy] = []
         self.params: dict[str, policy.Params] = {}
         self.states: dict[str, policy.State] = {}
-        self.notes: dict[str, str] = {}  # policy -> why it is monitor only now
-        self.epp_off: dict[str, str] = {}  # policy -> why its EPP is no longer written
         self.reader = sensors.SensorReader(ctx.hostfs, [])
         self.loads: sensors.LoadTracker | None = None
         self.cur_khz: dict[str, int] = {}
         self._freq_read = Every(self.cfg.freq_read_interval)
         self.critical_c: float | None = None
-        self.writes: dict[str, int] = {}
         self.gpu: GpuActuator | None = None
-        self._warned: set[str] = set()
 
     # ---- probe / start / stop ----------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -164,7 +111,8 @@ class Dvfs(Capability):
         for p in self.policies:
             params = _params(self.cfg, p) if p.actuator else None
             if params is None:
-                self.notes[p.name] = p.why if not p.actuator else "cpuinfo_max_freq unknown: relative points unusable"
+                self.cpu.notes[p.name] = (p.why if not p.actuator
+                                          else "cpuinfo_max_freq unknown: relative points unusable")
                 continue
             self.params[p.name] = params
             self.states[p.name] = policy.State()
@@ -248,6 +196,7 @@ class Dvfs(Capability):
 
     def _take(self, t: "_Tables") -> None:
         self.cfg, self.params, self.states, self.critical_c = t.cfg, t.params, dict(t.states), t.critical_c
+        self.cpu.readback_tolerance_mhz = t.cfg.readback_tolerance_mhz
         self._freq_read.period = t.cfg.freq_read_interval
         if self.gpu:
             self.gpu.bands = list(t.cfg.gpu.bands)
@@ -280,7 +229,8 @@ class Dvfs(Capability):
                 st.point if st else None, pr.khz.get(st.point) if st and pr and st.point else None,
                 self.cur_khz.get(p.name), loads.get(p.name), st.transitions if st else 0, st.kind if st else "",
                 st.reason if st else "", st.held if st else "",
-                self.notes.get(p.name) or (f"EPP off: {self.epp_off[p.name]}" if p.name in self.epp_off else "")))
+                self.cpu.notes.get(p.name)
+                or (f"EPP off: {self.cpu.epp_off[p.name]}" if p.name in self.cpu.epp_off else "")))
         return DvfsPart(
             mode=self.cfg.mode,
             temperatures=MappingProxyType(temps),
@@ -291,7 +241,7 @@ class Dvfs(Capability):
             gpu_bands=MappingProxyType(dict(self.gpu.band) if self.gpu else {}),
             gpu_off=MappingProxyType(dict(self.gpu.off) if self.gpu else {}),
             bad_readings=MappingProxyType(dict(self.reader.bad)),
-            writes=MappingProxyType(dict(self.writes)),
+            writes=MappingProxyType(dict(self.cpu.writes)),
         )
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
@@ -303,7 +253,7 @@ class Dvfs(Capability):
         now = snapshot.monotonic
         out = []
         for view in part.policies:
-            if view.name not in self.params or view.name in self.notes:
+            if view.name not in self.params or view.name in self.cpu.notes:
                 continue
             pr = self.params[view.name]
             inp = policy.Inputs(part.hottest_c, view.load, part.critical_c, near)
@@ -332,226 +282,31 @@ class Dvfs(Capability):
             if isinstance(c, GpuBandChange) and self.gpu:
                 self.gpu.apply(c.gpu, c.band)
                 continue
-            if not isinstance(c, SetFreq) or c.policy in self.notes:
+            if not isinstance(c, SetFreq) or c.policy in self.cpu.notes:
                 continue
             p = next(p for p in self.policies if p.name == c.policy)
             if p.actuator == "max_perf_pct":
                 pstate = True
                 continue
-            self._write_policy(p, c.khz, c.point)
+            self.cpu.write_policy(p, c.khz, self.params[p.name].point(c.point).epp)
         if pstate:
-            self._write_max_perf_pct()
-
-    # ---- writes ------------------------------------------------------------------------------------------
-    def _count(self, r: cpufreq.WriteResult) -> None:
-        key = r.status if r.status != "failed" else f"failed_{r.error}"
-        self.writes[key] = self.writes.get(key, 0) + 1
-
-    def _write_policy(self, p: cpufreq.Policy, khz: int, point: str) -> None:
-        tol = max(int(self.cfg.readback_tolerance_mhz * 1000),
-                  max((b - a for a, b in zip(p.available, p.available[1:])), default=0))
-        same = cpufreq.same_khz(tol)
-        for path, value in cpufreq.freq_writes(self.ctx.hostfs, p, khz, self.originals):
-            r = self.writer.set(path, value, same)
-            self._count(r)
-            if not self._settle(p, r, "frequency"):
-                return
-        epp = self.params[p.name].point(point).epp
-        if p.epp_prefs and p.name not in self.epp_off:
-            path = f"{p.dir}/energy_performance_preference"
-            want = epp if epp in p.epp_prefs else self.originals.original(f"file:{path}")
-            if want is not None:
-                r = self.writer.set(path, want, cpufreq.same_text)
-                self._count(r)
-                if r.status == "failed" and r.error == "EBUSY":
-                    # The performance governor pins EPP; the governor is the operator's, so EPP is off here.
-                    self.epp_off[p.name] = "EBUSY (performance governor?)"
-                    self._warn_once(f"{p.name}:epp", "%s: energy_performance_preference answers EBUSY; EPP off",
-                                    p.name)
-                else:
-                    self._settle(p, r, "EPP")
-
-    def _write_max_perf_pct(self) -> None:
-        group = [p for p in self.policies if p.actuator == "max_perf_pct" and p.name in self.params
-                 and p.name not in self.notes]
-        targets = [(self.params[p.name].khz[self.states[p.name].point], p.max_khz) for p in group
-                   if self.states[p.name].point and p.max_khz]
-        if not targets:
-            return
-        pct = max(math.ceil(k * 100 / m) for k, m in targets)
-        floor = cpufreq.ints(self.ctx.hostfs.try_read(f"{cpufreq.PSTATE}/min_perf_pct"))
-        pct = min(100, max(pct, floor[0] if floor else 0))
-        r = self.writer.set(f"{cpufreq.PSTATE}/max_perf_pct", str(pct), cpufreq.same_text)
-        self._count(r)
-        for p in group:
-            self._settle(p, r, "max_perf_pct")
-
-    def _settle(self, p: cpufreq.Policy, r: cpufreq.WriteResult, what: str) -> bool:
-        """Act on a write result; False when the policy must not be written further now."""
-        if r.status in ("written", "same"):
-            return True
-        if r.status == "mismatch":
-            self._warn_once(f"{p.name}:mismatch:{r.path}", "%s: wrote %s to %s, the driver kept %s",
-                            p.name, r.want, r.path, r.read_back)
-            return True
-        if r.status == "foreign":
-            # Someone else owns the knob now: never fight them. The policy stays monitored, not actuated.
-            self.notes[p.name] = f"yielded: {r.path} changed by someone else (now {r.read_back})"
-            log.warning("%s: %s was changed by someone else (now %s); leaving %s alone", p.name, r.path,
-                        r.read_back, p.name)
-            return False
-        if r.error in _READ_ONLY:
-            self.notes[p.name] = f"monitor only: {what} not writable ({r.error})"
-            log.warning("%s: %s %s: %s; monitoring only", p.name, what, r.path, r.error)
-        else:
-            self._warn_once(f"{p.name}:{r.error}", "%s: writing %s to %s failed: %s (counted; retried on the next "
-                            "change)", p.name, r.want, r.path, r.error)
-        return False
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key in self._warned:
-            log.debug(msg, *args)
-        else:
-            self._warned.add(key)
-            log.warning(msg, *args)
+            group = [p for p in self.policies if p.actuator == "max_perf_pct" and p.name in self.params
+                     and p.name not in self.cpu.notes]
+            self.cpu.write_max_perf_pct(group, [(self.params[p.name].khz[self.states[p.name].point], p.max_khz)
+                                                for p in group if self.states[p.name].point and p.max_khz])
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        part: DvfsPart | None = snapshot.part(self.name)
-        if part is None:
-            return
-        temp = GaugeMetricFamily("qosagent_dvfs_temperature_celsius", "Temperature per sensor (valid readings)",
-                                 labels=["sensor"])
-        for s, v in sorted(part.temperatures.items()):
-            temp.add_metric([s], v)
-        yield temp
-        bad = CounterMetricFamily("qosagent_dvfs_bad_readings", "Sensor readings discarded, by reason",
-                                  labels=["sensor", "reason"])
-        for (s, why), n in sorted(part.bad_readings.items()):
-            bad.add_metric([s, why], n)
-        yield bad
-        yield GaugeMetricFamily("qosagent_dvfs_emergency", "1 while a thermal emergency holds the lowest point",
-                                value=1.0 if part.emergency else 0.0)
-        load = GaugeMetricFamily("qosagent_dvfs_load_ratio", "Smoothed busy fraction of the policy's CPUs",
-                                 labels=["policy"])
-        target = GaugeMetricFamily("qosagent_dvfs_target_frequency_hertz", "Frequency of the operating point",
-                                   labels=["policy"])
-        cur = GaugeMetricFamily("qosagent_dvfs_current_frequency_hertz", "scaling_cur_freq, read per policy",
-                                labels=["policy"])
-        point = GaugeMetricFamily("qosagent_dvfs_operating_point", "1 for the policy's operating point",
-                                  labels=["policy", "point"])
-        trans = CounterMetricFamily("qosagent_dvfs_transitions", "Operating-point changes", labels=["policy"])
-        last = GaugeMetricFamily("qosagent_dvfs_last_change_info", "What caused the policy's last change",
-                                 labels=["policy", "kind"])
-        for v in part.policies:
-            if v.load is not None:
-                load.add_metric([v.name], v.load)
-            if v.target_khz is not None:
-                target.add_metric([v.name], v.target_khz * 1000.0)
-            if v.cur_khz is not None:
-                cur.add_metric([v.name], v.cur_khz * 1000.0)
-            if v.point:
-                point.add_metric([v.name, v.point], 1.0)
-                trans.add_metric([v.name], v.transitions)
-                last.add_metric([v.name, v.kind], 1.0)
-        yield from (load, target, cur, point, trans, last)
-        writes = CounterMetricFamily("qosagent_dvfs_writes", "Knob writes by result (same: skipped, value there)",
-                                     labels=["result"])
-        for k, n in sorted(part.writes.items()):
-            writes.add_metric([k], n)
-        yield writes
-        gpus = snapshot.part("gpu")
-        if isinstance(gpus, GpuState) and gpus.available:
-            fams = {
-                "temperature_c": GaugeMetricFamily("qosagent_dvfs_gpu_temperature_celsius", "GPU temperature",
-                                                   labels=["gpu"]),
-                "power_w": GaugeMetricFamily("qosagent_dvfs_gpu_power_watts", "GPU power draw", labels=["gpu"]),
-                "power_limit_w": GaugeMetricFamily("qosagent_dvfs_gpu_power_limit_watts", "Enforced power limit",
-                                                   labels=["gpu"]),
-                "sm_clock_mhz": GaugeMetricFamily("qosagent_dvfs_gpu_sm_clock_hertz", "SM clock", labels=["gpu"]),
-                "mem_clock_mhz": GaugeMetricFamily("qosagent_dvfs_gpu_memory_clock_hertz", "Memory clock",
-                                                   labels=["gpu"]),
-                "clock_event_reasons": GaugeMetricFamily("qosagent_dvfs_gpu_clock_event_reasons",
-                                                         "NVML clock event reasons bitmask", labels=["gpu"]),
-            }
-            for g in gpus.gpus:
-                for attr, fam in fams.items():
-                    val = getattr(g, attr)
-                    if val is not None:
-                        fam.add_metric([str(g.index)], val * (1e6 if attr.endswith("_mhz") else 1.0))
-            yield from fams.values()
-            band = GaugeMetricFamily("qosagent_dvfs_gpu_band", "1 for the GPU's band (none: no band)",
-                                     labels=["gpu", "band"])
-            for i, b in sorted(part.gpu_bands.items()):
-                band.add_metric([str(i), b or "none"], 1.0)
-            yield band
+        part = snapshot.part(self.name)
+        return export.metrics(part, snapshot.part("gpu")) if isinstance(part, DvfsPart) else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part: DvfsPart | None = snapshot.part(self.name)
-        if part is None:
-            return {}
-        gpus = snapshot.part("gpu")
-        gpu_rows = []
-        if isinstance(gpus, GpuState) and gpus.available:
-            for g in gpus.gpus:
-                gpu_rows.append({"gpu": g.index, "temp_c": g.temperature_c, "power_w": g.power_w,
-                                 "power_limit_w": g.power_limit_w, "sm_clock_mhz": g.sm_clock_mhz,
-                                 "mem_clock_mhz": g.mem_clock_mhz, "clock_event_reasons": g.clock_event_reasons,
-                                 "band": part.gpu_bands.get(g.index)})
-        return {
-            "mode": part.mode,
-            "temperatures": dict(part.temperatures),
-            "hottest_c": part.hottest_c,
-            "critical_c": part.critical_c,
-            "emergency": part.emergency,
-            "policies": [{
-                "policy": v.name, "cpus": list(v.cpus), "driver": v.driver, "governor": v.governor,
-                "actuator": v.actuator, "point": v.point, "target_mhz": v.target_khz // 1000 if v.target_khz else None,
-                "cur_mhz": v.cur_khz // 1000 if v.cur_khz else None, "load": v.load, "transitions": v.transitions,
-                "kind": v.kind, "reason": v.reason, "held": v.held, "note": v.note,
-            } for v in part.policies],
-            "gpus": gpu_rows,
-            "gpu_off": dict(part.gpu_off),
-            "bad_readings": {f"{s}:{why}": n for (s, why), n in part.bad_readings.items()},
-            "writes": dict(part.writes),
-        }
+        part = snapshot.part(self.name)
+        return export.status(part, snapshot.part("gpu")) if isinstance(part, DvfsPart) else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
-        def num(v: Any, fmt: str = "{:.0f}") -> str:
-            return "-" if v is None else fmt.format(v)
-
-        temps = ", ".join(f"{k} {v:.1f}" for k, v in sorted(status.get("temperatures", {}).items())) or "none valid"
-        lines = [f"DVFS ({status.get('mode')})  hottest {num(status.get('hottest_c'), '{:.1f}')} C  critical "
-                 f"{num(status.get('critical_c'), '{:.1f}')} C{'  EMERGENCY' if status.get('emergency') else ''}",
-                 f"temperatures C: {temps}"]
-        if status.get("policies"):
-            lines.append(f"{'POLICY':<10} {'CPUS':<8} {'DRIVER/GOVERNOR':<28} {'ACTUATOR':<17} {'POINT':<10} "
-                         f"{'TARGET_MHZ':>10} {'CUR_MHZ':>8} {'LOAD':>5} {'TRANS':>5}  LAST CHANGE")
-            for p in status["policies"]:
-                cpus = ",".join(map(str, p["cpus"]))
-                last = p["reason"] or "-"
-                if p.get("held"):
-                    last += f" [held: {p['held']}]"
-                if p.get("note"):
-                    last += f" [{p['note']}]"
-                lines.append(f"{p['policy']:<10} {cpus[:8]:<8} {p['driver'] + '/' + p['governor']:<28} "
-                             f"{p['actuator'] or 'none':<17} {p['point'] or '-':<10} {num(p['target_mhz']):>10} "
-                             f"{num(p['cur_mhz']):>8} {num(p['load'], '{:.0%}'):>5} {p['transitions']:>5}  {last}")
-        else:
-            lines.append("no cpufreq policies: monitoring temperatures only")
-        for g in status.get("gpus", []):
-            lines.append(f"gpu{g['gpu']}: {num(g['temp_c'])} C  {num(g['power_w'])}/{num(g['power_limit_w'])} W  "
-                         f"SM {num(g['sm_clock_mhz'])} MHz  mem {num(g['mem_clock_mhz'])} MHz  "
-                         f"reasons {num(g['clock_event_reasons'], '{:#x}')}  band {g['band'] or 'none'}")
-        for knob, why in status.get("gpu_off", {}).items():
-            lines.append(f"gpu {knob}: off ({why})")
-        bad = status.get("bad_readings") or {}
-        if bad:
-            lines.append("discarded readings: " + ", ".join(f"{k} x{n}" for k, n in sorted(bad.items())))
-        return "\n".join(lines)
+        return export.render(status)
 
 
 @dataclass(frozen=True)
@@ -562,20 +317,3 @@ class _Tables:
     params: dict[str, policy.Params]
     states: dict[str, policy.State]
     critical_c: float | None
-
-
-@dataclass(frozen=True)
-class SetFreq:
-    """Cap one cpufreq policy at the frequency of an operating point."""
-
-    policy: str
-    khz: int
-    point: str
-
-
-@dataclass(frozen=True)
-class GpuBandChange:
-    """Put one GPU in a band (its clocks and power limit), or out of every band (None: the originals back)."""
-
-    gpu: int
-    band: str | None

@@ -127,9 +127,9 @@ def test_epp_ebusy_switches_epp_off_and_keeps_frequency(tmp_path, caplog) -> Non
     with caplog.at_level(logging.WARNING, "qosagent.dvfs"):
         tick(cap, clock)
     assert read(root, f"{P0}/scaling_max_freq") == "1600000"
-    assert cap.epp_off == {"policy0": "EBUSY (performance governor?)", "policy1": "EBUSY (performance governor?)"}
+    assert cap.cpu.epp_off == {"policy0": "EBUSY (performance governor?)", "policy1": "EBUSY (performance governor?)"}
     assert sum("EBUSY" in r.message for r in caplog.records) == 2
-    assert cap.writes["failed_EBUSY"] == 2
+    assert cap.cpu.writes["failed_EBUSY"] == 2
     cap.stop()
     assert read(root, f"{P0}/scaling_max_freq") == "3800000"
 
@@ -204,7 +204,7 @@ def test_min_is_lowered_first_and_raised_last_so_old_kernels_never_refuse(tmp_pa
     set_temp(root, "/sys/class/thermal/thermal_zone1/temp", 50)
     clock.advance(6)
     tick(cap, clock, 3)
-    assert cap.writes.get("failed_EINVAL", 0) == 0
+    assert cap.cpu.writes.get("failed_EINVAL", 0) == 0
     cap.stop()  # reverse order: max up first, then min
     assert read(root, f"{P0}/scaling_min_freq") == "2000000"
     assert read(root, f"{P0}/scaling_max_freq") == "4500000"
@@ -217,7 +217,7 @@ def test_einval_is_counted_and_retried_on_the_next_change(tmp_path) -> None:
     tick(cap, clock)
     assert read(root, f"{P0}/scaling_max_freq") == "4500000"
     assert read(root, f"{P1}/scaling_max_freq") == "1600000"
-    assert cap.writes["failed_EINVAL"] == 1 and "policy0" not in cap.notes
+    assert cap.cpu.writes["failed_EINVAL"] == 1 and "policy0" not in cap.cpu.notes
     fs.write_errors.clear()
     set_temp(root, "/sys/class/thermal/thermal_zone1/temp", 80)
     clock.advance(6)
@@ -235,7 +235,7 @@ def test_read_only_knob_makes_that_policy_monitor_only(tmp_path, err) -> None:
     fs.write_errors["policy1/scaling_max_freq"] = err
     cap = make_dvfs(fs, cfg, clock)
     tick(cap, clock)
-    assert "monitor only" in cap.notes["policy1"] and errno.errorcode[err] in cap.notes["policy1"]
+    assert "monitor only" in cap.cpu.notes["policy1"] and errno.errorcode[err] in cap.cpu.notes["policy1"]
     assert read(root, f"{P0}/scaling_max_freq") == "1600000"
     # The policy is left alone from now on; the other keeps working.
     set_temp(root, "/sys/class/thermal/thermal_zone1/temp", 80)
@@ -255,7 +255,7 @@ def test_driver_rounding_is_accepted_on_read_back_and_not_rewritten(tmp_path) ->
     cap = make_dvfs(fs, cfg, clock)
     tick(cap, clock)
     assert read(root, f"{P0}/scaling_max_freq") == "1700000"
-    assert cap.writes["written"] == 2 and "mismatch" not in cap.writes
+    assert cap.cpu.writes["written"] == 2 and "mismatch" not in cap.cpu.writes
     # The rounded value is ours: restarting the point writes nothing, and restore recognizes it.
     assert cap.originals.is_ours(f"file:{P0}/scaling_max_freq", "1700000")
     cap.stop()
@@ -268,7 +268,7 @@ def test_read_back_beyond_tolerance_is_a_counted_mismatch(tmp_path) -> None:
         round_khz=100000)
     cap = make_dvfs(fs, cfg, clock)
     tick(cap, clock)
-    assert cap.writes["mismatch"] == 2
+    assert cap.cpu.writes["mismatch"] == 2
     cap.stop()
     assert read(root, f"{P0}/scaling_max_freq") == "4500000"
 
@@ -283,7 +283,7 @@ def test_value_changed_by_someone_else_is_left_alone_and_reported(tmp_path, capl
     with caplog.at_level(logging.WARNING, "qosagent.dvfs"):
         tick(cap, clock, 2)
     assert read(root, f"{P0}/scaling_max_freq") == "3000000"
-    assert cap.notes["policy0"].startswith("yielded")
+    assert cap.cpu.notes["policy0"].startswith("yielded")
     assert any("someone else" in r.message for r in caplog.records)
     lines = cap.restore()
     assert read(root, f"{P0}/scaling_max_freq") == "3000000"
