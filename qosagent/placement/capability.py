@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
-from qosagent.placement import applier
+from qosagent.placement import applier, export
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
+from qosagent.placement.model import PlacementPart, Record
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology
@@ -30,56 +29,6 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from qosagent.config import Config
-
-
-@dataclass
-class Record:
-    """What placement knows and last did about one process."""
-
-    pid: int
-    start: int
-    name: str
-    selector: str
-    gpus: tuple[int, ...] = ()
-    node: int | None = None
-    cpus: frozenset[int] | None = None  # the target; None: left where it was
-    applied: bool = False  # the target was written (False in dry-run or after a failed write)
-    last_action: str = ""
-    reason: str = ""
-    at: float = 0.0  # wall time of the last action
-    threads: int = 0
-    verified: bool | None = None  # every thread read back on target
-    pages: dict[int, int] | None = None  # resident pages per node (numa_maps)
-    locality_at: float = float("-inf")  # monotonic time pages were read
-
-    @property
-    def memory_local(self) -> float | None:
-        if not self.pages or self.node is None:
-            return None
-        total = sum(self.pages.values())
-        return self.pages.get(self.node, 0) / total if total else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid, "name": self.name, "selector": self.selector, "gpus": list(self.gpus),
-            "node": self.node, "cpus": format_cpulist(self.cpus) if self.cpus is not None else None,
-            "applied": self.applied, "last_action": self.last_action, "reason": self.reason, "time": self.at,
-            "threads": self.threads, "verified": self.verified, "memory_local": self.memory_local,
-            "pages": {str(n): p for n, p in sorted((self.pages or {}).items())},
-        }
-
-
-@dataclass(frozen=True)
-class PlacementView:
-    """The placement part of a Snapshot."""
-
-    mode: str
-    topology: Topology
-    reconcile: bool  # procs were discovered this tick
-    procs: tuple[ProcInfo, ...]
-    records: tuple[dict[str, Any], ...]
-    gone: frozenset[int] = frozenset()  # tracked pids whose process exited (reconcile ticks only)
-    counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Placement(Capability):
@@ -201,7 +150,7 @@ class Placement(Capability):
         return Change(commit, undo)
 
     # ---- one tick ----------------------------------------------------------------------------------------
-    def collect(self) -> PlacementView:
+    def collect(self) -> PlacementPart:
         assert self.topology is not None
         now = self.ctx.clock()
         procs: tuple[ProcInfo, ...] = ()
@@ -218,14 +167,15 @@ class Placement(Capability):
             seen = {p.pid for p in procs}
             gone = frozenset(pid for pid, rec in self.records.items()
                              if pid not in seen and proc_start(self.ctx.hostfs, pid) != rec.start)
-        return PlacementView(
+        return PlacementPart(
             mode=self.cfg.mode, topology=self.topology, reconcile=reconcile, procs=procs, gone=gone,
             records=tuple(r.as_dict() for r in sorted(self.records.values(), key=lambda r: r.pid)),
             counters={k: dict(v) for k, v in self.counters.items()},
+            reserved_cpus=self.cfg.reserved_cpus,
         )
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
-        view: PlacementView | None = snapshot.part(self.name)
+        view: PlacementPart | None = snapshot.part(self.name)
         gpu = snapshot.part("gpu")
         gpus_of: dict[int, list[int]] = collections.defaultdict(list)
         if gpu is not None and gpu.available:
@@ -390,86 +340,13 @@ class Placement(Capability):
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        view: PlacementView | None = snapshot.part(self.name)
-        if view is None:
-            return
-        info = GaugeMetricFamily(
-            "qosagent_placement_process_info", "1 per placed or considered process: its node, CPUs, GPUs, last action "
-            "and why", labels=["pid", "name", "node", "cpus", "gpus", "action", "applied", "reason"])
-        local = GaugeMetricFamily("qosagent_placement_memory_local_ratio",
-                                  "Share of the process's resident pages on its target node (numa_maps)",
-                                  labels=["pid", "name", "node"])
-        pages = GaugeMetricFamily("qosagent_placement_memory_pages", "Resident pages of the process per NUMA node",
-                                  labels=["pid", "name", "node"])
-        for r in view.records:
-            pid = str(r["pid"])
-            node = "" if r["node"] is None else str(r["node"])
-            info.add_metric([pid, r["name"], node, r["cpus"] or "", ",".join(map(str, r["gpus"])), r["last_action"],
-                             str(r["applied"]).lower(), r["reason"]], 1.0)
-            if r["memory_local"] is not None:
-                local.add_metric([pid, r["name"], node], r["memory_local"])
-            for n, count in r["pages"].items():
-                pages.add_metric([pid, r["name"], n], count)
-        yield info
-        yield local
-        yield pages
-        yield GaugeMetricFamily("qosagent_placement_processes", "Selected processes placement tracks",
-                                value=len(view.records))
-        c = view.counters
-        actions = CounterMetricFamily("qosagent_placement_actions", "Placement decisions by action", labels=["action"])
-        for k, v in sorted(c.get("actions", {}).items()):
-            actions.add_metric([k], v)
-        yield actions
-        mig = CounterMetricFamily("qosagent_placement_migrations", "migrate_pages runs by result (noop: nothing to "
-                                  "move, e.g. one memory node)", labels=["result"])
-        for k in ("moved", "noop", "failed"):
-            mig.add_metric([k], c.get("migrations", {}).get(k, 0))
-        yield mig
-        moved = CounterMetricFamily("qosagent_placement_pages_migrated", "Pages moved to their target node "
-                                    "(moved) and pages the kernel could not move (not_moved)", labels=["result"])
-        for k in ("moved", "not_moved"):
-            moved.add_metric([k], c.get("pages_migrated", {}).get(k, 0))
-        yield moved
-        drift = CounterMetricFamily("qosagent_placement_drift", "Threads found off their target CPUs",
-                                    labels=["result"])
-        for k, v in sorted(c.get("drift", {}).items()):
-            drift.add_metric([k], v)
-        yield drift
-        errs = CounterMetricFamily("qosagent_placement_errors", "Placement writes that failed, by kind "
-                                   "(exited: the process left mid-placement)", labels=["kind"])
-        for k, v in sorted(c.get("errors", {}).items()):
-            errs.add_metric([k], v)
-        yield errs
+        part = snapshot.part(self.name)
+        return export.metrics(part) if isinstance(part, PlacementPart) else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        view: PlacementView | None = snapshot.part(self.name)
-        if view is None:
-            return {}
-        return {
-            "mode": view.mode,
-            "nodes": {str(n.id): format_cpulist(n.cpus) for n in view.topology.nodes.values()},
-            "reserved_cpus": self.cfg.reserved_cpus,
-            "processes": list(view.records),
-            "counters": view.counters,
-            "warnings": list(view.topology.warnings),
-        }
+        part = snapshot.part(self.name)
+        return export.status(part) if isinstance(part, PlacementPart) else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
-        lines = [f"PLACEMENT ({status.get('mode')}; nodes "
-                 + ", ".join(f"{n}: {c or '-'}" for n, c in status.get("nodes", {}).items())
-                 + f"; reserved {status.get('reserved_cpus') or '-'})"]
-        lines.append("PID      NAME             NODE  CPUS         GPUS     MEM_LOCAL  ACTION    REASON")
-        for r in status.get("processes", []):
-            local = "-" if r.get("memory_local") is None else f"{r['memory_local'] * 100:.0f}%"
-            action = r["last_action"] + ("" if r["applied"] or r["last_action"] in ("leave", "error") else "*")
-            lines.append(f"{r['pid']:<8} {r['name'][:16]:<16} {'-' if r['node'] is None else r['node']:<5} "
-                         f"{r['cpus'] or '-':<12} {','.join(map(str, r['gpus'])) or '-':<8} {local:<10} "
-                         f"{action:<9} {r['reason']}")
-        if not status.get("processes"):
-            lines.append("(no selected process running)")
-        if any(not r["applied"] and r["last_action"] in ("pin", "correct") for r in status.get("processes", [])):
-            lines.append("* dry-run: computed, not written")
-        for w in status.get("warnings", []):
-            lines.append(f"warning: {w}")
-        return "\n".join(lines)
+        return export.render(status)
