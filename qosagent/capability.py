@@ -10,7 +10,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, TypeVar
 
 from qosagent.hostfs import HostFS
 from qosagent.snapshot import Decision, Snapshot
@@ -63,6 +63,25 @@ class Change:
 
 
 UNCHANGED = Change()
+
+T = TypeVar("T")
+
+
+def rewrite(write: Callable[[T], None], new: T, old: T, what: str) -> Change:
+    """The Change of a capability whose reload is one write of what a config makes of its state: new on commit,
+    old on undo, and old back when the commit fails part-way (then CapabilityError naming `what`)."""
+
+    def commit() -> None:
+        try:
+            write(new)
+        except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() each raise their own kinds
+            try:
+                write(old)
+            except Exception:  # noqa: BLE001 - the refusal below is what the operator must see
+                logging.getLogger("qosagent").exception("putting the old %s back after a failed reload failed", what)
+            raise CapabilityError(f"updating the {what} failed: {e}") from e
+
+    return Change(commit, lambda: write(old))
 
 
 @dataclass

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.admission.model import AdmissionPart
-from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
+from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.dvfs import cpufreq, export, policy, sensors
 from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
@@ -191,8 +191,7 @@ class Dvfs(Capability):
                          else st) for name, st in self.states.items()}
         crits = [c for c in (*(s.critical_c for s in self.reader.sensors), new.emergency_c) if c is not None]
         old = _Tables(self.cfg, self.params, self.states, self.critical_c)
-        return Change(lambda: self._take(_Tables(new, params, states, min(crits) if crits else None)),
-                      lambda: self._take(old))
+        return rewrite(self._take, _Tables(new, params, states, min(crits) if crits else None), old, "DVFS tables")
 
     def _take(self, t: "_Tables") -> None:
         self.cfg, self.params, self.states, self.critical_c = t.cfg, t.params, dict(t.states), t.critical_c

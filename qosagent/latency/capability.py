@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict
+from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import LatencyPart, TenantLatency
@@ -492,18 +492,7 @@ class Latency(Capability):
             return UNCHANGED
         new, old = self._plan_maps(config), self._maps
         assert old is not None
-
-        def commit() -> None:
-            try:
-                self._write_maps(new)
-            except Exception as e:  # noqa: BLE001 - bcc raises plain Exception on map writes
-                try:
-                    self._write_maps(old)
-                except Exception:  # noqa: BLE001
-                    log.exception("latency: putting the old tenant maps back after a failed reload failed")
-                raise CapabilityError(f"updating the tenant maps failed: {e}") from None
-
-        return Change(commit, lambda: self._write_maps(old))
+        return rewrite(self._write_maps, new, old, "tenant maps")
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict
+from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
 from qosagent.quota import datapath as dp
 from qosagent.quota import tc
@@ -222,18 +222,7 @@ class Quota(Capability):
         new = _Written(config, names, self._derive(config),
                        {n: v for n, v in self.overrides.items() if n in {t.name for t in config.tenants}})
         old = _Written(self.ctx.config, self.attached, (self.specs, self.table), self.overrides)
-
-        def commit() -> None:
-            try:
-                self._write(new)
-            except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
-                try:
-                    self._write(old)
-                except Exception:  # noqa: BLE001
-                    log.exception("quota: putting the old config back after a failed reload failed")
-                raise CapabilityError(f"updating the quota maps failed: {e}") from e
-
-        return Change(commit, lambda: self._write(old))
+        return rewrite(self._write, new, old, "quota maps")
 
     def _write(self, w: "_Written") -> None:
         d = self.datapath
