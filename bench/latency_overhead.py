@@ -199,7 +199,7 @@ class Toggled:
         if self.lat.mode == "sockops":
             # The capability's own links, closed and made again: what an agent start and stop do to the hooks.
             # The sockets keep the callbacks they were given, so with the links back they are timed again.
-            from qosagent.ebpf.syscall import ATTACH_CGROUP_SOCK_OPS, link_create
+            from qosagent.ebpf.libbpf import ATTACH_CGROUP_SOCK_OPS, link_create
 
             fd = os.open(self.lat.ctx.hostfs.path(self.lat._cgroup_root()), os.O_RDONLY | os.O_DIRECTORY)
             try:

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks, cgroup2_mount
-from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, prog_id
+from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, prog_id
 from qosagent.hostfs import HostFS
 from tests.conftest import agent_env, require
 

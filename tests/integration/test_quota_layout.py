@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from qosagent.config import parse
-from qosagent.ebpf import syscall
+from qosagent.ebpf import libbpf
 from tests.conftest import agent_argv, agent_env, netns, require
 from tests.integration.quota_agent import start_quota_agent
 
@@ -86,9 +86,9 @@ def test_an_older_layout_is_taken_over_in_place_then_stopped_cleanly(env):
     assert "qosagent-quota" in env.hook() and "clsact" in env.hook()
     env.start_agent()
     hook = env.hook()
-    fd = syscall.obj_get(os.path.join(env.pin_root, "quota-v2", "quota_classify"))
+    fd = libbpf.obj_get(os.path.join(env.pin_root, "quota-v2", "quota_classify"))
     try:
-        new_id = syscall.prog_id(fd)
+        new_id = libbpf.prog_id(fd)
     finally:
         os.close(fd)
     assert hook.count("qosagent-quota") == 1, hook  # replaced, not a second filter

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qosagent.ebpf import syscall
+from qosagent.ebpf.maps import Map
 from qosagent.quota.layout import LAYOUT, QOS_LIMIT_OVERRIDE, QuotaLimit
 from qosagent.quota.rules import bucket
 from qosagent.status import request
@@ -217,18 +217,15 @@ def test_rates_isolation_retransmission_reload_and_stop(net):
 
 def write_override(pin_dir: str, tenant: str, rps: float, burst: int) -> None:
     """What the admission loop does through quota.limits, done from outside the agent."""
-    fds = [syscall.obj_get(os.path.join(pin_dir, m)) for m in ("quota_slots", "quota_limits")]
-    try:
-        slot = syscall.map_lookup(fds[0], bytes(ctypes.c_uint32(tenant_id(tenant))), 4)
+    with Map.pinned(os.path.join(pin_dir, "quota_slots"), ctypes.c_uint32, ctypes.c_uint32) as slots, \
+            Map.pinned(os.path.join(pin_dir, "quota_limits"), ctypes.c_uint32, QuotaLimit) as limits:
+        slot = slots.lookup(tenant_id(tenant))
         assert slot is not None
-        lim = QuotaLimit.from_buffer_copy(syscall.map_lookup(fds[1], slot, ctypes.sizeof(QuotaLimit)))
+        lim = limits.lookup(slot)
         b = bucket(rps, burst)
         lim.override.interval_ns, lim.override.tau_ns = b.interval_ns, b.tau_ns
         lim.flags |= QOS_LIMIT_OVERRIDE
-        syscall.map_update(fds[1], slot, bytes(lim))
-    finally:
-        for fd in fds:
-            os.close(fd)
+        limits.update(slot, lim)
 
 
 def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
