@@ -13,10 +13,9 @@ from typing import Iterator
 
 import pytest
 
+from testkit.fixtures import sysfs_snapshot
+
 REPO = Path(__file__).resolve().parents[1]
-# ../shared from the main checkout; a worktree under wt/ finds it one level further up.
-SHARED_FIXTURES = next((p / "shared" / "fixtures" for p in REPO.parents if (p / "shared" / "fixtures").is_dir()),
-                       REPO.parent / "shared" / "fixtures")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 # Waits for the agent's start are multiplied by this: the kernel matrix's VMs (tests/vm) run under emulation when
 # KVM is not available, where compiling a BPF program takes tens of seconds instead of one.
@@ -64,28 +63,10 @@ def cgroup(root: None) -> Iterator[str]:
         os.rmdir(path)
 
 
-def materialize_tree(src: Path, dst: Path) -> Path:
-    """Copy a fixture tree, turning the link files of shared/ back into symlinks.
-
-    shared/ stores each sysfs symlink as a small file holding its relative target ("../../devices/..."); sysfs
-    code must see real links (class/hwmon/hwmonN -> devices/..., node/nodeN/cpuM -> cpu/cpuM)."""
-    shutil.copytree(src, dst, symlinks=True)
-    subprocess.run(["chmod", "-R", "u+w", str(dst)], check=True)
-    for f in sorted(dst.rglob("*")):
-        if f.is_file() and not f.is_symlink() and f.stat().st_size < 256:
-            text = f.read_text(errors="replace").strip()
-            if text.startswith("../") and "\n" not in text and (f.parent / text).exists():
-                f.unlink()
-                f.symlink_to(text)
-    return dst
-
-
 @pytest.fixture(scope="session")
 def node_exporter_sysfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real host snapshot from shared/, with its symlinks restored. Shared by tests: do not write to it."""
-    src = SHARED_FIXTURES / "sysfs" / "node-exporter-host"
-    require(src.is_dir(), f"shared fixture {src} missing")
-    return materialize_tree(src, tmp_path_factory.mktemp("sysfs") / "node-exporter-host")
+    """A copy of the real host snapshot (tests/fixtures), shared by tests: do not write to it."""
+    return sysfs_snapshot(tmp_path_factory.mktemp("sysfs") / "node-exporter-host")
 
 
 @pytest.fixture
