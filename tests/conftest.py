@@ -7,7 +7,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -17,9 +16,6 @@ from testkit.fixtures import sysfs_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
-# Waits for the agent's start are multiplied by this: the kernel matrix's VMs (tests/vm) run under emulation when
-# KVM is not available, where compiling a BPF program takes tens of seconds instead of one.
-TIME_SCALE = float(os.environ.get("QOSAGENT_TEST_TIME_SCALE", "1"))
 
 
 def require(condition: bool, why: str) -> None:
@@ -75,18 +71,6 @@ def copied_sysfs(node_exporter_sysfs: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "host"
     shutil.copytree(node_exporter_sysfs, dst, symlinks=True)
     return dst
-
-
-def agent_argv(*args: str) -> list[str]:
-    """The agent of this checkout (not whatever `qosagent` is on PATH)."""
-    return [sys.executable, "-m", "qosagent", *args]
-
-
-def agent_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ from typing import Any, Iterator
 import pytest
 
 from qosagent.status import NoAgent, request
-from tests.conftest import agent_argv, agent_env, netns
+from tests.conftest import netns
+from testkit.agent import agent_argv, agent_env
 
 LOAD = str(Path(__file__).with_name("admission_load.py"))
 GOLD, BRONZE = "127.0.0.2", "127.0.0.3"

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from qosagent.status import NoAgent, request
-from tests.conftest import TIME_SCALE, agent_argv, agent_env
+from testkit.agent import agent_argv, agent_env, TIME_SCALE
 
 
 def start_quota_agent(netns: str, config: Path, socket: str, log: Path) -> subprocess.Popen:

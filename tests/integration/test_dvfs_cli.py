@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import agent_argv, agent_env
+from testkit.agent import agent_argv, agent_env
 
 CPUFREQ = "sys/devices/system/cpu/cpu{}/cpufreq/scaling_max_freq"
 ORIGINAL = ["3700000", "3700000", "4200000", "4200000"]

@@ -30,7 +30,7 @@ from qosagent.hostfs import HostFS
 from qosagent.latency import export
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.metrics import MetricsServer
-from tests.conftest import agent_argv, agent_env
+from testkit.agent import agent_argv, agent_env
 from tests.integration.latency_helpers import free_port, serving
 from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, stop, wait_for
 from tests.integration.test_ship_prometheus import dashboard_exprs

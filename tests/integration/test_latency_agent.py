@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.conftest import TIME_SCALE, agent_argv, agent_env, require
+from tests.conftest import require
+from testkit.agent import agent_argv, agent_env, TIME_SCALE
 from tests.integration.latency_helpers import free_port, serving
 from tests.kernel_modes import latency_modes
 

@@ -22,7 +22,8 @@ from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import thread_cpus
 from qosagent.placement.topology import read_topology
 from qosagent.snapshot import Snapshot
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import require
+from testkit.agent import agent_argv, agent_env
 
 HOST = HostFS("/")
 

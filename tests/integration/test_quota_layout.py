@@ -18,7 +18,8 @@ import yaml
 
 from qosagent.config import parse
 from qosagent.ebpf import libbpf
-from tests.conftest import agent_argv, agent_env, netns, require
+from tests.conftest import netns, require
+from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent
 
 pytestmark = pytest.mark.privileged

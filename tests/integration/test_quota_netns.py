@@ -25,7 +25,8 @@ from qosagent.quota.layout import LAYOUT, QOS_LIMIT_OVERRIDE, QuotaLimit
 from qosagent.quota.rules import bucket
 from qosagent.status import request
 from qosagent.tenants import tenant_id
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import require
+from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]

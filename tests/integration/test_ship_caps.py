@@ -105,7 +105,7 @@ def _status_after_first_tick(sock, proc: subprocess.Popen[str]) -> dict:
     import json
     import time
 
-    from tests.conftest import agent_argv, agent_env
+    from testkit.agent import agent_argv, agent_env
 
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
@@ -119,7 +119,7 @@ def _status_after_first_tick(sock, proc: subprocess.Popen[str]) -> dict:
 
 
 def _agent_with_unit_caps(conf, prefix: list[str], shell: str = ""):
-    from tests.conftest import agent_argv, agent_env
+    from testkit.agent import agent_argv, agent_env
 
     bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
     argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", *agent_argv("run", "--config", str(conf))]

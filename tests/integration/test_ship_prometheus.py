@@ -17,7 +17,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from tests.conftest import REPO, agent_argv, agent_env, require
+from tests.conftest import REPO, require
+from testkit.agent import agent_argv, agent_env
 from tests.integration.latency_helpers import free_port, serving
 from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, running, wait_for
 from tests.integration.test_ship_deploy import rules_file

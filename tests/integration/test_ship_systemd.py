@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from qosagent import config as config_mod
-from tests.conftest import REPO, agent_argv, agent_env, require
+from tests.conftest import REPO, require
+from testkit.agent import agent_argv, agent_env
 
 UNIT = REPO / "systemd" / "qosagent.service"
 
