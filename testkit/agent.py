@@ -57,11 +57,12 @@ class AgentProcess:
     status.socket). Use as a context manager, or call start() and stop()."""
 
     def __init__(self, config: Path | str, socket: str, log: Path | str, *, prefix: Sequence[str] = (),
-                 env: dict[str, str] | None = None):
+                 args: Sequence[str] = (), env: dict[str, str] | None = None):
         self.config, self.socket, self.log = str(config), socket, Path(log)
-        self.prefix = list(prefix)
+        self.prefix, self.args = list(prefix), list(args)
         self.env = env if env is not None else agent_env()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = self.ready_s = 0.0
 
     def start(self, timeout: float = READY_S) -> dict[str, Any]:
         """Start it and wait until it is ready; its status then."""
@@ -71,11 +72,13 @@ class AgentProcess:
     def launch(self) -> None:
         """Start it without waiting (for a test of how it fails to start: then `wait()`)."""
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([*self.prefix, *agent_argv("run", "--config", self.config)], env=self.env,
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([*self.prefix, *agent_argv("run", "--config", self.config, *self.args)],
+                                         env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
 
-    def wait_ready(self, timeout: float = READY_S) -> dict[str, Any]:
-        """The one readiness wait: the status socket answers and reports the first tick done."""
+    def wait_ready(self, timeout: float = READY_S, poll: float = 0.1) -> dict[str, Any]:
+        """The one readiness wait: the status socket answers and reports the first tick done. `ready_s` is then
+        the time from launch, as the caller saw it."""
         from qosagent.status import NoAgent, request
 
         assert self.proc is not None
@@ -88,8 +91,9 @@ class AgentProcess:
             except (NoAgent, OSError, ValueError):
                 st = {}
             if st.get("self", {}).get("ready_seconds") is not None:
+                self.ready_s = time.monotonic() - self.started
                 return st
-            time.sleep(0.1)
+            time.sleep(poll)
         self.kill()
         raise AgentFailed(f"agent not ready in {timeout:.0f} s\n{self.output()}")
 
@@ -153,15 +157,15 @@ class AgentProcess:
 class AgentThread:
     """An `Agent` started in this process, its loop ticking in a thread until the context ends."""
 
-    def __init__(self, agent: Any, timeout: float = READY_S):
+    def __init__(self, agent: Any, timeout: float = READY_S, notify: Any = None):
         self.agent = agent
-        self.timeout = timeout
+        self.timeout, self.notify = timeout, notify
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def _run(self) -> None:
         try:
-            self.agent.run()
+            self.agent.run(notify=self.notify)
         except BaseException as e:  # noqa: BLE001 - handed to the caller at the readiness wait or the stop
             self._error = e
             self.agent.ready.set()
@@ -177,9 +181,11 @@ class AgentThread:
 
     def __exit__(self, *_exc: object) -> None:
         self.agent.request_stop()
-        if self._thread is not None:
-            self._thread.join(STOP_S)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(STOP_S)
         self.agent.stop()
+        if thread is not None and thread.is_alive():
+            raise AgentFailed(f"the agent's loop did not stop in {STOP_S:.0f} s of a stop request")
         if self._error is not None:
             raise AgentFailed(f"the agent's loop failed: {self._error!r}") from self._error

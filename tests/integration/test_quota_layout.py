@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
@@ -21,6 +20,7 @@ from qosagent.ebpf import libbpf
 from tests.conftest import netns, require
 from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent
+from testkit.agent import AgentProcess
 
 pytestmark = pytest.mark.privileged
 
@@ -33,7 +33,7 @@ class Env:
         self.ns, self.pin_root, self.tmp = ns, pin_root, tmp
         self.config = tmp / "qosagent.yaml"
         self.socket = str(tmp / "status.sock")
-        self.agent: subprocess.Popen | None = None
+        self.agent: AgentProcess | None = None
         self.config.write_text(yaml.safe_dump({
             "interval": "100ms",
             "state_dir": str(tmp),
@@ -75,9 +75,8 @@ def env(root, bpf, tmp_path) -> Iterator[Env]:
         try:
             yield e
         finally:
-            if e.agent is not None and e.agent.poll() is None:
+            if e.agent is not None:
                 e.agent.kill()
-                e.agent.wait(10)
             shutil.rmtree(pin_root, ignore_errors=True)
 
 
@@ -98,8 +97,7 @@ def test_an_older_layout_is_taken_over_in_place_then_stopped_cleanly(env):
     assert f"removed pins {env.pin_root}/quota-v1" in env.log()
     # A clean stop removes the clsact too: the old agent created it, and its record was inherited.
     assert env.agent is not None
-    env.agent.send_signal(signal.SIGTERM)
-    assert env.agent.wait(30) == 0, env.log()
+    assert env.agent.stop() == 0, env.log()
     assert env.hook() == before
     assert not os.path.exists(env.pin_root)
 

@@ -21,7 +21,7 @@ import anyio
 import h11
 import httpx
 
-from tests.integration.sse_server import CHAT, PEER_PORT
+from testkit.sse_server import CHAT, PEER_PORT
 
 # httpx's transport imports anyio's asyncio backend at its first connection (~30 ms here): not in a request's time.
 anyio.run(anyio.sleep, 0)
