@@ -35,6 +35,7 @@ bench: setup-test
 	$(PY) -m bench.dvfs_collect
 	$(PY) bench/placement_bench.py
 	$(PY) bench/ship_metrics.py
+	$(PY) bench/map_access.py
 	$(PY) -m bench.admission_decide
 
 # The agent at work on this host alone: a namespace, a streaming server, two tenants, a quota (about 30 s).

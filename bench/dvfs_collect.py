@@ -30,11 +30,11 @@ def main() -> None:
     from qosagent.gpu.backend import NoGpu
     from qosagent.hostfs import HostFS
     from qosagent.snapshot import Snapshot
-    from tests.conftest import SHARED_FIXTURES, materialize_tree
+    from testkit.fixtures import sysfs_snapshot
 
     tmp = Path(tempfile.mkdtemp(prefix="qa-bench-dvfs-"))
     try:
-        root = materialize_tree(SHARED_FIXTURES / "sysfs" / "node-exporter-host", tmp / "host")
+        root = sysfs_snapshot(tmp / "host")
         (root / "proc").mkdir()
         shutil.copy("/proc/stat", root / "proc" / "stat")
         fs = HostFS(root)

@@ -32,7 +32,7 @@ from qosagent.latency.config import ClassicBucketsConfig  # noqa: E402
 from qosagent.latency.model import LatencyPart, TenantLatency  # noqa: E402
 from qosagent.metrics import MetricsServer  # noqa: E402
 from qosagent.nativehist import native_counts  # noqa: E402
-from tests.integration.prometheus_helpers import query, run_prometheus, wait_for  # noqa: E402
+from testkit.prometheus import query, run_prometheus, wait_for  # noqa: E402
 
 N = 100_000
 QS = (0.5, 0.95, 0.99)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from testkit.agent import AgentProcess  # noqa: E402
 NGINX_CONF = """\
 worker_processes 1;
 daemon off;
@@ -85,50 +87,29 @@ def wrk(port: int, seconds: int, threads: int, conns: int) -> float:
     return float(m.group(1))
 
 
-class Agent:
+class Agent(AgentProcess):
+    """The agent in its own process, as deployed: its CPU time and memory are read from /proc."""
+
     def __init__(self, tmp: Path, watched: int, runq: bool, mode: str):
         self.tmp = tmp
         self.mport = free_port()
         cfg = tmp / "agent.yaml"
         cfg.write_text(AGENT_CONF.format(mport=self.mport, tmp=tmp, watched=watched, runq=str(runq).lower(), mode=mode))
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "qosagent", "run", "--config", str(cfg)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=(tmp / "agent.log").open("a"))
-        self.ready_s = self._wait_ready()
-
-    def _wait_ready(self) -> float:
-        while time.monotonic() - self.t0 < 60:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited: {(self.tmp / 'agent.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.mport}/readyz", timeout=1) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.t0
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("agent not ready in 60s")
-
-    def status(self) -> dict:
-        out = subprocess.run([sys.executable, "-m", "qosagent", "status", "--json", "--socket",
-                              str(self.tmp / "status.sock")], capture_output=True, text=True, check=True,
-                             env=dict(os.environ, PYTHONPATH=str(REPO))).stdout
-        return json.loads(out)
+        super().__init__(cfg, str(tmp / "status.sock"), tmp / "agent.log")
+        self.launch()
+        self.wait_ready(poll=0.02)
 
     def cpu_s(self) -> float:
+        assert self.proc is not None
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
+        assert self.proc is not None
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return 0.0
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def prog_stats(ids: list[int]) -> dict[int, tuple[str, int, int]]:
@@ -199,7 +180,7 @@ class Toggled:
         if self.lat.mode == "sockops":
             # The capability's own links, closed and made again: what an agent start and stop do to the hooks.
             # The sockets keep the callbacks they were given, so with the links back they are timed again.
-            from qosagent.ebpf.syscall import ATTACH_CGROUP_SOCK_OPS, link_create
+            from qosagent.ebpf.libbpf import ATTACH_CGROUP_SOCK_OPS, link_create
 
             fd = os.open(self.lat.ctx.hostfs.path(self.lat._cgroup_root()), os.O_RDONLY | os.O_DIRECTORY)
             try:

@@ -27,7 +27,7 @@ from qosagent.placement.config import Selector  # noqa: E402
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages  # noqa: E402
 from qosagent.placement.planner import Policy, plan  # noqa: E402
 from qosagent.placement.topology import read_topology  # noqa: E402
-from tests.placement_trees import two_socket_8gpu  # noqa: E402
+from testkit.placement_trees import two_socket_8gpu  # noqa: E402
 
 
 def paired(fn, base, rounds: int) -> tuple[float, float, float]:

@@ -27,7 +27,8 @@ from qosagent.config import parse  # noqa: E402
 from qosagent.ebpf.testrun import test_run  # noqa: E402
 from qosagent.quota import datapath as dp  # noqa: E402
 from qosagent.quota.capability import _baseline_buckets  # noqa: E402
-from tests.quota_packets import ACK, ipv4, request, tcp  # noqa: E402
+from testkit.agent import AgentProcess  # noqa: E402
+from testkit.quota_packets import ACK, ipv4, request, tcp  # noqa: E402
 
 REPEAT = 200_000
 ROUNDS = 5
@@ -155,8 +156,6 @@ quota: {{enabled: true, interfaces: [vs]}}
 tenants:
   - {{name: bench, tier: gold, match: {{ports: [8100]}}, quota: {{rps: 1000000000, burst: 1000000}}}}
 """)
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-
         def wrk() -> float:
             out = sh("ip", "netns", "exec", cli, "wrk", "-t1", "-c16", f"-d{seconds}s", "http://10.78.0.1:8100/")
             return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
@@ -164,16 +163,11 @@ tenants:
         results = []
         for _ in range(pairs):
             without = wrk()
-            agent = subprocess.Popen(["nsenter", f"--net=/run/netns/{srv}", sys.executable, "-m", "qosagent", "run",
-                                      "--config", str(tmp / "q.yaml")], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-            for _ in range(300):
-                if "qosagent-quota" in sh("ip", "netns", "exec", srv, "tc", "filter", "show", "dev", "vs", "ingress"):
-                    break
-                time.sleep(0.1)
+            agent = AgentProcess(tmp / "q.yaml", f"{tmp}/s.sock", tmp / "agent.log",
+                                 prefix=["nsenter", f"--net=/run/netns/{srv}"])
+            agent.start()  # ready: the classifier is attached
             with_cls = wrk()
-            agent.terminate()
-            agent.wait(30)
+            agent.stop()
             results.append((without, with_cls))
         return results
     finally:

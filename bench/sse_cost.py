@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from bench.latency_overhead import Agent, free_port, prog_stats
-from tests.integration.sse_client import httpx_requests
-from tests.integration.sse_server import sse_server
+from testkit.sse_client import httpx_requests
+from testkit.sse_server import sse_server
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 

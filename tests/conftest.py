@@ -7,20 +7,15 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from testkit.fixtures import sysfs_snapshot
+
 REPO = Path(__file__).resolve().parents[1]
-# ../shared from the main checkout; a worktree under wt/ finds it one level further up.
-SHARED_FIXTURES = next((p / "shared" / "fixtures" for p in REPO.parents if (p / "shared" / "fixtures").is_dir()),
-                       REPO.parent / "shared" / "fixtures")
 IN_CI = os.environ.get("CI", "").lower() == "true"
-# Waits for the agent's start are multiplied by this: the kernel matrix's VMs (tests/vm) run under emulation when
-# KVM is not available, where compiling a BPF program takes tens of seconds instead of one.
-TIME_SCALE = float(os.environ.get("QOSAGENT_TEST_TIME_SCALE", "1"))
 
 
 def require(condition: bool, why: str) -> None:
@@ -64,28 +59,10 @@ def cgroup(root: None) -> Iterator[str]:
         os.rmdir(path)
 
 
-def materialize_tree(src: Path, dst: Path) -> Path:
-    """Copy a fixture tree, turning the link files of shared/ back into symlinks.
-
-    shared/ stores each sysfs symlink as a small file holding its relative target ("../../devices/..."); sysfs
-    code must see real links (class/hwmon/hwmonN -> devices/..., node/nodeN/cpuM -> cpu/cpuM)."""
-    shutil.copytree(src, dst, symlinks=True)
-    subprocess.run(["chmod", "-R", "u+w", str(dst)], check=True)
-    for f in sorted(dst.rglob("*")):
-        if f.is_file() and not f.is_symlink() and f.stat().st_size < 256:
-            text = f.read_text(errors="replace").strip()
-            if text.startswith("../") and "\n" not in text and (f.parent / text).exists():
-                f.unlink()
-                f.symlink_to(text)
-    return dst
-
-
 @pytest.fixture(scope="session")
 def node_exporter_sysfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real host snapshot from shared/, with its symlinks restored. Shared by tests: do not write to it."""
-    src = SHARED_FIXTURES / "sysfs" / "node-exporter-host"
-    require(src.is_dir(), f"shared fixture {src} missing")
-    return materialize_tree(src, tmp_path_factory.mktemp("sysfs") / "node-exporter-host")
+    """A copy of the real host snapshot (tests/fixtures), shared by tests: do not write to it."""
+    return sysfs_snapshot(tmp_path_factory.mktemp("sysfs") / "node-exporter-host")
 
 
 @pytest.fixture
@@ -94,18 +71,6 @@ def copied_sysfs(node_exporter_sysfs: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "host"
     shutil.copytree(node_exporter_sysfs, dst, symlinks=True)
     return dst
-
-
-def agent_argv(*args: str) -> list[str]:
-    """The agent of this checkout (not whatever `qosagent` is on PATH)."""
-    return [sys.executable, "-m", "qosagent", *args]
-
-
-def agent_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qosagent.ebpf import syscall  # noqa: E402
+from qosagent.ebpf import libbpf  # noqa: E402
 from qosagent.quota import tc  # noqa: E402
 
 SOURCE = """
@@ -35,14 +35,14 @@ def main() -> None:
     os.makedirs(d)
     b = BPF(text=SOURCE.replace("DIR", d).encode())
     fn = b.load_func(b"quota_classify", BPF.SCHED_CLS)
-    syscall.obj_pin(fn.fd, os.path.join(d, "quota_classify"))
+    libbpf.obj_pin(fn.fd, os.path.join(d, "quota_classify"))
     with tc.IPRoute() as ipr:
         idx = tc.ifindex(ipr, "lo")
         created = tc.ensure_clsact(ipr, idx)
         tc.attach(ipr, idx, fn.fd, prio, handle)
     rec = b[b"quota_attach"]
     rec[rec.Key(idx, tc.netns_ino())] = rec.Leaf(created_clsact=int(created))
-    print(syscall.prog_id(fn.fd))
+    print(libbpf.prog_id(fn.fd))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-/* Structs shared by qosagent's BPF programs and mirrored in Python (qosagent/tenants.py, qosagent/hist.py).
+/* Structs shared by qosagent's BPF programs and mirrored in Python (qosagent/ebpf/tenant_ports.py, qosagent/tenants.py;
+ * tests/unit/test_bpf_layouts.py compares them).
  * Only UAPI types: these programs must stay correct when the headers they compile against are not the
  * running kernel's exact ones. */
 #ifndef QOS_COMMON_H

@@ -1,5 +1,6 @@
-/* The quota classifier's maps, mirrored in qosagent/quota/layout.py. Change a struct here and there together,
- * and bump QOS_QUOTA_LAYOUT: pins of another layout are then replaced, never adopted. */
+/* The quota classifier's maps, mirrored in qosagent/quota/layout.py (tests/unit/test_bpf_layouts.py compares the
+ * two). Change a struct here and there together, and bump QOS_QUOTA_LAYOUT: pins of another layout are then
+ * replaced, never adopted. */
 #ifndef QOS_QUOTA_H
 #define QOS_QUOTA_H
 

@@ -12,7 +12,7 @@ import posixpath
 import time
 from typing import Callable
 
-from qosagent.ebpf.syscall import link_create
+from qosagent.ebpf.libbpf import link_create
 from qosagent.features import mount_types
 from qosagent.hostfs import HostFS
 

@@ -1,18 +1,22 @@
-"""tenant_ports, the port rule of bpf/include/qos_tenant.h as both programs hold it: a BPF array of QOS_PORTS
-entries indexed by the local port, each a struct qos_port_tenant (tenant 0: no single tenant claims the port).
+"""The tenant maps of bpf/include/qos_tenant.h as both programs hold them.
 
-An array has no keys to list and no entries to delete: what was written is remembered (or, for adopted pins, read
-back in one batch pass), and a port no longer claimed is written back to zero.
+tenant_ports, the port rule: a BPF array of QOS_PORTS entries indexed by the local port, each a struct
+qos_port_tenant (tenant 0: no single tenant claims the port). An array has no keys to list and no entries to
+delete: what was written is remembered (or, for adopted pins, read back in one batch pass), and a port no longer
+claimed is written back to zero.
+
+tenant_cidrs, the address rule: an LPM trie of struct qos_cidr_key -> struct qos_tenant_val, synced from
+`tenants.tenant_entries()` by `sync_cidrs`, the one place its keys are built.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Mapping
+from typing import Iterable, Mapping
 
-from qosagent.ebpf import syscall
-from qosagent.ebpf.batch import BatchReader
+from qosagent.ebpf.maps import BatchReader, Map, sync
+from qosagent.tenants import CidrEntry
 
 log = logging.getLogger("qosagent.ebpf")
 
@@ -21,6 +25,28 @@ PORTS = 65536  # QOS_PORTS
 
 class PortTenant(ctypes.Structure):
     _fields_ = [("tenant", ctypes.c_uint32), ("slot", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
+
+
+class CidrKey(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("port", ctypes.c_uint16), ("addr", ctypes.c_uint8 * 16)]
+
+
+class TenantVal(ctypes.Structure):
+    _fields_ = [("tenant", ctypes.c_uint32)]
+
+
+def cidr_key(e: CidrEntry) -> CidrKey:
+    """The trie's key for an entry: the port in network byte order, so that the trie matches it as the first
+    CIDR_PORT_BITS of the prefix."""
+    key = CidrKey(prefixlen=e.prefixlen, port=int.from_bytes(e.port.to_bytes(2, "big"), "little"))
+    ctypes.memmove(key.addr, e.addr, 16)
+    return key
+
+
+def sync_cidrs(m: Map, entries: Iterable[CidrEntry]) -> bool:
+    """Make tenant_cidrs hold exactly these entries; True when anything changed."""
+    return sync(m, ((bytes(cidr_key(e)), bytes(TenantVal(e.tenant))) for e in entries))
 
 
 Claim = tuple[int, int]  # (tenant id, slot); latency's slots are always 0
@@ -46,6 +72,7 @@ class TenantPorts:
 
     def __init__(self, fd: int, written: Mapping[int, Claim] | None = None):
         self.fd = fd
+        self._map = Map(fd, ctypes.c_uint32, PortTenant, "tenant_ports")
         self.written: dict[int, Claim] = dict(written or {})
 
     @classmethod
@@ -71,4 +98,4 @@ class TenantPorts:
         return changed
 
     def _write(self, port: int, value: PortTenant) -> None:
-        syscall.map_update(self.fd, bytes(ctypes.c_uint32(port)), bytes(value))
+        self._map.update(port, value)

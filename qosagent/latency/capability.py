@@ -176,13 +176,15 @@ class Latency(Capability):
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching
             self._release()
             raise CapabilityError(f"attaching the latency probes failed: {e}") from None
+        from qosagent.ebpf.maps import Map
         from qosagent.ebpf.tenant_ports import TenantPorts
 
-        self._ports = TenantPorts(self.bpf[b"tenant_ports"].map_fd)  # a fresh map: all zero
-        self._hist_fd, self._counters_fd = self.bpf[b"lat_hist"].map_fd, self.bpf[b"lat_counters"].map_fd
+        self._ports = TenantPorts(Map.of(self.bpf, "tenant_ports").fd)  # a fresh map: all zero
+        hist, counters = Map.of(self.bpf, "lat_hist"), Map.of(self.bpf, "lat_counters")
+        self._hist_fd, self._counters_fd = hist.fd, counters.fd
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
-        self._counters_size = ctypes.sizeof(self.bpf[b"lat_counters"].Leaf)
+        self._counters_size = ctypes.sizeof(counters.value)
         self._maps = None
         self._write_maps(self._plan_maps(self.ctx.config))
         if self.mode == "sockops":
@@ -209,7 +211,7 @@ class Latency(Capability):
         from bcc import BPF
 
         from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
-        from qosagent.ebpf.syscall import (
+        from qosagent.ebpf.libbpf import (
             ATTACH_CGROUP_INET_EGRESS,
             ATTACH_CGROUP_INET_INGRESS,
             ATTACH_CGROUP_SOCK_OPS,
@@ -270,7 +272,7 @@ class Latency(Capability):
 
     def _link_root(self, root: str, prog_fd: int, attach_type: int) -> int:
         """A link of the program on the cgroup2 root (its fd): a killed agent leaves nothing attached."""
-        from qosagent.ebpf.syscall import link_create
+        from qosagent.ebpf.libbpf import link_create
 
         fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -283,9 +285,11 @@ class Latency(Capability):
         its own (bpf/latency.c, lat_response_segment)."""
         from bcc import BPF
 
+        from qosagent.ebpf.maps import Map
+
         egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
         framing = self.bpf.load_func(b"lat_egress_framing", BPF.CGROUP_SKB)
-        self.bpf[b"lat_tail"][ctypes.c_int(0)] = ctypes.c_int(framing.fd)
+        Map.of(self.bpf, "lat_tail").update(0, framing.fd)
         return egress
 
     def _attach_egress_root(self) -> None:
@@ -293,7 +297,7 @@ class Latency(Capability):
         socket by the packet's addresses, whichever cgroup sends it. A link, so a killed agent leaves nothing.
         Where it cannot be (a verifier of another kernel refusing the parser, say), the send hooks still time the
         headers and responses: TTFT and inter-token latency are unavailable, with the reason, and nothing else."""
-        from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_EGRESS
+        from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS
 
         try:
             root = self._cgroup_root()
@@ -368,11 +372,9 @@ class Latency(Capability):
                 self._egress.detach(path)
                 del self._cgroup_ids[cgid]
                 # Room in the kernel's set for new cgroups (ids are never reused).
-                cgroups = self.bpf[b"lat_cgroups"]
-                try:
-                    del cgroups[cgroups.Key(id=cgid)]
-                except KeyError:
-                    pass
+                from qosagent.ebpf.maps import Map
+
+                Map.of(self.bpf, "lat_cgroups").delete(cgid)
 
     def _release(self) -> None:
         """Undo what start() did, in reverse: the cgroup watcher, the links, the programs and maps."""
@@ -432,19 +434,19 @@ class Latency(Capability):
 
     def _write_maps(self, m: "_Maps") -> None:
         """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
-        b = self.bpf
-        self._sync(b[b"lat_slots"], {(tid,): slot for tid, slot in m.slots.items()},
-                   lambda t, k: t.Key(tenant=k[0]), lambda t, v: t.Leaf(slot=v))
+        from qosagent.ebpf.maps import Map, sync
+        from qosagent.ebpf.tenant_ports import sync_cidrs
+
+        slots = Map.of(self.bpf, "lat_slots")
+        sync(slots, ((slots.key(tenant=tid), slots.value(slot=slot)) for tid, slot in m.slots.items()))
         self._slots = dict(m.slots)
         self._plan_reads()
-        self._sync(b[b"watched_ports"], {(p,): 1 for p in m.watched},
-                   lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
-        self._sync(b[b"lat_mux_ports"], {(p,): 1 for p in m.mux},
-                   lambda t, k: t.Key(port=k[0]), lambda t, v: t.Leaf(on=v))
+        for name, want in (("watched_ports", m.watched), ("lat_mux_ports", m.mux)):
+            ports = Map.of(self.bpf, name)
+            sync(ports, ((ports.key(port=p), ports.value(on=1)) for p in want))
         assert self._ports is not None
         self._ports.sync({p: (tid, 0) for p, tid in m.ports.items()})
-        self._sync(b[b"tenant_cidrs"], {(c.prefixlen, c.port, c.addr): c.tenant for c in m.cidrs},
-                   self._cidr_key, lambda t, v: t.Leaf(tenant=v))
+        sync_cidrs(Map.of(self.bpf, "tenant_cidrs"), m.cidrs)
         self._known.update(m.tenants)
         self._tenants = m.tenants
         if self._maps is None or self._maps.window != m.window:
@@ -465,27 +467,6 @@ class Latency(Capability):
                         "the agent started; restart it to time the new ones")
                 slots[tid] = free.pop(0)
         return slots
-
-    @staticmethod
-    def _cidr_key(t: Any, k: tuple[int, int, bytes]) -> Any:
-        key = t.Key()
-        key.prefixlen = k[0]
-        key.port = int.from_bytes(k[1].to_bytes(2, "big"), "little")  # the trie wants the port in network order
-        for i, byte in enumerate(k[2]):
-            key.addr[i] = byte
-        return key
-
-    @staticmethod
-    def _sync(tbl: Any, want: dict[tuple[Any, ...], int], make_key: Any, make_leaf: Any) -> None:
-        have = list(tbl.keys())
-        wanted_keys = {}
-        for k, v in want.items():
-            key = make_key(tbl, k)
-            tbl[key] = make_leaf(tbl, v)
-            wanted_keys[bytes(key)] = key
-        for k in have:
-            if bytes(k) not in wanted_keys:
-                del tbl[k]
 
     def prepare(self, config: "Config") -> Change:
         if self.bpf is None:
@@ -508,7 +489,7 @@ class Latency(Capability):
         and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
         A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
         tick; a lookup per row would cost a syscall each."""
-        from qosagent.ebpf.batch import ArrayRange
+        from qosagent.ebpf.maps import ArrayRange
 
         self._by_slot = {slot: tid for tid, slot in self._slots.items()}
         used = max(self._by_slot) + 1
@@ -601,23 +582,24 @@ class Latency(Capability):
     def _refresh_runq_threads(self) -> None:
         """Expand the processes seen serving watched sockets into their threads (the sched tracepoints name threads);
         forget processes that are gone and threads that ended."""
-        b = self.bpf
-        tgids, pids = b[b"runq_tgids"], b[b"runq_pids"]
+        from qosagent.ebpf.maps import Map
+
+        tgids, pids = Map.of(self.bpf, "runq_tgids"), Map.of(self.bpf, "runq_pids")
         want: set[int] = set()
-        for k in list(tgids.keys()):
+        for k in tgids.keys():
             tasks = self.ctx.hostfs.listdir(f"/proc/{k.pid}/task")
             if not tasks:
-                del tgids[k]
+                tgids.delete(k)
                 continue
             want.update(int(t) for t in tasks if t.isdigit())
         have = set()
-        for k in list(pids.keys()):
+        for k in pids.keys():
             if k.pid in want:
                 have.add(k.pid)
             else:
-                del pids[k]
+                pids.delete(k)
         for tid in want - have:  # new threads only: an existing entry may hold a live wake-up time
-            pids[pids.Key(pid=tid)] = pids.Leaf(v=0)
+            pids.update(pids.key(pid=tid), pids.value(v=0))
 
     def stop(self) -> None:
         if self.bpf is None:

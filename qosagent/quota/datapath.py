@@ -7,7 +7,6 @@ the directory an agent of another layout left is taken over at attach (its filte
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import logging
 import os
@@ -18,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from qosagent.config import Config
-from qosagent.ebpf import syscall
+from qosagent.ebpf.libbpf import obj_pin, pinned_map_info
 from qosagent.ebpf.loader import compile_program
-from qosagent.ebpf.tenant_ports import TenantPorts
+from qosagent.ebpf.maps import Map, sync
+from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
 from qosagent.quota.rules import Bucket, rules
@@ -55,7 +55,7 @@ def incompatible_pins(path: str, flow_entries: int) -> list[str]:
         if not os.path.exists(p):
             continue  # a map added later is created next to the adopted ones
         try:
-            info = syscall.pinned_map_info(p)
+            info = pinned_map_info(p)
         except OSError as e:
             problems.append(f"{name}: {e.strerror}")
             continue
@@ -71,16 +71,8 @@ def read_attach(path: str) -> list[tuple[int, int, bool]]:
     p = os.path.join(path, "quota_attach")
     if not os.path.exists(p):
         return []
-    fd = syscall.obj_get(p)
-    try:
-        items = syscall.map_items(fd, ctypes.sizeof(AttachKey), ctypes.sizeof(AttachVal))
-    finally:
-        os.close(fd)
-    out = []
-    for k, v in items:
-        key = AttachKey.from_buffer_copy(k)
-        out.append((key.ifindex, key.netns_ino, bool(AttachVal.from_buffer_copy(v).created_clsact)))
-    return out
+    with Map.pinned(p, AttachKey, AttachVal) as m:
+        return [(k.ifindex, k.netns_ino, bool(v.created_clsact)) for k, v in m.items()]
 
 
 def remove_attachments(path: str, prio: int, handle: int, ifnames: Iterable[str] = ()) -> list[str]:
@@ -170,7 +162,8 @@ class Datapath:
                                                  "QOS_HDR_SCAN": cfg.quota.header_scan_bytes})
             self.prog = self.bpf.load_func(b"quota_classify", BPF.SCHED_CLS)
             self.header_prog = self.bpf.load_func(b"quota_header", BPF.SCHED_CLS)
-            self.bpf[b"quota_progs"][ctypes.c_int(0)] = ctypes.c_int(self.header_prog.fd)
+            self.maps = {n: Map.of(self.bpf, n) for n in layout.map_specs(cfg.quota.flow_entries)}
+            self.maps["quota_progs"].update(0, self.header_prog.fd)
             self._pin_prog(PROG_PIN, self.prog.fd)
             self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
         except Exception:
@@ -180,14 +173,14 @@ class Datapath:
             raise
         self.overrides: dict[int, Bucket] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
-        fd = self.bpf[b"tenant_ports"].map_fd
+        fd = self.maps["tenant_ports"].fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
     def _pin_prog(self, name: str, fd: int) -> None:
         p = os.path.join(self.path, name)
         if os.path.exists(p):
             os.unlink(p)
-        syscall.obj_pin(fd, p)
+        obj_pin(fd, p)
 
     # ---- config -> maps ----------------------------------------------------------------------------------
     def write_config(self, cfg: Config, limits: Mapping[int, tuple[Bucket | None, Bucket | None]]) -> None:
@@ -196,57 +189,32 @@ class Datapath:
         right."""
         self.cfg = cfg
         r = rules(cfg)
-        b = self.bpf
+        m = self.maps
         # Claims that go or change tenant are released before slots move, so that no port points at a slot
         # handed to another tenant; the claims' new values (with their slots) follow the assignment.
         changed = self.ports.sync({p: c for p, c in self.ports.written.items() if r.ports.get(p) == c[0]})
         self._assign_slots([tenant_id(t.name) for t in cfg.tenants])
         changed |= self.ports.sync({p: (t, self.slots[t]) for p, t in r.ports.items()})
-        changed |= self._sync(b[b"tenant_cidrs"], {k: (t,) for k, t in r.cidrs.items()}, cidr=True)
-        changed |= self._sync(b[b"quota_headers"], {(h,): (t,) for h, t in r.headers.items()})
-        changed |= self._sync(b[b"watched_ports"], {(p,): (1,) for p in r.watched})
+        changed |= sync_cidrs(m["tenant_cidrs"], r.cidrs)
+        headers, watched = m["quota_headers"], m["watched_ports"]
+        changed |= sync(headers, ((headers.key(h), headers.value(t)) for h, t in r.headers.items()))
+        changed |= sync(watched, ((watched.key(p), watched.value(1)) for p in r.watched))
         if changed:
             # Then the generation, last: the classifier reads it before any flow state and tags what it puts in
             # its per-CPU flow front with it. Bumped before the sync or the clear, a packet in between would read
             # the new generation and still resolve by the old rules or an old tenant_flows entry, and that stale
             # copy would outlive the reload.
-            b[b"tenant_flows"].clear()
+            m["tenant_flows"].clear()
             self._bump_rules_gen()
         self.baseline = dict(limits)
         self._write_limits()
         self.heartbeat(cfg, bool(r.headers))
 
-    def _sync(self, table: Any, want: Mapping[tuple[Any, ...], tuple[int, ...]], cidr: bool = False) -> bool:
-        def key_of(k: tuple[Any, ...]) -> Any:
-            if cidr:
-                plen, port, addr = k
-                key = table.Key()
-                key.prefixlen = plen
-                key.port = ((port & 0xFF) << 8) | (port >> 8)  # network byte order
-                ctypes.memmove(ctypes.addressof(key.addr), addr, 16)
-                return key
-            return table.Key(*k)
-
-        wanted = {bytes(key_of(k)): (key_of(k), v) for k, v in want.items()}
-        have = {bytes(k): k for k in table.keys()}
-        changed = False
-        for raw, k in have.items():
-            if raw not in wanted:
-                del table[k]
-                changed = True
-        for k, v in wanted.values():
-            leaf = table.Leaf(*v)
-            cur = table.get(k)
-            if cur is None or bytes(cur) != bytes(leaf):
-                table[k] = leaf
-                changed = True
-        return changed
-
     def _assign_slots(self, tids: list[int]) -> None:
         """Keep the slot of every tenant that stays (adopted pins included); a freed slot is zeroed before reuse.
         A tenant that leaves changes the rules, which empties the flow cache, so no flow keeps a stale slot (its
         ports were released before this)."""
-        t = self.bpf[b"quota_slots"]
+        t = self.maps["quota_slots"]
         cur = {k.tenant: v.slot for k, v in t.items()}
         keep = {tid: s for tid, s in cur.items() if tid in tids and 0 < s < layout.SLOTS}
         free = iter(sorted(set(range(1, layout.SLOTS)) - set(keep.values())))
@@ -255,13 +223,13 @@ class Datapath:
                 keep[tid] = next(free)
         for tid, s in cur.items():
             if keep.get(tid) != s:
-                del t[t.Key(tid)]
+                t.delete(tid)
                 if 0 < s < layout.SLOTS:
-                    for name in (b"quota_limits", b"quota_buckets", b"quota_counters"):
-                        self.bpf[name].clearitem(ctypes.c_uint32(s))
+                    for name in ("quota_limits", "quota_buckets", "quota_counters"):
+                        self.maps[name].zero(s)
         for tid, s in keep.items():
             if cur.get(tid) != s:
-                t[t.Key(tid)] = t.Leaf(s)
+                t.update(tid, s)
         self.slots = keep
 
     def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
@@ -269,7 +237,7 @@ class Datapath:
         self._write_limits()
 
     def _write_limits(self) -> None:
-        t = self.bpf[b"quota_limits"]
+        t = self.maps["quota_limits"]
         for tid, slot in self.slots.items():
             req, conn = self.baseline.get(tid, (None, None))
             lim = QuotaLimit()
@@ -284,21 +252,20 @@ class Datapath:
             if ovr is not None:
                 lim.override.interval_ns, lim.override.tau_ns = ovr.interval_ns, ovr.tau_ns
                 lim.flags |= layout.QOS_LIMIT_OVERRIDE
-            key = ctypes.c_uint32(slot)
-            if bytes(t[key]) != bytes(lim):
-                t[key] = t.Leaf.from_buffer_copy(bytes(lim))
+            if bytes(t.lookup(slot)) != bytes(lim):
+                t.update(slot, bytes(lim))
 
     def _bump_rules_gen(self) -> None:
-        t = self.bpf[b"quota_config"]
-        conf = QuotaConf.from_buffer_copy(bytes(t[ctypes.c_int(0)]))
+        t = self.maps["quota_config"]
+        conf = QuotaConf.from_buffer_copy(bytes(t.lookup(0)))
         conf.rules_gen = (conf.rules_gen + 1) & 0xFFFFFFFF  # continues from an adopted pin's value
-        t[ctypes.c_int(0)] = t.Leaf.from_buffer_copy(bytes(conf))
+        t.update(0, bytes(conf))
 
     def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
         """Tell the kernel the agent is alive: overrides hold for heartbeat_timeout from now."""
         cfg = cfg or self.cfg
-        t = self.bpf[b"quota_config"]
-        cur = QuotaConf.from_buffer_copy(bytes(t[ctypes.c_int(0)]))
+        t = self.maps["quota_config"]
+        cur = QuotaConf.from_buffer_copy(bytes(t.lookup(0)))
         conf = QuotaConf()
         conf.rules_gen = cur.rules_gen  # only a rule change moves it (write_config)
         conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
@@ -307,22 +274,20 @@ class Datapath:
             conf.flags = cur.flags
         else:
             conf.flags = layout.QOS_CONF_HEADER_RULES if header_rules else 0
-        t[ctypes.c_int(0)] = t.Leaf.from_buffer_copy(bytes(conf))
+        t.update(0, bytes(conf))
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def attach(self, ifnames: Iterable[str]) -> list[str]:
         """Put the program on each interface's ingress (replacing only our own filter); drop it from interfaces
         recorded earlier and no longer named. Returns what changed."""
         q = self.cfg.quota
-        rec = self.bpf[b"quota_attach"]
+        rec = self.maps["quota_attach"]
         here = tc.netns_ino()
         done = []
         for (idx, ino), created in self.inherited.items():  # then replaced, or removed below like our own
-            old = rec.get(rec.Key(idx, ino))
+            old = rec.lookup(bytes(AttachKey(idx, ino)))
             if old is None or (created and not old.created_clsact):
-                val = AttachVal()
-                val.created_clsact = int(created)
-                rec[rec.Key(idx, ino)] = rec.Leaf.from_buffer_copy(bytes(val))
+                rec.update(bytes(AttachKey(idx, ino)), bytes(AttachVal(created_clsact=int(created))))
         with tc.IPRoute() as ipr:
             keep = set()
             for name in ifnames:
@@ -330,21 +295,20 @@ class Datapath:
                 if idx is None:
                     raise OSError(f"interface {name!r} not found")
                 created = tc.ensure_clsact(ipr, idx)
-                old = rec.get(rec.Key(idx, here))
+                old = rec.lookup(bytes(AttachKey(idx, here)))
                 if created or old is None:
-                    val = AttachVal()
-                    val.created_clsact = int(created or (old is not None and old.created_clsact))
-                    rec[rec.Key(idx, here)] = rec.Leaf.from_buffer_copy(bytes(val))
+                    val = AttachVal(created_clsact=int(created or (old is not None and old.created_clsact)))
+                    rec.update(bytes(AttachKey(idx, here)), bytes(val))
                 tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle)
                 keep.add(idx)
                 done.append(f"{name}: attached{' (created clsact)' if created else ''}")
-            for k in list(rec.keys()):
+            for k, v in rec.items():
                 if k.netns_ino == here and k.ifindex not in keep:
                     links = ipr.get_links(k.ifindex) if ipr.link_lookup(index=k.ifindex) else []
                     if links:
                         done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
-                                          bool(rec[k].created_clsact))
-                    del rec[k]
+                                          bool(v.created_clsact))
+                    rec.delete(k)
         for old in self.older:
             done += remove_pins(old)
         self.older, self.inherited = [], {}
@@ -352,29 +316,29 @@ class Datapath:
 
     # ---- maps -> numbers ---------------------------------------------------------------------------------
     def read(self) -> Reading:
-        b = self.bpf
+        m = self.maps
         counts = {}
-        counters, limit_t, bucket_t = b[b"quota_counters"], b[b"quota_limits"], b[b"quota_buckets"]
+        counters, limit_t, bucket_t = m["quota_counters"], m["quota_limits"], m["quota_buckets"]
         limits, buckets = {}, {}
         for tid, slot in [(0, 0), *self.slots.items()]:
-            per_cpu = counters[ctypes.c_uint32(slot)]
+            per_cpu = counters.lookup(slot)
             counts[tid] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
                            sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
             if tid:
-                limits[tid] = QuotaLimit.from_buffer_copy(bytes(limit_t[ctypes.c_uint32(slot)]))
-                bk = bucket_t[ctypes.c_uint32(slot)]
+                limits[tid] = QuotaLimit.from_buffer_copy(bytes(limit_t.lookup(slot)))
+                bk = bucket_t.lookup(slot)
                 buckets[tid] = (bk.req_tat, bk.conn_tat)
         stats = {}
-        st = b[b"quota_stats"]
+        st = m["quota_stats"]
         for i, reason in enumerate(layout.STAT_REASONS):
-            stats[reason] = sum(v.packets for v in st[ctypes.c_int(i)])
-        conf = b[b"quota_config"][ctypes.c_int(0)]
+            stats[reason] = sum(v.packets for v in st.lookup(i))
+        conf = m["quota_config"].lookup(0)
         return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns)
 
     def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
         """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""
         out = {}
-        for k, v in self.bpf[b"tenant_flows"].items():
+        for k, v in self.maps["tenant_flows"].items():
             ra = ipaddress.IPv6Address(bytes(k.raddr))
             la = ipaddress.IPv6Address(bytes(k.laddr))
             r = str(ra.ipv4_mapped or ra)

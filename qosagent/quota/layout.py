@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from qosagent.ebpf.tenant_ports import PORTS, PortTenant
+from qosagent.ebpf.tenant_ports import PORTS, CidrKey, PortTenant
 
 LAYOUT = 2  # QOS_QUOTA_LAYOUT
 SLOTS = 4096  # QOS_SLOTS; slot 0 is the traffic of no tenant
@@ -63,11 +63,6 @@ class FlowKey(ctypes.Structure):
 class FlowVal(ctypes.Structure):
     _fields_ = [("tenant", ctypes.c_uint32), ("via", ctypes.c_uint8), ("pad", ctypes.c_uint8),
                 ("slot", ctypes.c_uint16)]
-
-
-class CidrKey(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("prefixlen", ctypes.c_uint32), ("port", ctypes.c_uint16), ("addr", ctypes.c_uint8 * 16)]
 
 
 # BPF_MAP_TYPE_*

@@ -5,11 +5,10 @@ Pure functions over the config, so that every rule can be tested without a kerne
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from qosagent.config import Config, QuotaSpec, TenantConfig
-from qosagent.tenants import CIDR_PORT_BITS, TenantLimit, mapped16, tenant_entries, tenant_id
+from qosagent.tenants import CidrEntry, TenantLimit, tenant_entries, tenant_id
 
 MAX_NS = 1 << 60  # QOS_MAX_NS: no interval or tau beyond it, so the kernel's arithmetic cannot overflow
 
@@ -47,16 +46,10 @@ def header_hash(name: str, value: str) -> int:
     return fnv1a64(name.lower().encode() + b":" + value.encode())
 
 
-def cidr_key(port: int, cidr: str) -> tuple[int, int, bytes]:
-    """(prefixlen counted from the port, port, mapped address) for tenant_cidrs; port 0 = any watched port."""
-    addr, plen = mapped16(ipaddress.ip_network(cidr, strict=False))
-    return CIDR_PORT_BITS + plen, port, addr
-
-
 @dataclass(frozen=True)
 class Rules:
     ports: dict[int, int]  # local port -> tenant id (tenant_ports)
-    cidrs: dict[tuple[int, int, bytes], int]  # cidr_key -> tenant id (tenant_cidrs)
+    cidrs: list[CidrEntry]  # tenant_cidrs
     headers: dict[int, int]  # header_hash -> tenant id (quota_headers)
     watched: list[int]  # watched_ports
 
@@ -64,8 +57,7 @@ class Rules:
 def rules(cfg: Config) -> Rules:
     """A port alone claims it for the tenant; ports with CIDRs bind the CIDRs to those ports; a header applies on any
     watched port (only to connections no port or CIDR claimed)."""
-    ports, entries = tenant_entries(cfg)
-    cidrs = {(e.prefixlen, e.port, e.addr): e.tenant for e in entries}
+    ports, cidrs = tenant_entries(cfg)
     headers = {header_hash(t.match.header.name, t.match.header.value): tenant_id(t.name)
                for t in cfg.tenants if t.match.header}
     return Rules(ports, cidrs, headers, cfg.watched_ports())

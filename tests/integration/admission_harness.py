@@ -16,7 +16,8 @@ from typing import Any, Iterator
 import pytest
 
 from qosagent.status import NoAgent, request
-from tests.conftest import agent_argv, agent_env, netns
+from tests.conftest import netns
+from testkit.agent import AgentProcess, agent_argv, agent_env
 
 LOAD = str(Path(__file__).with_name("admission_load.py"))
 GOLD, BRONZE = "127.0.0.2", "127.0.0.3"
@@ -109,34 +110,32 @@ admission: {admission}
     return path
 
 
-class Agent:
-    def __init__(self, procs: Procs, cfg: Path, tmp: Path):
-        self.cfg = cfg
-        self.sock = str(tmp / "status.sock")
-        self.log = open(tmp / "agent.log", "wb")
-        self.proc = procs.start(agent_argv("run", "--config", str(cfg)), stdout=self.log, stderr=subprocess.STDOUT)
+class Agent(AgentProcess):
+    """The agent inside the test's namespace (`ip netns exec`, as the servers and clients)."""
 
-    def status(self) -> dict[str, Any]:
+    def __init__(self, ns: str, cfg: Path, tmp: Path):
+        super().__init__(cfg, str(tmp / "status.sock"), tmp / "agent.log", prefix=["ip", "netns", "exec", ns])
+        self.ns = ns
+
+    def status(self, decisions: bool = True) -> dict[str, Any]:
+        """{} while it does not answer (polled by wait_for)."""
         try:
-            return request(self.sock, {"cmd": "status", "decisions": True}, timeout=5)
+            return request(self.socket, {"cmd": "status", "decisions": decisions}, timeout=5)
         except (NoAgent, OSError):
             return {}
-
-    def wait_ready(self) -> dict[str, Any]:
-        return wait_for("the agent's first ticks", lambda: (s := self.status()).get("seq", 0) > 1 and s, 60)
 
     def decisions(self, target: str, *actions: str) -> list[dict[str, Any]]:
         return [d for d in self.status().get("decisions", []) if d["capability"] == "admission"
                 and d["target"] == target and (not actions or d["action"] in actions)]
 
-    def close(self, ns: str) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
-        self.log.close()
-        # Whatever a killed agent left (TC filter in the namespace, pins) goes the documented way.
-        subprocess.run(["ip", "netns", "exec", ns, *agent_argv("detach", "--config", str(self.cfg))],
-                       env=agent_env(), check=False, timeout=60, capture_output=True)
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            self.kill()
+            # Whatever a killed agent left (TC filter in the namespace, pins) goes the documented way.
+            subprocess.run(["ip", "netns", "exec", self.ns, *agent_argv("detach", "--config", self.config)],
+                           env=agent_env(), check=False, timeout=60, capture_output=True)
 
 
 @contextlib.contextmanager
@@ -150,10 +149,11 @@ def scenario(tmp: Path, quota: str, admission: str) -> Iterator[tuple[Procs, Age
         agent = None
         try:
             procs.server(port)
-            agent = Agent(procs, cfg, tmp)
+            agent = Agent(ns, cfg, tmp)
+            agent.start()
             yield procs, agent, port
         finally:
             if agent is not None:
-                agent.close(ns)
+                agent.close()
             procs.stop_all()
     assert not os.path.exists(pin_root), f"{pin_root} left behind"

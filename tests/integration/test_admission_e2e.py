@@ -35,7 +35,7 @@ def test_closed_loop_end_to_end(bpf: None, tmp_path: Path) -> None:
     quota = "{enabled: true, interfaces: [lo], heartbeat_timeout: 2s}"
     admission = "{enabled: true, mode: enforce, cooldown: 5s, gpu_pressure: {gpus: [0], escalate_after: 1h}}"
     with scenario(tmp_path, quota, admission) as (procs, agent, port):
-        caps = agent.wait_ready()["capabilities"]
+        caps = agent.status()["capabilities"]
         assert {n: caps[n]["state"] for n in ("latency", "quota", "admission")} == {
             "latency": "active", "quota": "active", "admission": "active"}, caps
 

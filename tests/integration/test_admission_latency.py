@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 def test_a_bronze_flood_over_golds_slo_cuts_bronze_first(bpf: None, tmp_path: Path) -> None:
     dry_run = "{enabled: true, mode: dry-run}"
     with harness.scenario(tmp_path, quota="{enabled: false}", admission=dry_run) as (procs, agent, port):
-        st = agent.wait_ready()
+        st = agent.status()
         assert st["capabilities"]["admission"]["state"] == "active", st["capabilities"]
         flood = procs.client(port, harness.BRONZE, 32, 0, 8, tmp_path / "flood.json")
         gold = procs.client(port, harness.GOLD, 2, 50, 8, tmp_path / "gold.json")

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from qosagent.ebpf.batch import ArrayRange
+from qosagent.ebpf.maps import ArrayRange
 
 PROG = b"""
 struct row { __u64 a; __u64 b; };

@@ -15,9 +15,10 @@ from typing import Any, Iterator
 import pytest
 
 from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks, cgroup2_mount
-from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, prog_id
+from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, prog_id
 from qosagent.hostfs import HostFS
-from tests.conftest import agent_env, require
+from tests.conftest import require
+from testkit.agent import agent_env
 
 PROG = b"int f(struct __sk_buff *skb) { return 1; }"
 

@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import agent_argv, agent_env
+from testkit.agent import AgentProcess, agent_argv, agent_env
 
 CPUFREQ = "sys/devices/system/cpu/cpu{}/cpufreq/scaling_max_freq"
 ORIGINAL = ["3700000", "3700000", "4200000", "4200000"]
@@ -56,48 +55,25 @@ def maxfreqs(root: Path) -> list[str]:
     return [(root / CPUFREQ.format(i)).read_text().strip() for i in range(4)]
 
 
-def start(r: dict) -> subprocess.Popen:
-    return subprocess.Popen(agent_argv("run", "--config", r["config"], "--host-root", str(r["root"])),
-                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(r: dict, log: str = "agent.log") -> AgentProcess:
+    """The agent on the fixture host, ready (its first tick done, so its signal handlers are in place)."""
+    agent = AgentProcess(r["config"], r["socket"], Path(r["config"]).with_name(log),
+                         args=["--host-root", str(r["root"])])
+    agent.start(timeout=DEADLINE_S)
+    return agent
 
 
-def wait_for(proc: subprocess.Popen, cond) -> None:
-    end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end:
-        if cond():
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    out = proc.communicate()[0]
-    pytest.fail(f"agent never got there (rc {proc.returncode}):\n{out}")
-
-
-def ticked(r: dict) -> bool:
-    """The agent answers on its socket and has run a tick (so its signal handlers are in place)."""
-    from qosagent.status import NoAgent, request
-
-    try:
-        return request(r["socket"], {"cmd": "status"}, timeout=2).get("seq", 0) >= 1
-    except (NoAgent, OSError):
-        return False
-
-
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
-    proc.send_signal(sig)
-    try:
-        return proc.communicate(timeout=DEADLINE_S)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()[0]
+def stop(agent: AgentProcess, sig: int = signal.SIGTERM) -> str:
+    """Its output, once the signal ended it."""
+    agent.signal(sig)
+    agent.wait(DEADLINE_S)
+    return agent.output()
 
 
 def test_rehearsal_writes_shows_and_restores_on_sigterm(rehearsal) -> None:
     r = rehearsal
     proc = start(r)
     try:
-        wait_for(proc, lambda: ticked(r))
         assert maxfreqs(r["root"]) == ["1600000"] * 4
         assert (r["state"] / "dvfs-originals.json").exists()
         status = subprocess.run(agent_argv("status", "--socket", r["socket"]), env=agent_env(),
@@ -115,7 +91,7 @@ def test_rehearsal_writes_shows_and_restores_on_sigterm(rehearsal) -> None:
             assert check.returncode == 0, check.stdout + check.stderr
     finally:
         out = stop(proc)
-    assert proc.returncode == 0, out
+    assert proc.proc is not None and proc.proc.returncode == 0, out
     assert maxfreqs(r["root"]) == ORIGINAL
     assert not (r["state"] / "dvfs-originals.json").exists()
     assert "restored 4200000" in out
@@ -124,7 +100,7 @@ def test_rehearsal_writes_shows_and_restores_on_sigterm(rehearsal) -> None:
 def test_crash_then_detach_restores(rehearsal) -> None:
     r = rehearsal
     proc = start(r)
-    wait_for(proc, lambda: maxfreqs(r["root"]) == ["1600000"] * 4)
+    assert maxfreqs(r["root"]) == ["1600000"] * 4
     stop(proc, signal.SIGKILL)
     assert maxfreqs(r["root"]) == ["1600000"] * 4  # nothing could run at a SIGKILL
     out = subprocess.run(agent_argv("detach", "--config", r["config"], "--host-root", str(r["root"])),
@@ -140,14 +116,13 @@ def test_crash_then_detach_restores(rehearsal) -> None:
 def test_crash_then_restart_recovers_first(rehearsal) -> None:
     r = rehearsal
     proc = start(r)
-    wait_for(proc, lambda: maxfreqs(r["root"]) == ["1600000"] * 4)
+    assert maxfreqs(r["root"]) == ["1600000"] * 4
     stop(proc, signal.SIGKILL)
     # An operator raises one policy while no agent runs; the next agent must not take it back.
     (r["root"] / CPUFREQ.format(1)).write_text("3000000\n")
-    proc = start(r)
-    wait_for(proc, lambda: ticked(r))
+    proc = start(r, "agent-2.log")
     out = stop(proc)
-    assert proc.returncode == 0, out
+    assert proc.proc is not None and proc.proc.returncode == 0, out
     assert "recovering after an unclean stop" in out and "changed by someone else" in out
     assert maxfreqs(r["root"]) == ["3700000", "3000000", "4200000", "4200000"]
 

@@ -30,9 +30,9 @@ from qosagent.hostfs import HostFS
 from qosagent.latency import export
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.metrics import MetricsServer
-from tests.conftest import agent_argv, agent_env
+from testkit.agent import AgentProcess, agent_argv, agent_env
 from tests.integration.latency_helpers import free_port, serving
-from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, stop, wait_for
+from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, wait_for
 from tests.integration.test_ship_prometheus import dashboard_exprs
 
 pytestmark = [pytest.mark.slow]
@@ -252,15 +252,9 @@ def real_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "status": {"socket": str(d / "status.sock")},
         **{c: {"enabled": False} for c in ("admission", "dvfs", "placement")},
     }))
-    proc = subprocess.Popen(agent_argv("run", "--config", str(conf)), env=agent_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for("the agent's /readyz", lambda: _ready(port), time.monotonic() + DEADLINE_S)
-        yield {"port": port, "tenant_port": tenant_port, "sock": str(d / "status.sock"), "dir": d}
-    finally:
-        out = stop(proc)
-        if proc.returncode not in (0, -15):
-            print(out)
+    with AgentProcess(conf, str(d / "status.sock"), d / "agent.log") as agent:
+        assert _ready(port)
+        yield {"port": port, "tenant_port": tenant_port, "sock": agent.socket, "dir": d}
 
 
 def _ready(port: int) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qosagent.capability import State
-from tests.conftest import agent_argv, agent_env
+from testkit.agent import agent_argv, agent_env
 from tests.kernel_modes import ALL, features, kernel_version, latency_modes, verdict
 
 

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import http.client
 import http.server
-import json
 import re
 import shutil
 import subprocess
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from tests.conftest import TIME_SCALE, agent_argv, agent_env, require
+from tests.conftest import require
+from testkit.agent import AgentProcess, agent_argv, agent_env, status_socket
 from tests.integration.latency_helpers import free_port, serving
 from tests.kernel_modes import latency_modes
 
@@ -89,61 +88,26 @@ tenants:
 """
 
 
-class AgentProc:
+class AgentProc(AgentProcess):
     def __init__(self, tmp: Path, config_text: str):
         self.port = free_port()
-        self.sock = f"/run/qosagent-test-{uuid.uuid4().hex[:8]}/status.sock"
-        self.config = tmp / "qosagent.yaml"
-        self.config.write_text(config_text.format(port=self.port, sock=self.sock))
-        self.log = tmp / "agent.log"
-        self.proc = subprocess.Popen(agent_argv("run", "--config", str(self.config)), env=agent_env(),
-                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        sock = status_socket()
+        config = tmp / "qosagent.yaml"
+        config.write_text(config_text.format(port=self.port, sock=sock))
+        super().__init__(config, sock, tmp / "agent.log")
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, timeout: float = 30.0 * TIME_SCALE) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, f"agent exited early:\n{self.log.read_text()}"
-            try:
-                with urllib.request.urlopen(self.url("/readyz"), timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"agent not ready in {timeout}s:\n{self.log.read_text()}")
 
     def scrape(self) -> str:
         with urllib.request.urlopen(self.url("/metrics"), timeout=5) as r:
             return r.read().decode()
 
-    def status(self) -> dict[str, Any]:
-        out = subprocess.run(agent_argv("status", "--json", "--socket", self.sock), env=agent_env(),
-                             capture_output=True, text=True, timeout=30 * TIME_SCALE, check=True)
-        return json.loads(out.stdout)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(Path(self.sock).parent, ignore_errors=True)
-        return self.proc.returncode
-
 
 @pytest.fixture(params=latency_modes())
 def agent(request: pytest.FixtureRequest, bpf: None, tmp_path: Path) -> Iterator[AgentProc]:
-    a = AgentProc(tmp_path, EXAMPLE + f"latency:\n  mode: {request.param}\n")  # each mode this kernel offers
-    try:
-        a.wait_ready()
+    with AgentProc(tmp_path, EXAMPLE + f"latency:\n  mode: {request.param}\n") as a:  # each mode this kernel offers
         yield a
-    finally:
-        a.stop()
 
 
 def client_run(port: int, n: int) -> tuple[list[float], list[float]]:
@@ -247,7 +211,7 @@ def test_status_json_agrees_with_metrics_and_promtool_is_clean(agent: AgentProc,
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), \
         check.stdout + check.stderr
-    human = subprocess.run(agent_argv("status", "--socket", agent.sock), env=agent_env(), capture_output=True,
+    human = subprocess.run(agent_argv("status", "--socket", agent.socket), env=agent_env(), capture_output=True,
                            text=True, timeout=30, check=True).stdout
     assert re.search(r"^acme\s+gold\s+6\s", human, re.M), human
     assert re.search(r"^hobby\s+bronze\s+4\s", human, re.M), human
@@ -258,14 +222,14 @@ def test_stop_detaches_every_program(bpf: None, tmp_path: Path) -> None:
     require(shutil.which("bpftool") is not None, "bpftool not installed")
     a = AgentProc(tmp_path, EXAMPLE)
     try:
-        a.wait_ready()
+        a.start()
         programs = a.status()["latency"]["programs"]
         assert programs, "the agent reported no loaded programs"
         for p in programs:
             assert subprocess.run(["bpftool", "prog", "show", "id", str(p["id"])], capture_output=True).returncode == 0
     finally:
         rc = a.stop()
-    assert rc == 0, a.log.read_text()
+    assert rc == 0, a.output()
     for p in programs:
         gone = subprocess.run(["bpftool", "prog", "show", "id", str(p["id"])], capture_output=True, text=True)
         assert gone.returncode != 0, f"program {p} still loaded after stop: {gone.stdout}"

@@ -24,7 +24,7 @@ from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
 from qosagent.latency.model import TenantLatency
 from tests.integration.latency_helpers import free_port, until
-from tests.integration.sse_client import (
+from testkit.sse_client import (
     aiohttp_requests,
     RawClient,
     Timing,
@@ -35,7 +35,7 @@ from tests.integration.sse_client import (
     request_bytes,
     split_body_request,
 )
-from tests.integration.sse_server import sse_server
+from testkit.sse_server import sse_server
 from tests.kernel_modes import latency_modes
 
 N = 40  # streamed requests per run

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -22,7 +21,8 @@ from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import thread_cpus
 from qosagent.placement.topology import read_topology
 from qosagent.snapshot import Snapshot
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import require
+from testkit.agent import AgentProcess, agent_argv, agent_env
 
 HOST = HostFS("/")
 
@@ -282,23 +282,13 @@ def test_qosagent_run_with_the_issue_example(tmp_path, children) -> None:
     cfg = tmp_path / "qosagent.yaml"
     cfg.write_text(issue_example(children.token) + f"latency: {{enabled: false}}\nmetrics: {{enabled: false}}\n"
                    f"state_dir: {tmp_path}/state\nstatus: {{socket: {sock}}}\n")
-    agent = subprocess.Popen(agent_argv("run", "--config", str(cfg)), env=agent_env(), stderr=subprocess.PIPE,
-                             text=True)
-    try:
-        assert agent.stderr is not None
-        for _ in range(200):
-            line = agent.stderr.readline()
-            if not line or "ready in" in line:
-                break
-        assert "ready in" in line, line
+    with AgentProcess(cfg, str(sock), tmp_path / "agent.log") as agent:
         out = subprocess.run(agent_argv("status", "--socket", str(sock)), env=agent_env(), capture_output=True,
                              text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert "PLACEMENT (enforce" in out.stdout and str(served.pid) in out.stdout
         assert all(v == TARGET for v in cpus_of(served.pid).values())
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
+    assert agent.proc is not None and agent.proc.returncode == 0, agent.output()
     assert cpus_of(served.pid) == before
 
 

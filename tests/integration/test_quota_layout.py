@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
@@ -17,9 +16,11 @@ import pytest
 import yaml
 
 from qosagent.config import parse
-from qosagent.ebpf import syscall
-from tests.conftest import agent_argv, agent_env, netns, require
+from qosagent.ebpf import libbpf
+from tests.conftest import netns, require
+from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent
+from testkit.agent import AgentProcess
 
 pytestmark = pytest.mark.privileged
 
@@ -32,7 +33,7 @@ class Env:
         self.ns, self.pin_root, self.tmp = ns, pin_root, tmp
         self.config = tmp / "qosagent.yaml"
         self.socket = str(tmp / "status.sock")
-        self.agent: subprocess.Popen | None = None
+        self.agent: AgentProcess | None = None
         self.config.write_text(yaml.safe_dump({
             "interval": "100ms",
             "state_dir": str(tmp),
@@ -74,9 +75,8 @@ def env(root, bpf, tmp_path) -> Iterator[Env]:
         try:
             yield e
         finally:
-            if e.agent is not None and e.agent.poll() is None:
+            if e.agent is not None:
                 e.agent.kill()
-                e.agent.wait(10)
             shutil.rmtree(pin_root, ignore_errors=True)
 
 
@@ -86,9 +86,9 @@ def test_an_older_layout_is_taken_over_in_place_then_stopped_cleanly(env):
     assert "qosagent-quota" in env.hook() and "clsact" in env.hook()
     env.start_agent()
     hook = env.hook()
-    fd = syscall.obj_get(os.path.join(env.pin_root, "quota-v2", "quota_classify"))
+    fd = libbpf.obj_get(os.path.join(env.pin_root, "quota-v2", "quota_classify"))
     try:
-        new_id = syscall.prog_id(fd)
+        new_id = libbpf.prog_id(fd)
     finally:
         os.close(fd)
     assert hook.count("qosagent-quota") == 1, hook  # replaced, not a second filter
@@ -97,8 +97,7 @@ def test_an_older_layout_is_taken_over_in_place_then_stopped_cleanly(env):
     assert f"removed pins {env.pin_root}/quota-v1" in env.log()
     # A clean stop removes the clsact too: the old agent created it, and its record was inherited.
     assert env.agent is not None
-    env.agent.send_signal(signal.SIGTERM)
-    assert env.agent.wait(30) == 0, env.log()
+    assert env.agent.stop() == 0, env.log()
     assert env.hook() == before
     assert not os.path.exists(env.pin_root)
 

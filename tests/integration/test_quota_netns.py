@@ -20,13 +20,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qosagent.ebpf import syscall
+from qosagent.ebpf.maps import Map
 from qosagent.quota.layout import LAYOUT, QOS_LIMIT_OVERRIDE, QuotaLimit
 from qosagent.quota.rules import bucket
 from qosagent.status import request
 from qosagent.tenants import tenant_id
-from tests.conftest import agent_argv, agent_env, require
+from tests.conftest import require
+from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent
+from testkit.agent import AgentProcess
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 
@@ -44,7 +46,7 @@ class Net:
         self.tmp = tmp
         self.pin_root = f"/sys/fs/bpf/qosagent-test-{tag}"
         self.procs: list[subprocess.Popen] = []
-        self.agent: subprocess.Popen | None = None
+        self.agent: AgentProcess | None = None
         self.config = tmp / "qosagent.yaml"
         self.socket = str(tmp / "status.sock")
 
@@ -64,10 +66,12 @@ class Net:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
 
     def teardown(self) -> None:
-        for p in self.procs + ([self.agent] if self.agent else []):
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        if self.agent is not None:
+            self.agent.kill()
         for ns in (self.srv, self.cli):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self.pin_root, ignore_errors=True)
@@ -194,14 +198,14 @@ def test_rates_isolation_retransmission_reload_and_stop(net):
 
     # Reload in place: a new limit reaches the kernel; a bad config is refused and the old one keeps running.
     net.write_config(flood_rps=40)
-    net.agent.send_signal(signal.SIGHUP)
+    net.agent.signal(signal.SIGHUP)
     deadline = time.time() + 10
     while net.tenant("flood")["limit"]["rps"] != 40 and time.time() < deadline:
         time.sleep(0.1)
     assert net.tenant("flood")["limit"] == {"rps": 40, "burst": 10}
     assert net.tenant("flood")["admitted"] == f["admitted"]  # counters survive a reload
     net.config.write_text(net.config.read_text().replace("interfaces:", "interfaces: [nosuchif0]\n  x:"))
-    net.agent.send_signal(signal.SIGHUP)
+    net.agent.signal(signal.SIGHUP)
     deadline = time.time() + 10
     while not net.status()["self"]["last_reload_error"] and time.time() < deadline:
         time.sleep(0.1)
@@ -209,26 +213,22 @@ def test_rates_isolation_retransmission_reload_and_stop(net):
     assert net.tenant("flood")["limit"] == {"rps": 40, "burst": 10}
 
     # A clean stop removes every filter, the clsacts it created and its pins.
-    net.agent.send_signal(signal.SIGTERM)
-    assert net.agent.wait(30) == 0, net.log()
+    assert net.agent.stop() == 0, net.log()
     assert net.tc_state() == before
     assert not os.path.exists(net.pin_root)
 
 
 def write_override(pin_dir: str, tenant: str, rps: float, burst: int) -> None:
     """What the admission loop does through quota.limits, done from outside the agent."""
-    fds = [syscall.obj_get(os.path.join(pin_dir, m)) for m in ("quota_slots", "quota_limits")]
-    try:
-        slot = syscall.map_lookup(fds[0], bytes(ctypes.c_uint32(tenant_id(tenant))), 4)
+    with Map.pinned(os.path.join(pin_dir, "quota_slots"), ctypes.c_uint32, ctypes.c_uint32) as slots, \
+            Map.pinned(os.path.join(pin_dir, "quota_limits"), ctypes.c_uint32, QuotaLimit) as limits:
+        slot = slots.lookup(tenant_id(tenant))
         assert slot is not None
-        lim = QuotaLimit.from_buffer_copy(syscall.map_lookup(fds[1], slot, ctypes.sizeof(QuotaLimit)))
+        lim = limits.lookup(slot)
         b = bucket(rps, burst)
         lim.override.interval_ns, lim.override.tau_ns = b.interval_ns, b.tau_ns
         lim.flags |= QOS_LIMIT_OVERRIDE
-        syscall.map_update(fds[1], slot, bytes(lim))
-    finally:
-        for fd in fds:
-            os.close(fd)
+        limits.update(slot, lim)
 
 
 def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
@@ -249,7 +249,7 @@ def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
     # An adaptive override (2/s) is in force while the heartbeat is fresh; then the agent dies.
     write_override(pins, "flood", 2, 1)
     time.sleep(0.3)
-    net.agent.send_signal(signal.SIGKILL)
+    net.agent.signal(signal.SIGKILL)
     net.agent.wait(10)
     killed = time.time()
     load = result(net.load(FLOOD, 8100, threads=32, duration=9, delay=0.0, timeout=15))
@@ -271,7 +271,7 @@ def test_kill9_fail_static_adopt_heartbeat_and_detach(net):
     assert net.tc_state().count("qosagent-quota") == 2
 
     # Killed again, `qosagent detach` removes what it left: the hook and bpffs look as before it started.
-    net.agent.send_signal(signal.SIGKILL)
+    net.agent.signal(signal.SIGKILL)
     net.agent.wait(10)
     out = subprocess.run(net.in_srv(*agent_argv("detach", "--config", str(net.config))), env=agent_env(),
                          capture_output=True, text=True)

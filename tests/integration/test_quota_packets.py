@@ -13,7 +13,7 @@ from qosagent.quota import datapath as dp
 from qosagent.quota.capability import _baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC
 from qosagent.tenants import UNMATCHED_ID, tenant_id
-from tests.quota_packets import ACK, SYN, counts, eth, ipv4, ipv6, loaded, request, run, scratch_pin_root, tcp
+from testkit.quota_packets import ACK, SYN, counts, eth, ipv4, ipv6, loaded, request, run, scratch_pin_root, tcp
 
 pytestmark = pytest.mark.privileged
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -49,27 +48,24 @@ def dump(pins: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def agent(root: None, bpf: None, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+def running(root: None, bpf: None, tmp_path: Path) -> Iterator[tuple[Path, str]]:
     require(all(shutil.which(t) for t in ("tc", "nsenter", "bpftool")), "tc, nsenter or bpftool missing")
     pin_root = f"/sys/fs/bpf/qosagent-test-{uuid.uuid4().hex[:8]}"
     path = tmp_path / "qosagent.yaml"
     path.write_text(yaml.safe_dump(config(tmp_path, pin_root, 2)))
     with netns("reload") as ns:
-        proc = start_quota_agent(ns, path, str(tmp_path / "status.sock"), tmp_path / "agent.log")
+        agent = start_quota_agent(ns, path, str(tmp_path / "status.sock"), tmp_path / "agent.log")
         try:
             yield path, pin_root
         finally:
-            proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(30)
+                agent.stop()
             finally:
-                if proc.poll() is None:
-                    proc.kill()
                 shutil.rmtree(pin_root, ignore_errors=True)
 
 
-def test_a_reload_latency_refuses_leaves_the_classifier_rules_as_they_were(agent) -> None:
-    path, pin_root = agent
+def test_a_reload_latency_refuses_leaves_the_classifier_rules_as_they_were(running) -> None:
+    path, pin_root = running
     socket = str(path.parent / "status.sock")
     assert request(socket, {"cmd": "status"})["capabilities"]["latency"]["state"] in ("active", "degraded")
     pins = Path(pin_root) / "quota-v2"

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import pytest
 
+from testkit.agent import AgentProcess
+
 from tests.conftest import netns as make_netns
 from tests.conftest import require
 from tests.integration.test_ship_systemd import unit_settings
@@ -101,40 +103,14 @@ def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str
     assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
 
 
-def _status_after_first_tick(sock, proc: subprocess.Popen[str]) -> dict:
-    import json
-    import time
-
-    from tests.conftest import agent_argv, agent_env
-
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and proc.poll() is None:
-        r = subprocess.run(agent_argv("status", "--json", "--socket", str(sock)), env=agent_env(),
-                           capture_output=True, text=True, timeout=30)
-        # The socket answers from before start; the first tick comes after every program is attached.
-        if r.returncode == 0 and json.loads(r.stdout)["seq"] >= 1:
-            return json.loads(r.stdout)
-        time.sleep(0.5)
-    pytest.fail("the agent never answered on its status socket: " + (proc.stdout.read() if proc.poll() else ""))
-
-
-def _agent_with_unit_caps(conf, prefix: list[str], shell: str = ""):
-    from tests.conftest import agent_argv, agent_env
-
+def _agent_with_unit_caps(conf, sock, log, prefix: list[str], shell: str = "") -> AgentProcess:
+    """The agent under the unit's bounding set (setpriv), behind prefix; optionally set up by shell first."""
     bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
-    argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", *agent_argv("run", "--config", str(conf))]
+    setpriv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all"]
     if shell:
         # Set up as full root first (the way systemd mounts bpffs at boot), then drop to the unit's set.
-        argv = ["sh", "-c", shell + ' && exec "$@"', "sh", *argv]
-    return subprocess.Popen([*prefix, *argv], env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
-def _stop(proc: subprocess.Popen[str]) -> str:
-    proc.terminate()
-    out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 0, out[-3000:]
-    return out
+        setpriv = ["sh", "-c", shell + ' && exec "$@"', "sh", *setpriv]
+    return AgentProcess(conf, str(sock), log, prefix=[*prefix, *setpriv])
 
 
 @pytest.mark.parametrize("mode", ["sockops", "tracepoint"])
@@ -144,13 +120,11 @@ def test_latency_runs_with_only_the_units_capabilities(bpf: None, tmp_path, mode
     sock = tmp_path / "status.sock"
     conf = tmp_path / "config.yaml"
     conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\nlatency: {{mode: {mode}}}\n")
-    proc = _agent_with_unit_caps(conf, [])
-    try:
-        status = _status_after_first_tick(sock, proc)
+    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", []) as agent:
+        status = agent.status()
         assert status["capabilities"]["latency"]["state"] == "active", status["capabilities"]
         assert status["latency"]["mode"] == mode
-    finally:
-        _stop(proc)
+    assert agent.proc is not None and agent.proc.returncode == 0, agent.output()[-3000:]
 
 
 def test_quota_runs_with_only_the_units_capabilities(netns: str, tmp_path) -> None:
@@ -161,12 +135,11 @@ def test_quota_runs_with_only_the_units_capabilities(netns: str, tmp_path) -> No
                     "quota: {enabled: true, interfaces: [lo]}\n"
                     "tenants: [{name: hobby, tier: bronze, match: {ports: [18002]}, quota: {rps: 5, burst: 2}}]\n")
     # `ip netns exec` gives a private /sys: bpffs is mounted there, and vanishes with the namespace's mounts.
-    proc = _agent_with_unit_caps(conf, ["ip", "netns", "exec", netns], shell="mount -t bpf bpf /sys/fs/bpf")
-    try:
-        status = _status_after_first_tick(sock, proc)
+    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", ["ip", "netns", "exec", netns],
+                               shell="mount -t bpf bpf /sys/fs/bpf") as agent:
+        status = agent.status()
         assert status["capabilities"]["quota"]["state"] == "active", status["capabilities"]
-    finally:
-        _stop(proc)
+    assert agent.proc is not None and agent.proc.returncode == 0, agent.output()[-3000:]
     filters = subprocess.run(["tc", "-n", netns, "filter", "show", "dev", "lo", "ingress"], capture_output=True,
                              text=True).stdout
     assert filters.strip() == "", f"the agent left a filter behind: {filters}"

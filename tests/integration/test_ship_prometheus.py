@@ -17,9 +17,10 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from tests.conftest import REPO, agent_argv, agent_env, require
+from tests.conftest import REPO, require
+from testkit.agent import AgentProcess
 from tests.integration.latency_helpers import free_port, serving
-from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, running, wait_for
+from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, wait_for
 from tests.integration.test_ship_deploy import rules_file
 from tests.integration.test_ship_metrics_tls import self_signed
 
@@ -40,10 +41,9 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     "basic_auth": {"username": "prometheus", "password_file": str(d / "password")}},
         "status": {"socket": str(d / "status.sock")},
     }))
-    proc = subprocess.Popen(agent_argv("run", "--config", str(conf)), env=agent_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    info = {"port": port, "cert": cert, "dir": d, "proc": proc, "tenant_port": tenant_port}
-    with running(proc, "the agent's /readyz", lambda: scrape(info, "/readyz")[0] == 200):
+    with AgentProcess(conf, str(d / "status.sock"), d / "agent.log") as proc:
+        info = {"port": port, "cert": cert, "dir": d, "proc": proc, "tenant_port": tenant_port}
+        assert scrape(info, "/readyz")[0] == 200
         yield info
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from qosagent import config as config_mod
-from tests.conftest import REPO, agent_argv, agent_env, require
+from tests.conftest import REPO, require
+from testkit.agent import AgentProcess, agent_argv, agent_env
 
 UNIT = REPO / "systemd" / "qosagent.service"
 
@@ -112,8 +113,8 @@ def test_agent_speaks_the_notify_protocol(tmp_path: Path) -> None:
     env = agent_env() | {"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "1000000"}
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ns:
         ns.bind(str(sock_path))
-        proc = subprocess.Popen(agent_argv("run", "--config", str(conf)), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        agent = AgentProcess(conf, str(status_sock), tmp_path / "agent.log", env=env)
+        agent.launch()  # its readiness is what this test reads, from the notify socket
         try:
             msgs = _recv_until(ns, "WATCHDOG=1", time.monotonic() + 30)
             assert "WATCHDOG_USEC=1500000" in msgs, msgs
@@ -121,13 +122,11 @@ def test_agent_speaks_the_notify_protocol(tmp_path: Path) -> None:
             r = subprocess.run(agent_argv("reload", "--socket", str(status_sock)), env=agent_env(),
                                capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stdout + r.stderr
-            proc.send_signal(signal.SIGTERM)
+            agent.signal(signal.SIGTERM)
             assert "STOPPING=1" in _recv_until(ns, "STOPPING=1", time.monotonic() + 30)
-            assert proc.wait(timeout=30) == 0
+            assert agent.wait() == 0, agent.output()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            agent.kill()
 
 
 def test_hardening_exposure_stays_low(staged: Path) -> None:

@@ -21,11 +21,11 @@ from typing import Iterator
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.sse_client import (Timing, aiohttp_requests, disconnect_before_first_token,
+from testkit.sse_client import (Timing, aiohttp_requests, disconnect_before_first_token,
                                           expect_continue_request, httpx_requests, percentile, pipelined_requests,
                                           split_body_request)
 from tests.integration.latency_helpers import until
-from tests.integration.sse_server import Server, sse_server
+from testkit.sse_server import Server, sse_server
 
 PREFILL, TOKEN, TOKENS = 0.040, 0.015, 5
 EARLY = 0.002  # how early a timer of uvloop's (millisecond resolution) may fire
@@ -135,7 +135,7 @@ def test_server_is_killed_when_the_test_fails() -> None:
 
 
 def test_server_dies_with_a_killed_test_process() -> None:
-    code = ("import sys, time; from tests.integration.sse_server import sse_server\n"
+    code = ("import sys, time; from testkit.sse_server import sse_server\n"
             "with sse_server() as s:\n    print(s.pid, flush=True)\n    time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

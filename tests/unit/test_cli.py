@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.conftest import agent_argv, agent_env
+from testkit.agent import agent_argv, agent_env
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from testkit.agent import AgentThread
+
 from qosagent import capability, config
 from qosagent.capability import Capability, CapabilityError, Change, State, Verdict
 from qosagent.daemon import Agent
@@ -186,16 +188,10 @@ def test_a_restart_only_key_is_refused_by_name(scripted, tmp_path) -> None:
 def test_loop_stops_on_request_and_notifies(scripted, tmp_path) -> None:
     scripted(make_cap("a"))
     a = agent(tmp_path, "interval: 10ms\nlatency: {enabled: false}\n")
-    a.start()
     notes: list[str] = []
-    t = threading.Thread(target=a.run, kwargs={"notify": notes.append})
-    t.start()
-    assert a.ready.wait(5)
-    while a.stats.ticks < 5:
-        threading.Event().wait(0.01)
-    a.request_stop()
-    t.join(5)
-    assert not t.is_alive()
+    with AgentThread(a, timeout=5, notify=notes.append):  # its exit fails when the loop does not stop
+        while a.stats.ticks < 5:
+            threading.Event().wait(0.01)
     assert notes[0] == "READY=1" and "WATCHDOG=1" in notes
 
 

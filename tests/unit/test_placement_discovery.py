@@ -14,7 +14,7 @@ from qosagent.placement.capability import Placement
 from qosagent.placement.config import Selector
 from qosagent.placement.discovery import Matcher, discover, parse_numa_maps, proc_start, read_cpuset
 from qosagent.status import render
-from tests.placement_trees import cpuset, proc_entry, two_socket_8gpu
+from testkit.placement_trees import cpuset, proc_entry, two_socket_8gpu
 
 ISSUE_EXAMPLE = """
 placement:

@@ -11,7 +11,7 @@ from qosagent.hostfs import HostFS
 from qosagent.placement import applier
 from qosagent.placement.capability import Placement
 from qosagent.statefile import StateFileError
-from tests.placement_trees import proc_entry
+from testkit.placement_trees import proc_entry
 
 BEFORE = "7f00 default anon=300 N0=100 N1=150 N2=50\n7f10 default file=/lib/x N1=10\n"
 AFTER = "7f00 default anon=300 N0=10 N1=290\n7f10 default file=/lib/x N1=10\n"

@@ -9,7 +9,7 @@ from qosagent.cpulist import parse_cpulist
 from qosagent.placement.discovery import ProcInfo
 from qosagent.placement.planner import Policy, plan
 from qosagent.placement.topology import read_topology
-from tests.placement_trees import numa_tree, pci_device, two_socket_8gpu
+from testkit.placement_trees import numa_tree, pci_device, two_socket_8gpu
 
 
 

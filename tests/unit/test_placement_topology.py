@@ -10,7 +10,7 @@ from qosagent.gpu.fake import FakeBackend, with_device
 from qosagent.hostfs import HostFS
 from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.topology import read_topology
-from tests.placement_trees import numa_tree, pci_device, two_socket_8gpu
+from testkit.placement_trees import numa_tree, pci_device, two_socket_8gpu
 
 
 def test_cpulist_round_trip() -> None:

@@ -8,8 +8,8 @@ import pytest
 
 from qosagent.config import parse
 from qosagent.quota.capability import Quota
-from qosagent.quota.rules import MAX_NS, baseline, bucket, cidr_key, header_hash, rules, with_floor
-from qosagent.tenants import TenantLimit, tenant_id
+from qosagent.quota.rules import MAX_NS, baseline, bucket, header_hash, rules, with_floor
+from qosagent.tenants import CidrEntry, TenantLimit, tenant_entries, tenant_id
 
 
 def cfg(**extra):
@@ -33,14 +33,16 @@ def test_rules_follow_the_match_order():
     r = rules(cfg())
     assert r.ports == {8100: tenant_id("a")}
     # CIDRs bound to the tenant's port; IPv4 stored IPv4-mapped, prefix counted after the 16 port bits.
-    assert r.cidrs[(16 + 96 + 16, 8000, b"\0" * 10 + b"\xff\xff" + bytes([10, 1, 0, 0]))] == tenant_id("b")
-    assert r.cidrs[(16 + 32, 8000, ipaddress.IPv6Address("2001:db8::").packed)] == tenant_id("b")
+    assert r.cidrs == [CidrEntry(16 + 96 + 16, 8000, b"\0" * 10 + b"\xff\xff" + bytes([10, 1, 0, 0]), tenant_id("b")),
+                       CidrEntry(16 + 32, 8000, ipaddress.IPv6Address("2001:db8::").packed, tenant_id("b"))]
     assert r.headers == {header_hash("x-tenant-id", "acme"): tenant_id("c")}
     assert r.watched == [8000, 8100]
 
 
 def test_cidr_without_ports_applies_on_any_watched_port():
-    assert cidr_key(0, "192.168.1.7/24") == (16 + 96 + 24, 0, b"\0" * 10 + b"\xff\xff" + bytes([192, 168, 1, 0]))
+    c = cfg(tenants=[{"name": "d", "tier": "gold", "match": {"cidrs": ["192.168.1.7/24"]}}])
+    assert tenant_entries(c)[1] == [CidrEntry(16 + 96 + 24, 0, b"\0" * 10 + b"\xff\xff" + bytes([192, 168, 1, 0]),
+                                              tenant_id("d"))]
 
 
 def test_header_hash_is_case_insensitive_in_the_name_only():

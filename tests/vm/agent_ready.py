@@ -52,7 +52,7 @@ def one_run(mode: str, requests: int, idle: int) -> dict[str, Any]:
         t0 = time.monotonic()
         agent = AgentProc(Path(tmp), EXAMPLE + f"latency:\n  mode: {mode}\n")
         try:
-            agent.wait_ready(timeout=600)
+            agent.start(timeout=600)
             ready_s = time.monotonic() - t0
             # Connections whose server threads block in a read, entered after the probes are attached.
             idlers += [socket.create_connection(("127.0.0.1", IDLE_PORT)) for _ in range(idle)]
@@ -65,7 +65,7 @@ def one_run(mode: str, requests: int, idle: int) -> dict[str, Any]:
 
             # The status socket in-process, not `qosagent status`: a Python start takes tens of seconds emulated.
             def status() -> dict[str, Any]:
-                return request(agent.sock, {"cmd": "status"}, timeout=60)
+                return request(agent.socket, {"cmd": "status"}, timeout=60)
 
             def acme() -> dict[str, Any]:
                 return next((t for t in status()["latency"]["tenants"] if t["tenant"] == "acme"), {})

@@ -1,0 +1,163 @@
+"""The kernel's bpf() commands that bcc does not wrap, called through libbpf's exported functions.
+
+libbpf is the library bcc itself links (Debian's libbpfcc depends on libbpf1; an upstream bcc build carries it
+inside libbcc). Going through it rather than syscall(2) leaves the syscall number and the command numbers to the
+library built for this machine, so the same code runs on x86-64 and arm64. Maps are reached through
+`qosagent.ebpf.maps`, built on the functions here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# enum bpf_attach_type (UAPI)
+ATTACH_CGROUP_INET_INGRESS = 0
+ATTACH_CGROUP_INET_EGRESS = 1
+ATTACH_CGROUP_SOCK_OPS = 3
+
+# Where libbpf's API may be found: the shared library, else bcc's own when it was built with libbpf inside.
+_LIBRARIES = ("libbpf.so.1", "libbpf.so.0", "libbpf.so", "libbcc.so.0")
+_NEEDED = ("bpf_obj_get", "bpf_map_lookup_batch", "bpf_prog_test_run_opts", "bpf_link_create")
+
+
+class LibbpfMissing(OSError):
+    pass
+
+
+_c_int, _c_void_p, _c_char_p = ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
+_u32, _u64 = ctypes.c_uint32, ctypes.c_uint64
+_SIGNATURES: dict[str, tuple[Any, ...]] = {
+    "bpf_map_lookup_elem": (_c_int, _c_void_p, _c_void_p),
+    "bpf_map_update_elem": (_c_int, _c_void_p, _c_void_p, _u64),
+    "bpf_map_delete_elem": (_c_int, _c_void_p),
+    "bpf_map_get_next_key": (_c_int, _c_void_p, _c_void_p),
+    "bpf_map_lookup_batch": (_c_int, _c_void_p, _c_void_p, _c_void_p, _c_void_p, ctypes.POINTER(_u32), _c_void_p),
+    "bpf_obj_get": (_c_char_p,),
+    "bpf_obj_pin": (_c_int, _c_char_p),
+    "bpf_obj_get_info_by_fd": (_c_int, _c_void_p, ctypes.POINTER(_u32)),
+    "bpf_link_create": (_c_int, _c_int, _u32, _c_void_p),
+    "bpf_prog_test_run_opts": (_c_int, _c_void_p),
+    "libbpf_num_possible_cpus": (),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def lib() -> Any:
+    """The first library that exports libbpf's API, with the argument types set; LibbpfMissing names what to
+    install when none does."""
+    tried = []
+    for name in _LIBRARIES:
+        try:
+            so = ctypes.CDLL(name, use_errno=True)
+        except OSError as e:
+            tried.append(f"{name}: {e}")
+            continue
+        if all(hasattr(so, f) for f in _NEEDED):
+            for fn, args in _SIGNATURES.items():
+                f = getattr(so, fn)
+                f.argtypes, f.restype = list(args), ctypes.c_int
+            return so
+        tried.append(f"{name}: no libbpf API in it")
+    raise LibbpfMissing(f"libbpf (1.x) not found, needed to reach BPF maps: install libbpf1 ({'; '.join(tried)})")
+
+
+def call(fn: str, *args: Any) -> int:
+    """libbpf's fn; its negative return as OSError with the errno (libbpf 1.x returns -errno and sets errno;
+    0.x returns -1 and sets errno)."""
+    ret = getattr(lib(), fn)(*args)
+    if ret < 0:
+        err = ctypes.get_errno() or -ret
+        raise OSError(err, f"{fn}: {os.strerror(err)}")
+    return int(ret)
+
+
+def obj_get(path: str) -> int:
+    """An fd for the object pinned at path (caller closes it)."""
+    return call("bpf_obj_get", path.encode())
+
+
+def obj_pin(fd: int, path: str) -> None:
+    call("bpf_obj_pin", fd, path.encode())
+
+
+def possible_cpus() -> int:
+    """The kernel's possible CPUs: a per-CPU map's value holds one copy for each."""
+    return call("libbpf_num_possible_cpus")
+
+
+class _MapInfo(ctypes.Structure):  # the head of UAPI struct bpf_map_info; the kernel fills what info_len holds
+    _fields_ = [("type", ctypes.c_uint32), ("id", ctypes.c_uint32), ("key_size", ctypes.c_uint32),
+                ("value_size", ctypes.c_uint32), ("max_entries", ctypes.c_uint32), ("map_flags", ctypes.c_uint32),
+                ("name", ctypes.c_char * 16)]
+
+
+class _ProgInfo(ctypes.Structure):  # the head of UAPI struct bpf_prog_info
+    _fields_ = [("type", ctypes.c_uint32), ("id", ctypes.c_uint32), ("tag", ctypes.c_uint8 * 8),
+                ("jited_prog_len", ctypes.c_uint32), ("xlated_prog_len", ctypes.c_uint32),
+                ("jited_prog_insns", ctypes.c_uint64), ("xlated_prog_insns", ctypes.c_uint64),
+                ("load_time", ctypes.c_uint64), ("created_by_uid", ctypes.c_uint32), ("nr_map_ids", ctypes.c_uint32),
+                ("map_ids", ctypes.c_uint64), ("name", ctypes.c_char * 16)]
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    type: int
+    id: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    name: str
+
+
+def _info(fd: int, info: ctypes.Structure) -> None:
+    n = ctypes.c_uint32(ctypes.sizeof(info))
+    call("bpf_obj_get_info_by_fd", fd, ctypes.byref(info), ctypes.byref(n))
+
+
+def map_info(fd: int) -> MapInfo:
+    i = _MapInfo()
+    _info(fd, i)
+    return MapInfo(i.type, i.id, i.key_size, i.value_size, i.max_entries, i.map_flags, i.name.decode(errors="replace"))
+
+
+def pinned_map_info(path: str) -> MapInfo:
+    fd = obj_get(path)
+    try:
+        return map_info(fd)
+    finally:
+        os.close(fd)
+
+
+def prog_id(fd: int) -> int:
+    i = _ProgInfo()
+    _info(fd, i)
+    return int(i.id)
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """A BPF link fd (caller owns it): the attachment lasts exactly as long as the last fd on the link.
+
+    Unlike BPF_PROG_ATTACH, nothing outlives a killed agent, so a crash cannot leave programs on the host.
+    """
+    return call("bpf_link_create", prog_fd, target_fd, attach_type, None)
+
+
+class TestRunOpts(ctypes.Structure):
+    """libbpf's struct bpf_test_run_opts (its `sz` lets the library accept a struct of an older or newer libbpf)."""
+
+    __test__ = False  # not a pytest class
+    _fields_ = [("sz", ctypes.c_size_t), ("data_in", ctypes.c_void_p), ("data_out", ctypes.c_void_p),
+                ("data_size_in", ctypes.c_uint32), ("data_size_out", ctypes.c_uint32), ("ctx_in", ctypes.c_void_p),
+                ("ctx_out", ctypes.c_void_p), ("ctx_size_in", ctypes.c_uint32), ("ctx_size_out", ctypes.c_uint32),
+                ("retval", ctypes.c_uint32), ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32), ("batch_size", ctypes.c_uint32)]
+
+
+def prog_test_run(prog_fd: int, opts: TestRunOpts) -> None:
+    opts.sz = ctypes.sizeof(opts)
+    call("bpf_prog_test_run_opts", prog_fd, ctypes.byref(opts))

@@ -1,0 +1,219 @@
+"""The one way the agent reads and writes BPF maps: by fd (a program bcc loaded) or by pinned path, one entry at a
+time or many per syscall (BPF_MAP_LOOKUP_BATCH), all through libbpf (`qosagent.ebpf.libbpf`).
+
+A `Map` carries the ctypes types of its key and value: for a program bcc compiled, the types bcc generated from the
+C (`Map.of`); for a pin read without compiling, the mirrors in `qosagent/quota/layout.py` and
+`qosagent/ebpf/tenant_ports.py` (checked against the headers by tests/unit/test_bpf_layouts.py). `sync()` is the
+one way a map is made to hold what the config says.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import os
+from typing import Any, Iterable, Iterator
+
+from qosagent.ebpf.libbpf import call, lib, obj_get, possible_cpus
+
+BPF_ANY = 0
+
+
+def percpu(value: Any) -> Any:
+    """The value type of a per-CPU map of `value`: one copy per possible CPU, each rounded up to 8 bytes."""
+    size = ct.sizeof(value)
+    if size % 8:
+        value = ct.c_uint8 * (size + 8 - size % 8)
+    return value * possible_cpus()
+
+
+def _as(typ: Any, v: Any) -> Any:
+    if isinstance(v, typ):
+        return v
+    if isinstance(v, (bytes, bytearray)):
+        return typ.from_buffer_copy(v)
+    return typ(v)
+
+
+class Map:
+    """One BPF map: `key` and `value` are its ctypes types (for a per-CPU map, `value` is `percpu(leaf)`).
+
+    Keys and values are passed as instances of those types, as bytes of their size, or as anything the type's
+    constructor takes (an int for a scalar key)."""
+
+    def __init__(self, fd: int, key: Any, value: Any, name: str = "", *, owned: bool = False):
+        self.fd, self.key, self.value, self.name = fd, key, value, name
+        self._owned = owned
+
+    @classmethod
+    def of(cls, bpf: Any, name: str) -> "Map":
+        """A map of a program bcc loaded, typed as bcc generated it from the C (bcc keeps the fd)."""
+        t = bpf[name.encode()]
+        return cls(t.map_fd, t.Key, t.Leaf, name)
+
+    @classmethod
+    def pinned(cls, path: str, key: Any, value: Any) -> "Map":
+        """The map pinned at path; close it (or use it as a context manager)."""
+        return cls(obj_get(path), key, value, os.path.basename(path), owned=True)
+
+    def close(self) -> None:
+        if self._owned and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "Map":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def lookup(self, key: Any) -> Any:
+        """The value at key, or None when there is none."""
+        k, v = _as(self.key, key), self.value()
+        try:
+            call("bpf_map_lookup_elem", self.fd, ct.byref(k), ct.byref(v))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise
+        return v
+
+    def update(self, key: Any, value: Any, flags: int = BPF_ANY) -> None:
+        k, v = _as(self.key, key), _as(self.value, value)
+        call("bpf_map_update_elem", self.fd, ct.byref(k), ct.byref(v), flags)
+
+    def delete(self, key: Any) -> bool:
+        """False when there was no such key."""
+        k = _as(self.key, key)
+        try:
+            call("bpf_map_delete_elem", self.fd, ct.byref(k))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def zero(self, key: Any) -> None:
+        """An array entry back to zeroes (arrays have no delete)."""
+        self.update(key, self.value())
+
+    def keys(self) -> list[Any]:
+        """Every key, listed before any is returned, so that the caller may delete while going through them."""
+        out: list[Any] = []
+        prev = None
+        while True:
+            nxt = self.key()
+            try:
+                call("bpf_map_get_next_key", self.fd, None if prev is None else ct.byref(prev), ct.byref(nxt))
+            except OSError as e:
+                if e.errno == errno.ENOENT:  # the end
+                    return out
+                raise
+            out.append(nxt)
+            prev = nxt
+
+    def items(self) -> list[tuple[Any, Any]]:
+        """(key, value) of every entry, one lookup each (entries deleted meanwhile left out); for maps too small to
+        be worth a batch, or of a kind that has none."""
+        out = []
+        for k in self.keys():
+            v = self.lookup(k)
+            if v is not None:
+                out.append((k, v))
+        return out
+
+    def clear(self) -> None:
+        """Every entry of a hash-like map deleted."""
+        for k in self.keys():
+            self.delete(k)
+
+
+def sync(m: Map, want: Iterable[tuple[Any, Any]]) -> bool:
+    """Make a hash-like map (hash, LRU, LPM trie) hold exactly `want`, in place: entries not wanted deleted, new or
+    changed ones written, equal ones left alone. True when anything changed. Keys compare by their bytes."""
+    wanted = {}
+    for k, v in want:
+        key = _as(m.key, k)
+        wanted[bytes(key)] = (key, _as(m.value, v))
+    changed = False
+    for k in m.keys():
+        if bytes(k) not in wanted:
+            changed |= m.delete(k)
+    for key, value in wanted.values():
+        cur = m.lookup(key)
+        if cur is None or bytes(cur) != bytes(value):
+            m.update(key, value)
+            changed = True
+    return changed
+
+
+def _lookup_batch(fd: int, in_batch: Any, out_batch: Any, keys: Any, values: Any, count: Any) -> int:
+    """One BPF_MAP_LOOKUP_BATCH: 0, or the errno (ENOENT: the map's end reached; entries may still have come).
+    Called every tick: the library's function directly, no exception for the expected ENOENT."""
+    ret = lib().bpf_map_lookup_batch(fd, in_batch, out_batch, keys, values, count, None)
+    return 0 if ret >= 0 else (ct.get_errno() or -ret)
+
+
+class BatchReader:
+    """Reads every entry of a hash map or array, many per syscall, as raw bytes. `key_size` and `value_size` are
+    the kernel's sizes per entry: for per-CPU maps, the leaf rounded up to 8 bytes times the possible CPUs. The
+    buffers are reused, and values handed out as bytes, so that callers unpack them at once instead of building a
+    ctypes object per entry."""
+
+    def __init__(self, map_fd: int, key_size: int, value_size: int, chunk: int = 256):
+        self.fd, self.key_size, self.value_size = map_fd, key_size, value_size
+        self._alloc(chunk)
+
+    def _alloc(self, chunk: int) -> None:
+        self.chunk = chunk
+        self._keys = ct.create_string_buffer(self.key_size * chunk)
+        self._values = ct.create_string_buffer(self.value_size * chunk)
+
+    def chunks(self) -> Iterator[tuple[bytes, bytes, int]]:
+        """(keys, values, n) per syscall: n keys of key_size bytes back to back, and their values likewise."""
+        token_in = ct.create_string_buffer(max(self.key_size, 8))
+        token_out = ct.create_string_buffer(max(self.key_size, 8))
+        first = True
+        while True:
+            count = ct.c_uint32(self.chunk)
+            err = _lookup_batch(self.fd, None if first else token_in, token_out, self._keys, self._values,
+                                ct.byref(count))
+            if err == errno.ENOSPC and count.value == 0:
+                # One hash bucket holds more entries than the chunk: retry it with room for them.
+                self._alloc(self.chunk * 4)
+                continue
+            n = count.value
+            if n:
+                yield self._keys.raw[:n * self.key_size], self._values.raw[:n * self.value_size], n
+            if err:
+                if err == errno.ENOENT:
+                    return
+                raise OSError(err, f"BPF_MAP_LOOKUP_BATCH: {os.strerror(err)}")
+            ct.memmove(token_in, token_out, len(token_out))
+            first = False
+
+
+class ArrayRange:
+    """Entries first..first+count-1 of a BPF array in one call. value_size is the kernel's size per entry: for a
+    per-CPU array the leaf rounded up to 8 bytes times the possible CPUs. The buffers are made once and reused."""
+
+    def __init__(self, map_fd: int, first: int, count: int, value_size: int):
+        self.fd, self.first, self.count, self.value_size = map_fd, first, count, value_size
+        self._prev = ct.c_uint32(first - 1)  # a batch starts after its in_batch key
+        self._out = ct.c_uint32(0)
+        self._keys = ct.create_string_buffer(4 * max(count, 1))
+        self._values = ct.create_string_buffer(value_size * max(count, 1))
+
+    def read(self) -> list[bytes]:
+        """The values in index order."""
+        if not self.count:
+            return []
+        n = ct.c_uint32(self.count)
+        err = _lookup_batch(self.fd, ct.byref(self._prev) if self.first else None, ct.byref(self._out),
+                            self._keys, self._values, ct.byref(n))
+        if err and err != errno.ENOENT:  # ENOENT: the range reaches the array's last entry
+            raise OSError(err, f"BPF_MAP_LOOKUP_BATCH: {os.strerror(err)}")
+        if n.value != self.count:
+            raise OSError(errno.EIO, f"BPF_MAP_LOOKUP_BATCH read {n.value} of {self.count} entries")
+        raw, size = self._values.raw, self.value_size
+        return [raw[i * size:(i + 1) * size] for i in range(self.count)]

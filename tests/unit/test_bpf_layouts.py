@@ -1,0 +1,132 @@
+"""Every constant and struct layout Python mirrors from the BPF C (bpf/include/*.h, bpf/*.c), checked against the C
+as written: a header changed alone fails here, before any kernel sees the mismatch as wrong numbers."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from qosagent import hist, tenants
+from qosagent.ebpf import tenant_ports
+from qosagent.latency import bpfmaps as bm
+from qosagent.latency.capability import _CgroupEvent
+from qosagent.quota import layout, rules
+from tests.bpf_headers import Headers, Struct
+
+
+@pytest.fixture(scope="module")
+def c() -> Headers:
+    return Headers()
+
+
+MIRRORS = [
+    (tenant_ports.PortTenant, "qos_port_tenant"),
+    (tenant_ports.CidrKey, "qos_cidr_key"),
+    (tenant_ports.TenantVal, "qos_tenant_val"),
+    (layout.BucketLimit, "qos_bucket_limit"),
+    (layout.QuotaLimit, "qos_quota_limit"),
+    (layout.QuotaBucket, "qos_quota_bucket"),
+    (layout.QuotaCount, "qos_quota_count"),
+    (layout.QuotaConf, "qos_quota_conf"),
+    (layout.AttachKey, "qos_attach_key"),
+    (layout.AttachVal, "qos_attach_val"),
+    (layout.FlowKey, "qos_flow_key"),
+    (layout.FlowVal, "qos_flow_val"),
+    (_CgroupEvent, "lat_cgroup_event"),
+]
+
+
+def ctypes_layout(t: type) -> list[tuple[str, int, int]]:
+    return [(name, getattr(t, name).offset, getattr(t, name).size) for name, *_ in t._fields_]
+
+
+def c_layout(s: Struct) -> list[tuple[str, int, int]]:
+    return [(f.name, f.offset, f.size) for f in s.fields]
+
+
+@pytest.mark.parametrize(("mirror", "struct"), MIRRORS, ids=[s for _, s in MIRRORS])
+def test_ctypes_mirror_has_the_layout_of_the_c_struct(c: Headers, mirror: type, struct: str) -> None:
+    s = c.struct(struct)
+    assert ctypes_layout(mirror) == c_layout(s), f"{mirror.__name__} differs from struct {struct}"
+    assert ctypes.sizeof(mirror) == s.size
+
+
+def test_latency_rows_and_counters(c: Headers) -> None:
+    assert bm.ROW_SIZE == c.struct("lat_row").size
+    assert c_layout(c.struct("lat_row")) == [("sum_ns", 0, 8), ("count", 8, 8 * hist.NBUCKETS)]
+    assert c.struct("lat_counts").size == 8 * bm.NCOUNTERS
+
+
+def constants() -> list[tuple[str, int]]:
+    """(C #define, the value Python holds for it)."""
+    out = [
+        ("QOS_UNMATCHED", tenants.UNMATCHED_ID),
+        ("QOS_CIDR_PORT_BITS", tenants.CIDR_PORT_BITS),
+        ("QOS_PORTS", tenant_ports.PORTS),
+        ("QOS_HIST_SUB_BITS", hist.SUB_BITS),
+        ("QOS_HIST_SUB", hist.SUB),
+        ("QOS_HIST_MAX_LOG2", hist.MAX_LOG2),
+        ("QOS_HIST_NBUCKETS", hist.NBUCKETS),
+        ("QOS_QUOTA_LAYOUT", layout.LAYOUT),
+        ("QOS_SLOTS", layout.SLOTS),
+        ("QOS_LIMIT_REQ", layout.QOS_LIMIT_REQ),
+        ("QOS_LIMIT_CONN", layout.QOS_LIMIT_CONN),
+        ("QOS_LIMIT_OVERRIDE", layout.QOS_LIMIT_OVERRIDE),
+        ("QOS_CONF_HEADER_RULES", layout.QOS_CONF_HEADER_RULES),
+        ("QOS_STAT_MAX", len(layout.STAT_REASONS)),
+        ("QOS_MAX_NS", rules.MAX_NS),
+        ("LAT_KINDS", bm.KINDS),
+        ("LAT_NCOUNTERS", bm.NCOUNTERS),
+    ]
+    out += [(f"QOS_STAT_{reason.upper()}", i) for i, reason in enumerate(layout.STAT_REASONS)]
+    out += [(f"QOS_VIA_{via.upper()}", i) for i, via in layout.VIA.items()]
+    out += [(f"LAT_{name}", getattr(bm, name)) for name in dir(bm) if name.startswith(("KIND_", "C_"))
+            and name != "KIND_RUNQ"]  # KIND_RUNQ is no kind of the kernel's: the run-queue row's key in Raw
+    return out
+
+
+@pytest.mark.parametrize(("define", "value"), constants(), ids=[d for d, _ in constants()])
+def test_constant_matches_its_define(c: Headers, define: str, value: int) -> None:
+    assert c.define(define) == value
+
+
+def test_no_ttft_reasons_name_every_counter_of_the_kind(c: Headers) -> None:
+    kernel = {n for n in c.defines if n.startswith("LAT_C_NOTTFT_")}
+    assert {f"LAT_C_NOTTFT_{'LONG' if r == 'header_too_long' else r.upper()}" for r in bm.NO_TTFT_REASONS} == kernel
+    assert {v for v in bm.NO_TTFT_REASONS.values()} == {c.define(n) for n in kernel}
+
+
+def test_every_latency_counter_is_mirrored(c: Headers) -> None:
+    """A counter added to the kernel without a Python name would be summed and never reported."""
+    assert {n for n in c.defines if n.startswith("LAT_C_")} == {f"LAT_{n}" for n in dir(bm) if n.startswith("C_")}
+    assert {n for n in c.defines if n.startswith("LAT_KIND_")} == {
+        f"LAT_{n}" for n in dir(bm) if n.startswith("KIND_") and n != "KIND_RUNQ"}
+
+
+_KINDS = {"hash": layout.HASH, "array": layout.ARRAY, "prog": layout.PROG_ARRAY, "percpu_array": layout.PERCPU_ARRAY,
+          "lru_hash": layout.LRU_HASH, "lpm_trie": layout.LPM_TRIE}
+
+
+def test_pinned_quota_maps_are_specified_as_declared(c: Headers) -> None:
+    """What an adopted pin is checked against (layout.map_specs) is what bpf/quota.c declares."""
+    flows = 12345
+    declared = c.maps("quota")
+    specs = layout.map_specs(flows)
+    for name, (spec, entries) in specs.items():
+        d = declared[name]
+        want_entries = flows if d.max_entries == "QOS_FLOWS" else c.eval(d.max_entries)
+        assert (spec.type, spec.key_size, spec.value_size, entries) == (
+            _KINDS[d.kind], c.sizeof(d.key), c.sizeof(d.value), want_entries), name
+    pinned = {n for n, d in declared.items() if n not in ("quota_flow_l1", "quota_scan")}
+    assert set(specs) == pinned  # the per-CPU scratch maps are the program's own, never pinned
+
+
+def test_the_parser_sees_a_changed_header(tmp_path) -> None:
+    """The checks above can fail: the same parser on a copy of qos_quota.h with a field added reads another layout."""
+    from tests.bpf_headers import BPF
+
+    text = (BPF / "include" / "qos_quota.h").read_text()
+    changed = tmp_path / "qos_quota.h"
+    changed.write_text(text.replace("    __u32 rules_gen;", "    __u32 rules_gen;\n    __u64 added;"))
+    assert Headers([changed]).struct("qos_quota_conf").size != ctypes.sizeof(layout.QuotaConf)
