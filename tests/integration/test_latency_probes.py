@@ -161,16 +161,17 @@ def test_a_request_sent_during_a_response_is_counted_overlapped_not_timed(tracep
 
 @pytest.mark.privileged
 def test_reload_rewrites_the_tenant_maps_in_place(latency: Latency, servers: None) -> None:
+    from qosagent.ebpf.maps import Map
     from qosagent.ebpf.tenant_ports import read_claims
 
-    fd_before = latency.bpf[b"tenant_cidrs"].map_fd
-    ports = latency.bpf[b"tenant_ports"].map_fd
+    fd_before = Map.of(latency.bpf, "tenant_cidrs").fd
+    ports = Map.of(latency.bpf, "tenant_ports").fd
     assert read_claims(ports) == {18014: (tenant_id("solo"), 0)}
     new = config("127.0.0.4/32", solo_port=18015, mode=latency.mode)
     latency.prepare(new).commit()
     latency.ctx.config = new
-    assert latency.bpf[b"tenant_cidrs"].map_fd == fd_before
-    assert len(list(latency.bpf[b"tenant_cidrs"].keys())) == 2  # lab's new address and edge's, nothing stale
+    assert Map.of(latency.bpf, "tenant_cidrs").fd == fd_before
+    assert len(Map.of(latency.bpf, "tenant_cidrs").keys()) == 2  # lab's new address and edge's, nothing stale
     assert read_claims(ports) == {18015: (tenant_id("solo"), 0)}  # solo's old port zeroed
     get(18011, "127.0.0.2", 2)  # lab's old address: unmatched now
     get(18011, "127.0.0.4", 1)

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from qosagent.config import parse
+from qosagent.ebpf.maps import Map
 from qosagent.quota import datapath as dp
 from qosagent.quota.capability import _baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC, FlowKey, QuotaConf
@@ -55,13 +56,13 @@ def prog(bpf, one_cpu):
 
 
 def rules_gen(d) -> int:
-    return QuotaConf.from_buffer_copy(bytes(d.bpf[b"quota_config"][0])).rules_gen
+    return QuotaConf.from_buffer_copy(bytes(d.maps["quota_config"].lookup(0))).rules_gen
 
 
 def front(d, cpu: int) -> dict[tuple[int, int], tuple[int, int]]:
     """(client port, local port) -> (tenant, gen) of the live entries in one CPU's front."""
     out = {}
-    for v in d.bpf[b"quota_flow_l1"].values():
+    for _k, v in Map.of(d.bpf, "quota_flow_l1").items():
         e = v[cpu]
         if e.tenant:
             k = FlowKey.from_buffer_copy(bytes(e.flow_w))

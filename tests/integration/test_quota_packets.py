@@ -169,17 +169,17 @@ def test_override_holds_while_the_heartbeat_is_fresh_then_baseline(prog):
     frame = ipv4(C4, S4, tcp(40010, 8000, payload=request()))
     assert run(prog, frame) == TC_ACT_SHOT
     # The agent stops ticking: once the heartbeat is older than the timeout, the baseline applies again.
-    t = prog.bpf[b"quota_config"]
-    conf = QuotaConf.from_buffer_copy(bytes(t[0]))
+    t = prog.maps["quota_config"]
+    conf = QuotaConf.from_buffer_copy(bytes(t.lookup(0)))
     conf.heartbeat_ns -= int(prog.cfg.quota.heartbeat_timeout * 1e9) + 1
-    t[0] = t.Leaf.from_buffer_copy(bytes(conf))
+    t.update(0, bytes(conf))
     assert run(prog, frame) == TC_ACT_UNSPEC
     assert prog.read().stats["override_expired"] == 1
     assert counts(prog, "cidrco")[:2] == (1, 1)
 
 
 def claims(d) -> dict[int, tuple[int, int]]:
-    return read_claims(d.bpf[b"tenant_ports"].map_fd)
+    return read_claims(d.maps["tenant_ports"].fd)
 
 
 def test_a_reload_moves_a_port_claim_and_zeroes_the_old_port(prog):
