@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from qosagent.admission.policy import GpuInput, TenantInput, TickInput, TierInput
+from qosagent.admission.policy import GpuInput, ServerInput, TenantInput, TickInput, TierInput
 from qosagent.config import Config, QuotaSpec
 from qosagent.gpu.backend import GpuState
 from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
 from qosagent.quota.model import QuotaPart
 from qosagent.quota.rules import baseline as quota_baseline
+from qosagent.servers.model import ServersPart
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit
 
@@ -28,14 +29,38 @@ def _floor_burst(floor: QuotaSpec | None) -> int:
     return floor.burst if floor.burst is not None else max(int(floor.rps), 1)
 
 
-def gpu_input(gpu: GpuState | None, serving: list[int]) -> GpuInput:
-    """The highest memory ratio over the serving GPUs that answered; unknown when none did."""
+def _preallocated(servers: ServersPart | None, gpu: GpuState, index: int) -> str:
+    """Why GPU index's memory is not load, or "": a pre-allocating server (vLLM, SGLang, TGI, TensorRT-LLM) takes
+    most of its GPUs' memory at start, so memory used there sits near its configured fraction whatever the load;
+    the server's own KV-cache usage is the reading that moves with load (docs/admission.md, "GPU memory")."""
+    if servers is None or not servers.preallocating_pids:
+        return ""
+    sample = gpu.by_index(index)
+    if sample is None:
+        return ""
+    if any(e[0] == "processes" for e in sample.errors):
+        # Pre-allocating servers run here, but which GPUs they hold cannot be told: memory is no evidence anywhere.
+        return "held by a pre-allocating server? (process list unreadable)"
+    pids = {p.pid for p in sample.processes} & servers.preallocating_pids
+    if pids:
+        ports = sorted(s.port for s in servers.servers if s.pids & pids)
+        return "held by pre-allocating server " + (", ".join(map(str, ports)) if ports else f"pid {min(pids)}")
+    return ""
+
+
+def gpu_input(gpu: GpuState | None, serving: list[int], servers: ServersPart | None = None) -> GpuInput:
+    """The highest memory ratio over the serving GPUs that answered and that no pre-allocating server holds;
+    unknown when none is left."""
     if gpu is None or not gpu.available:
         return GpuInput.unknown(gpu.reason if gpu is not None else "no GPU data")
     wanted = serving or [g.index for g in gpu.gpus]
     best: tuple[float, int] | None = None
     missing = []
     for index in wanted:
+        held = _preallocated(servers, gpu, index)
+        if held:
+            missing.append(f"GPU {index} {held}")
+            continue
         sample = gpu.by_index(index)
         ratio = sample.memory_used_ratio if sample is not None and not sample.lost else None
         if ratio is None:
@@ -80,6 +105,8 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
             admitted_rps=admitted,
             dropped_rps=tq.dropped_rps if tq is not None else None,
             in_flight=tl.in_flight if tl is not None else None,
+            sheddable=cfg.tiers[t.tier].sheddable,
+            ports=frozenset(t.match.ports),
         )
     tiers = {}
     for name in sorted({t.tier for t in cfg.tenants}):
@@ -87,11 +114,14 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
         observed = Histogram(windows[name]).quantile(policy.quantile) if name in windows else None
         tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed)
     rq = lat.runqueue_window if lat is not None else None
+    servers: ServersPart | None = snap.part("servers")
     return TickInput(
         now=snap.monotonic,
         tiers=tiers,
         tenants=tenants,
-        gpu=gpu_input(snap.part("gpu"), policy.gpu_pressure.gpus),
+        gpu=gpu_input(snap.part("gpu"), policy.gpu_pressure.gpus, servers),
+        servers=tuple(ServerInput(s.port, s.kind, s.known, s.kv_cache_usage, s.requests_waiting, s.reason)
+                      for s in (servers.servers if servers is not None else ())),
         runqueue_p99=rq.quantile(0.99) if rq is not None else None,
         window_s=lat.window_s if lat is not None else cfg.latency.window,
     )
