@@ -33,18 +33,23 @@ def _preallocated(servers: ServersPart | None, gpu: GpuState, index: int) -> str
     """Why GPU index's memory is not load, or "": a pre-allocating server (vLLM, SGLang, TGI, TensorRT-LLM) takes
     most of its GPUs' memory at start, so memory used there sits near its configured fraction whatever the load;
     the server's own KV-cache usage is the reading that moves with load (docs/admission.md, "GPU memory")."""
-    if servers is None or not servers.preallocating_pids:
-        return ""
     sample = gpu.by_index(index)
-    if sample is None:
-        return ""
+    if servers is None or not servers.processes_known or sample is None:
+        return ""  # no process table to tell by (servers off, or no /proc): memory is load, as before servers
     if any(e[0] == "processes" for e in sample.errors):
+        if not servers.preallocating_pids:
+            return ""
         # Pre-allocating servers run here, but which GPUs they hold cannot be told: memory is no evidence anywhere.
         return "held by a pre-allocating server? (process list unreadable)"
-    pids = {p.pid for p in sample.processes} & servers.preallocating_pids
+    on = {p.pid for p in sample.processes}
+    pids = on & servers.preallocating_pids
     if pids:
         ports = sorted(s.port for s in servers.servers if s.pids & pids)
         return "held by pre-allocating server " + (", ".join(map(str, ports)) if ports else f"pid {min(pids)}")
+    new = on - servers.known_pids
+    if new:
+        # Started since the last walk of /proc (a server loading its model takes its memory in those seconds).
+        return f"process {min(new)} on it not identified yet"
     return ""
 
 

@@ -38,6 +38,8 @@ class ServersPart:
     # one of them holds is the server's reservation, not load.
     preallocating_pids: frozenset[int] = frozenset()
     processes_known: bool = False  # /proc was read; without it no GPU can be attributed to a server
+    # Every pid /proc showed at the last walk: a GPU process not among them started since, and is not identified yet.
+    known_pids: frozenset[int] = frozenset()
 
 
 def gpu_holders(part: ServersPart | None, gpu: GpuState | None) -> dict[int, list[int]]:

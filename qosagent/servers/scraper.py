@@ -57,14 +57,16 @@ def fetch(url: str, timeout: float) -> str:
     try:
         conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""),
                      headers={"Accept": "text/plain;version=0.0.4"})
-        assert conn.sock is not None
-        conn.sock.settimeout(left())
+        # Kept here: http.client drops conn.sock once a Connection: close response is under way.
+        sock = conn.sock
+        assert sock is not None
+        sock.settimeout(left())
         resp = conn.getresponse()
         if resp.status != 200:
             raise FetchError(HTTP_ERROR, f"HTTP {resp.status} {resp.reason}".strip())
         body = bytearray()
         while True:
-            conn.sock.settimeout(left())
+            sock.settimeout(left())
             chunk = resp.read1(65536)
             if not chunk:
                 break
@@ -127,6 +129,7 @@ class Scraper:
         for s in servers or []:
             self.targets[s.port] = self._target(s, True, s.kind)
         self.prealloc: frozenset[int] = frozenset()
+        self.known_pids: frozenset[int] = frozenset()
         self.processes_known = False
         self.discovery_errors = 0
         self._next_discovery = 0.0
@@ -141,6 +144,9 @@ class Scraper:
 
     # ---- the thread ---------------------------------------------------------------------------------------
     def start(self) -> None:
+        # The first walk of /proc before the first tick: until it, no GPU could be told pre-allocated or not.
+        self.rediscover()
+        self._next_discovery = self.clock() + self.discover_every
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="servers-read")
         self._thread = threading.Thread(target=self._run, name="servers", daemon=True)
         self._thread.start()
@@ -221,6 +227,7 @@ class Scraper:
         seen_pids: set[int] = set()
         with self.lock:
             self.processes_known = bool(procs)
+            self.known_pids = frozenset(procs)
             self.prealloc = discovery.preallocating_pids(procs)
             for port in sorted(ports):
                 pid = owners.get(port)
@@ -252,7 +259,7 @@ class Scraper:
         with self.lock:
             for port in sorted(self.targets):
                 out.append(self._reading(self.targets[port], now))
-            return ServersPart(tuple(out), self.prealloc, self.processes_known)
+            return ServersPart(tuple(out), self.prealloc, self.processes_known, self.known_pids)
 
     def _reading(self, t: Target, now: float) -> ServerReading:
         age = now - t.good_at if t.good_at is not None else None

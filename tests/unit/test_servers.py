@@ -193,7 +193,7 @@ def test_gpu_memory_is_read_only_on_gpus_no_pre_allocating_server_holds() -> Non
         GpuSample(3, "d", 100 * GIB, 91 * GIB, errors=(("processes", "no_permission"),)),
     ))
     servers = ServersPart((reading(8000, {100, 101}), reading(3000, {200, 202})), frozenset({100, 101, 200, 202}),
-                          True)
+                          True, frozenset({1, 100, 101, 200, 202, 555}))
     assert gpu_input(gpus, [0]).known and gpu_input(gpus, [0]).ratio == pytest.approx(0.92)  # no server part: as before
     held = gpu_input(gpus, [0], servers)
     assert not held.known and held.reason == "GPU 0 held by pre-allocating server 8000"
@@ -201,8 +201,13 @@ def test_gpu_memory_is_read_only_on_gpus_no_pre_allocating_server_holds() -> Non
     assert free.known and free.gpu == 1 and free.ratio == pytest.approx(0.95)
     unreadable = gpu_input(gpus, [3], servers)
     assert not unreadable.known and "process list unreadable" in unreadable.reason
-    # No pre-allocating server on the host: memory is load, as before.
-    assert gpu_input(gpus, [3], ServersPart()).ratio == pytest.approx(0.91)
+    # No pre-allocating server on the host: memory is load, as before; so without /proc to tell by.
+    assert gpu_input(gpus, [3], ServersPart(processes_known=True, known_pids=frozenset({1}))).ratio == \
+        pytest.approx(0.91)
+    assert gpu_input(gpus, [0], ServersPart()).ratio == pytest.approx(0.92)
+    # A process that started after the last walk of /proc (a server loading its model): not identified yet.
+    fresh = gpu_input(gpus, [1], ServersPart(processes_known=True, known_pids=frozenset({1})))
+    assert not fresh.known and fresh.reason == "GPU 1 process 555 on it not identified yet"
     assert gpu_holders(servers, gpus) == {0: [8000], 2: [3000, 8000]}
 
 
