@@ -43,11 +43,13 @@ def _valid(name: str, v: float) -> str:
     return ""
 
 
-def parse(text: str, kind_name: str) -> Parsed:
-    """Raises ExpositionError when the text is not an exposition at all."""
-    head = text.lstrip()[:64].lower()
-    if head.startswith(("<!doctype", "<html", "<?xml", "{", "[")):
-        raise ExpositionError(f"not a metrics exposition (starts {text.lstrip()[:24]!r})")
+def _wanted(kind_name: str) -> tuple[str, ...]:
+    ks = [kinds.kind(kind_name)] if kinds.kind(kind_name) is not kinds.GENERIC else list(kinds.KINDS.values())
+    names = {src.sample for k in ks for sources in k.fields.values() for src in sources}
+    return tuple(sorted(n + sep for n in names | {START_TIME} for sep in ("{", " ")))
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for fam in text_string_to_metric_families(text):
@@ -55,8 +57,26 @@ def parse(text: str, kind_name: str) -> Parsed:
                 samples.setdefault(s.name, []).append((s.labels, s.value))
     except (ValueError, TypeError, IndexError) as e:
         raise ExpositionError(f"not a metrics exposition: {e}") from None
+    return samples
+
+
+def parse(text: str, kind_name: str) -> Parsed:
+    """Raises ExpositionError when the text is not an exposition at all."""
+    head = text.lstrip()[:64].lower()
+    if head.startswith(("<!doctype", "<html", "<?xml", "{", "[")):
+        raise ExpositionError(f"not a metrics exposition (starts {text.lstrip()[:24]!r})")
+    # Only the lines of the samples read go through the parser: a vLLM exposition is mostly histogram buckets, and
+    # parsing all of it every second costs ~40x more (docs/servers.md, "Cost").
+    wanted = _wanted(kind_name)
+    samples = _samples("\n".join(line for line in text.splitlines() if line.startswith(wanted)) + "\n")
     if not samples:
-        raise ExpositionError("empty exposition")
+        # None of the names read: garbage, empty, or an exposition without them (its names then tell the kind).
+        samples = _samples(text)
+        if not samples:
+            raise ExpositionError("empty exposition")
+        found = kinds.from_exposition(set(samples)) if kinds.kind(kind_name) is kinds.GENERIC else None
+        if found:
+            return parse(text, found)
     name = kind_name
     if kinds.kind(name) is kinds.GENERIC:
         name = kinds.from_exposition(set(samples)) or kinds.GENERIC.name
