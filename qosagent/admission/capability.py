@@ -201,6 +201,8 @@ class Admission(Capability):
         cfg = self.ctx.config
         state = out.state if out is not None else self.state
         gpu = "unknown"
+        if out is not None and out.gpu.reason and not out.gpu.known:
+            gpu = f"unknown ({out.gpu.reason})"  # what sheds nothing: no NVML, a lost GPU, a pre-allocated GPU
         if out is not None and out.gpu.known:
             gpu = f"{'pressure' if state.gpu_pressure else 'ok'} (max {out.gpu.ratio or 0:.1%} on GPU {out.gpu.gpu})"
         tenants = []
