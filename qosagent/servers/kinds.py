@@ -6,7 +6,8 @@ Names from each project's metrics reference (checked 2026-12):
 - SGLang, docs.sglang.io/references/production_metrics: `sglang:token_usage` (share of the KV token pool in use),
   `sglang:num_queue_reqs`, `sglang:num_running_reqs`, counter `sglang:num_retracted_requests` (its preemptions).
 - TGI, huggingface.co/docs/text-generation-inference/reference/metrics: `tgi_queue_size`, `tgi_batch_current_size`.
-  TGI exports no KV-cache occupancy: only its queue is read.
+  TGI exports no KV-cache occupancy; the nearest is `tgi_batch_current_max_tokens` (the tokens the running batch
+  has reserved) over `max_batch_total_tokens` from its `/info` (the KV pool it sized at start, in tokens).
 - Triton (TensorRT-LLM backend), github.com/triton-inference-server/tensorrtllm_backend docs/guides/metrics.md:
   `nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}`, `nv_trt_llm_request_metrics` with
   request_type `waiting` / `scheduled`; other backends only `nv_inference_pending_request_count`
@@ -41,6 +42,8 @@ class Kind:
     preallocates: bool
     metrics_port: int | None = None  # where its metrics are when not on the serving port
     prefix: str = ""  # how its metric names start: tells the kind of an unknown server from its exposition
+    # KV usage as tokens over a capacity read from a JSON document of the server's (path, key): TGI's /info.
+    kv_capacity: tuple[str, str] | None = None
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -57,9 +60,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
         PREEMPTIONS: (Source("sglang:num_retracted_requests_total"),),
     }, preallocates=True, prefix="sglang:"),
     Kind("tgi", {
+        KV: (Source("tgi_batch_current_max_tokens"),),  # tokens, over kv_capacity
         WAITING: (Source("tgi_queue_size"),),
         RUNNING: (Source("tgi_batch_current_size"),),
-    }, preallocates=True, prefix="tgi_"),
+    }, preallocates=True, prefix="tgi_", kv_capacity=("/info", "max_batch_total_tokens")),
     Kind("triton", {
         KV: (Source("nv_trt_llm_kv_cache_block_metrics", ("kv_cache_block_type", "fraction")),),
         WAITING: (Source("nv_trt_llm_request_metrics", ("request_type", "waiting")),

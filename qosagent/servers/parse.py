@@ -60,8 +60,9 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return samples
 
 
-def parse(text: str, kind_name: str) -> Parsed:
-    """Raises ExpositionError when the text is not an exposition at all."""
+def parse(text: str, kind_name: str, kv_capacity: float | None = None) -> Parsed:
+    """Raises ExpositionError when the text is not an exposition at all. kv_capacity: the KV pool in tokens, for a
+    kind that reports its usage in tokens (TGI)."""
     head = text.lstrip()[:64].lower()
     if head.startswith(("<!doctype", "<html", "<?xml", "{", "[")):
         raise ExpositionError(f"not a metrics exposition (starts {text.lstrip()[:24]!r})")
@@ -76,7 +77,7 @@ def parse(text: str, kind_name: str) -> Parsed:
             raise ExpositionError("empty exposition")
         found = kinds.from_exposition(set(samples)) if kinds.kind(kind_name) is kinds.GENERIC else None
         if found:
-            return parse(text, found)
+            return parse(text, found, kv_capacity)
     name = kind_name
     if kinds.kind(name) is kinds.GENERIC:
         name = kinds.from_exposition(set(samples)) or kinds.GENERIC.name
@@ -102,6 +103,11 @@ def parse(text: str, kind_name: str) -> Parsed:
         if got is None:
             missing[fld] = f"{sources[0].sample} absent"
             continue
+        if fld == KV and k.kv_capacity is not None:
+            if not kv_capacity or kv_capacity <= 0:
+                missing[fld] = f"{k.kv_capacity[1]} unknown (read from {k.kv_capacity[0]})"
+                continue
+            got = [v / kv_capacity for v in got]
         bad = next((why for v in got if (why := _valid(fld, v))), "")
         if bad:
             missing[fld] = f"{bad} from the server"

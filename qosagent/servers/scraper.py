@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import http.client
+import json
 import logging
 import socket
 import threading
@@ -87,6 +88,17 @@ def fetch(url: str, timeout: float) -> str:
         conn.close()
 
 
+def capacity(metrics_url: str, where: tuple[str, str], timeout: float) -> float | None:
+    """A number from a JSON document next to the metrics (TGI's /info max_batch_total_tokens), or None."""
+    u = urllib.parse.urlsplit(metrics_url)
+    try:
+        doc = json.loads(fetch(urllib.parse.urlunsplit((u.scheme, u.netloc, where[0], "", "")), timeout))
+        value = float(doc[where[1]])
+    except (FetchError, ValueError, KeyError, TypeError):
+        return None
+    return value if value > 0 else None
+
+
 @dataclass
 class Target:
     """One server as the scrape thread knows it; mutated only under Scraper.lock."""
@@ -101,6 +113,7 @@ class Target:
     good_at: float | None = None
     error: str = "not read yet"
     start_time: float | None = None
+    kv_capacity: float | None = None  # TGI: its KV pool in tokens, from /info, read again after a restart
     preemptions: float | None = None
     scrapes: collections.Counter[str] = field(default_factory=collections.Counter)
     restarts: int = 0
@@ -111,7 +124,7 @@ class Target:
         # What was read from the old process says nothing about the new one.
         self.restarts += 1
         self.good, self.good_at = None, None
-        self.start_time = self.preemptions = None
+        self.start_time = self.preemptions = self.kv_capacity = None
         self.error = why
         log.info("server on port %d restarted (%s)", self.cfg.port, why)
 
@@ -183,22 +196,27 @@ class Scraper:
             return
         pool = self._pool
         results = pool.map(self._read, due) if pool is not None else map(self._read, due)
-        for t, (result, text, why) in zip(due, results):
-            self.record(t, result, text, why)
+        for t, (result, text, why, cap) in zip(due, results):
+            self.record(t, result, text, why, cap)
 
     @staticmethod
-    def _read(t: Target) -> tuple[str, str, str]:
+    def _read(t: Target) -> tuple[str, str, str, float | None]:
         try:
-            return OK, fetch(t.url, t.cfg.timeout), ""
+            text = fetch(t.url, t.cfg.timeout)
         except FetchError as e:
-            return e.result, "", str(e)
+            return e.result, "", str(e), None
+        where = kinds.kind(t.kind).kv_capacity
+        cap = capacity(t.url, where, t.cfg.timeout) if where is not None and t.kv_capacity is None else None
+        return OK, text, "", cap
 
     # ---- what a read means ----------------------------------------------------------------------------------
-    def record(self, t: Target, result: str, text: str, why: str) -> None:
+    def record(self, t: Target, result: str, text: str, why: str, kv_capacity: float | None = None) -> None:
         parsed = None
+        if kv_capacity is not None:
+            t.kv_capacity = kv_capacity
         if result == OK:
             try:
-                parsed = parse(text, t.kind)
+                parsed = parse(text, t.kind, t.kv_capacity)
             except ExpositionError as e:
                 result, why = GARBAGE, str(e)
         with self.lock:

@@ -17,6 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+TGI_KV_TOKENS = 16000  # TGI's max_batch_total_tokens, as its /info reports it
+
+
 def exposition(kind: str, s: dict[str, Any]) -> str:
     kv, waiting, running = s.get("kv", 0.0), s.get("waiting", 0), s.get("running", 0)
     pre, start = s.get("preemptions", 0), s.get("start_time", 1.7e9)
@@ -63,7 +66,7 @@ def exposition(kind: str, s: dict[str, Any]) -> str:
                 "# TYPE tgi_batch_current_size gauge\n"
                 f"tgi_batch_current_size {running}\n"
                 "# TYPE tgi_batch_current_max_tokens gauge\n"
-                "tgi_batch_current_max_tokens 5120\n"
+                f"tgi_batch_current_max_tokens {int(TGI_KV_TOKENS * kv)}\n"
                 "# TYPE tgi_request_count counter\n"
                 "tgi_request_count 42\n")
     if kind == "triton":
@@ -94,6 +97,14 @@ def main() -> None:
             with open(control, encoding="utf-8") as f:
                 s = json.load(f)
             mode = s.get("mode", "ok")
+            if self.path == "/info" and kind == "tgi":
+                info = json.dumps({"model_id": "m", "max_batch_total_tokens": TGI_KV_TOKENS}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(info)))
+                self.end_headers()
+                self.wfile.write(info)
+                return
             if mode == "slow":
                 time.sleep(float(s.get("delay", 5)))
             if mode == "http500":

@@ -105,6 +105,7 @@ def test_discovery_finds_each_kind_and_reads_its_fields(tmp_path: Path) -> None:
         sc = Scraper(HostFS("/"), None, [s.port for s in srv])
         sc.rediscover()
         read_now(sc)
+        read_now(sc)  # TGI's /info is read once its kind is known: from the first read's metric names here
         got = {r.port: r for r in sc.part().servers}
         assert set(got) == {s.port for s in srv}
         for s in srv:
@@ -112,8 +113,9 @@ def test_discovery_finds_each_kind_and_reads_its_fields(tmp_path: Path) -> None:
             # vLLM and SGLang by their command line, TGI and Triton (no name here) by their metric names.
             assert (r.kind, r.pid, r.known, r.reason) == (s.kind, s.pid, True, ""), r
             assert r.requests_waiting == 0 and r.requests_running == 4
-            assert r.kv_cache_usage == (None if s.kind == "tgi" else pytest.approx(0.30))
-        assert got[srv[2].port].missing["kv_cache_usage"] == "not exported by tgi"
+            assert r.kv_cache_usage == pytest.approx(0.30)
+        # TGI's reserved tokens over max_batch_total_tokens from its /info, read once it is known to be TGI.
+        assert got[srv[2].port].missing == {"preemptions": "not exported by tgi"}
         # Two servers' processes on one GPU: counted and reported.
         gpu = GpuState(True, gpus=(GpuSample(0, "g", 100, 92, processes=(GpuProcess(srv[0].pid, 1),
                                                                             GpuProcess(srv[1].pid, 1))),))

@@ -16,7 +16,7 @@ from qosagent.servers.config import ServerConfig
 from qosagent.servers.model import ServerReading, ServersPart, gpu_holders
 from qosagent.servers.parse import ExpositionError, parse
 from qosagent.servers.scraper import GARBAGE, OK, Scraper
-from tests.integration.inference_metrics import exposition
+from tests.integration.inference_metrics import TGI_KV_TOKENS, exposition
 
 LOAD = {"kv": 0.42, "waiting": 7, "running": 12, "preemptions": 3}
 
@@ -24,16 +24,22 @@ LOAD = {"kv": 0.42, "waiting": 7, "running": 12, "preemptions": 3}
 @pytest.mark.parametrize(("kind", "want"), [
     ("vllm", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3}),
     ("sglang", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3}),
-    ("tgi", {"requests_waiting": 7, "requests_running": 12}),
+    ("tgi", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12}),
     ("triton", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12}),
 ])
 def test_each_kinds_exposition_gives_its_fields(kind: str, want: dict[str, float]) -> None:
-    p = parse(exposition(kind, LOAD), kind)
+    p = parse(exposition(kind, LOAD), kind, TGI_KV_TOKENS)
     assert p.kind == kind and p.values == pytest.approx(want)
     assert set(p.missing) == set(kinds.FIELDS) - set(want)
     assert all("not exported" in why for why in p.missing.values())
     # A server whose kind is not known is read by its metric names.
     assert parse(exposition(kind, LOAD), "generic").kind == kind
+
+
+def test_tgi_kv_usage_needs_its_capacity_from_info() -> None:
+    p = parse(exposition("tgi", LOAD), "tgi")
+    assert p.missing["kv_cache_usage"] == "max_batch_total_tokens unknown (read from /info)"
+    assert p.values["requests_waiting"] == 7
 
 
 def test_older_vllm_names_and_several_engines() -> None:
