@@ -6,6 +6,8 @@ GPU memory is not read as load on GPUs they hold (docs/servers.md).
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 
 from qosagent.hostfs import HostFS
@@ -14,9 +16,19 @@ from qosagent.servers import kinds
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
-def listening_inodes(fs: HostFS, ports: set[int]) -> dict[int, int]:
-    """Socket inode -> port, for the TCP sockets listening on one of ports (IPv4 and IPv6)."""
-    out: dict[int, int] = {}
+def _address(hexaddr: str) -> str:
+    """/proc/net/tcp's address (host-order 32-bit words in hex) as text; where a wildcard listener answers: loopback."""
+    raw = bytes.fromhex(hexaddr)
+    host = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(socket.inet_ntop(socket.AF_INET if len(host) == 4 else socket.AF_INET6, host))
+    if addr.is_unspecified:
+        return "127.0.0.1"  # a wildcard "::" listener takes IPv4 too unless IPV6_V6ONLY, which servers do not set
+    return str(addr)
+
+
+def listening_inodes(fs: HostFS, ports: set[int]) -> dict[int, tuple[int, str]]:
+    """Socket inode -> (port, address to reach it on), for the TCP sockets listening on one of ports."""
+    out: dict[int, tuple[int, str]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         text = fs.try_read(table) or ""
         for line in text.splitlines()[1:]:
@@ -24,12 +36,12 @@ def listening_inodes(fs: HostFS, ports: set[int]) -> dict[int, int]:
             if len(cols) < 10 or cols[3] != LISTEN:
                 continue
             try:
-                port = int(cols[1].rsplit(":", 1)[1], 16)
-                inode = int(cols[9])
-            except (IndexError, ValueError):
+                addr, port_hex = cols[1].rsplit(":", 1)
+                port, inode = int(port_hex, 16), int(cols[9])
+                if port in ports and inode:
+                    out[inode] = (port, _address(addr))
+            except (IndexError, ValueError, OSError):
                 continue
-            if port in ports and inode:
-                out[inode] = port
     return out
 
 
@@ -60,9 +72,10 @@ def processes(fs: HostFS) -> dict[int, Proc]:
     return out
 
 
-def owners(fs: HostFS, inodes: dict[int, int], procs: dict[int, Proc]) -> dict[int, int]:
-    """Port -> pid of the process holding its listening socket. Stops reading fds once every socket is found."""
-    found: dict[int, int] = {}
+def owners(fs: HostFS, inodes: dict[int, tuple[int, str]], procs: dict[int, Proc]) -> dict[int, tuple[int, str]]:
+    """Port -> (pid of the process holding its listening socket, its address). Stops reading fds once every socket
+    is found."""
+    found: dict[int, tuple[int, str]] = {}
     want = dict(inodes)
     for pid in sorted(procs):
         if not want:
@@ -75,9 +88,9 @@ def owners(fs: HostFS, inodes: dict[int, int], procs: dict[int, Proc]) -> dict[i
                 inode = int(target[8:-1])
             except ValueError:
                 continue
-            port = want.pop(inode, None)
-            if port is not None:
-                found.setdefault(port, pid)
+            where = want.pop(inode, None)
+            if where is not None:
+                found.setdefault(where[0], (pid, where[1]))
     return found
 
 

@@ -103,6 +103,6 @@ def from_exposition(names: set[str]) -> str | None:
     return None
 
 
-def metrics_url(port: int, kind_name: str) -> str:
+def metrics_url(port: int, kind_name: str, host: str = "127.0.0.1") -> str:
     k = kind(kind_name)
-    return f"http://127.0.0.1:{k.metrics_port or port}/metrics"
+    return f"http://{f'[{host}]' if ':' in host else host}:{k.metrics_port or port}/metrics"

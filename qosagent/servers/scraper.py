@@ -151,8 +151,8 @@ class Scraper:
         self._pool: ThreadPoolExecutor | None = None
 
     @staticmethod
-    def _target(cfg: ServerConfig, configured: bool, kind: str) -> Target:
-        url = str(cfg.metrics) if cfg.metrics is not None else kinds.metrics_url(cfg.port, kind)
+    def _target(cfg: ServerConfig, configured: bool, kind: str, host: str = "127.0.0.1") -> Target:
+        url = str(cfg.metrics) if cfg.metrics is not None else kinds.metrics_url(cfg.port, kind, host)
         return Target(cfg, configured, kind, url)
 
     # ---- the thread ---------------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Scraper:
             self.known_pids = frozenset(procs)
             self.prealloc = discovery.preallocating_pids(procs)
             for port in sorted(ports):
-                pid = owners.get(port)
+                pid, host = owners.get(port, (None, "127.0.0.1"))
                 t = self.targets.get(port)
                 if t is None:
                     # One server per process: Triton listens on 8000 and 8001, vLLM maybe on two ports.
@@ -256,7 +256,8 @@ class Scraper:
                         continue
                     argv = list(procs[pid].argv)
                     kind = kinds.from_cmdline(argv) or "auto"
-                    t = self.targets[port] = self._target(ServerConfig(port=port), False, kind)
+                    # A listener bound to one address answers there only (not on loopback).
+                    t = self.targets[port] = self._target(ServerConfig(port=port), False, kind, host)
                     log.info("server found on port %d: pid %d, kind %s (%s)", port, pid, kind, " ".join(argv)[:120])
                 if pid is not None:
                     seen_pids.add(pid)

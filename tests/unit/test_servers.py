@@ -96,11 +96,12 @@ def proc(root: Path, pid: int, ppid: int, argv: list[str], sockets: tuple[int, .
         os.symlink(f"socket:[{inode}]", d / "fd" / str(10 + i))
 
 
-def tcp_table(root: Path, rows: list[tuple[int, str, int]]) -> None:
+def tcp_table(root: Path, rows: list[tuple[int, str, int]], addr: str = "00000000") -> None:
     (root / "proc" / "net").mkdir(parents=True, exist_ok=True)
     lines = ["  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode"]
     for i, (port, st, inode) in enumerate(rows):
-        lines.append(f"   {i}: 0100007F:{port:04X} 00000000:0000 {st} 00000000:00000000 00:00000000 00000000"
+        a = "0A000005" if port == 8080 else addr  # nginx bound to 5.0.0.10 only
+        lines.append(f"   {i}: {a}:{port:04X} 00000000:0000 {st} 00000000:00000000 00:00000000 00000000"
                      f"     0        0 {inode} 1 0000000000000000 100 0 0 10 0")
     (root / "proc" / "net" / "tcp").write_text("\n".join(lines) + "\n")
 
@@ -131,6 +132,7 @@ def test_discovery_finds_servers_by_socket_process_and_command_line(tmp_path: Pa
     assert (by_port[3000].kind, by_port[3000].pid) == ("tgi", 201)
     assert by_port[3000].pids == frozenset({200, 201, 202})  # up to the launcher: its shards hold the GPUs
     assert by_port[8080].kind == "generic" and not by_port[8080].preallocates
+    assert by_port[8080].url == "http://5.0.0.10:8080/metrics"  # bound to one address: read there
     assert not any(r.known for r in part.servers) and by_port[8000].reason == "not read yet"
     assert part.preallocating_pids == frozenset({100, 101, 200, 201, 202}) and part.processes_known
 
