@@ -111,6 +111,8 @@ def main() -> None:
                 body, code, ctype = b"internal error\n", 500, "text/plain"
             elif mode == "html":
                 body, code, ctype = b"<!DOCTYPE html><html><body>Login required</body></html>", 200, "text/html"
+            elif mode == "huge":  # an endless exposition (a broken exporter): cut off, never read into memory whole
+                body, code, ctype = exposition(kind, s).encode() * 30_000, 200, "text/plain"
             elif mode == "garbage":
                 body, code, ctype = b"\x00\x01 this is { not metrics\n", 200, "text/plain"
             else:

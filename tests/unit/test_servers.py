@@ -223,3 +223,32 @@ def test_discovery_reads_what_a_real_proc_offers() -> None:
     """On this host's /proc: the test process itself is found among the processes, with its parent."""
     procs = discovery.processes(HostFS("/"))
     assert procs[os.getpid()].ppid == os.getppid()
+
+
+def test_two_servers_on_one_gpu_are_counted_and_reported(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from qosagent.capability import AgentContext
+    from qosagent.config import parse as parse_config
+    from qosagent.gpu.fake import FakeBackend
+    from qosagent.servers.capability import Servers
+    from qosagent.snapshot import Snapshot
+
+    cap = Servers(AgentContext(config=parse_config({}, "test"), hostfs=HostFS(tmp_path), gpu=FakeBackend([])))
+    part = ServersPart((reading(8000, {100, 101}), reading(8100, {300})), frozenset({100, 101, 300}), True)
+    gpus = GpuState(True, gpus=(GpuSample(0, "a", 100, 92, processes=(GpuProcess(101, 1), GpuProcess(300, 1))),
+                                GpuSample(1, "b", 100, 50, processes=(GpuProcess(100, 1),))))
+    snap = Snapshot.build(1, 1.0, 1.0, {"servers": part, "gpu": gpus})
+
+    class One:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return cap.metrics(snap)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(One())  # type: ignore[arg-type]
+    text = generate_latest(reg).decode()
+    assert 'qosagent_server_gpu_holders{gpu="0"} 2.0' in text and 'qosagent_server_gpu_holders{gpu="1"} 1.0' in text
+    st = cap.status(snap)
+    assert st["shared_gpus"] == {"0": [8000, 8100]}
+    assert "GPU 0 is shared by the servers on ports 8000, 8100" in Servers.render(st)
