@@ -95,6 +95,9 @@ class Servers(Capability):
         for gpu, ports in sorted(gpu_holders(part, snapshot.part("gpu")).items()):
             holders.add_metric([str(gpu)], len(ports))
         yield holders
+        yield CounterMetricFamily("qosagent_server_round_errors", "Rounds of reading the servers that failed "
+                                  "unexpectedly (logged with the cause); the next round runs as usual",
+                                  value=part.round_errors)
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
         part: ServersPart | None = snapshot.part(self.name)

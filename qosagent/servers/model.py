@@ -40,6 +40,7 @@ class ServersPart:
     processes_known: bool = False  # /proc was read; without it no GPU can be attributed to a server
     # Every pid /proc showed at the last walk: a GPU process not among them started since, and is not identified yet.
     known_pids: frozenset[int] = frozenset()
+    round_errors: int = 0  # read rounds that failed on a bug of ours (logged); the readings go on
 
 
 def gpu_holders(part: ServersPart | None, gpu: GpuState | None) -> dict[int, list[int]]:

@@ -144,7 +144,7 @@ class Scraper:
         self.prealloc: frozenset[int] = frozenset()
         self.known_pids: frozenset[int] = frozenset()
         self.processes_known = False
-        self.discovery_errors = 0
+        self.round_errors = 0
         self._next_discovery = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,7 +158,7 @@ class Scraper:
     # ---- the thread ---------------------------------------------------------------------------------------
     def start(self) -> None:
         # The first walk of /proc before the first tick: until it, no GPU could be told pre-allocated or not.
-        self.rediscover()
+        self._guarded(self.rediscover)
         self._next_discovery = self.clock() + self.discover_every
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="servers-read")
         self._thread = threading.Thread(target=self._run, name="servers", daemon=True)
@@ -173,13 +173,16 @@ class Scraper:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - a bug here must not end the readings for good; counted, logged
+            self.round_errors += 1
+            log.exception("servers: read round failed")
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.round()
-            except Exception:  # noqa: BLE001 - a bug here must not end the readings for good; counted, logged
-                self.discovery_errors += 1
-                log.exception("servers: read round failed")
+            self._guarded(self.round)
             self._stop.wait(0.05)
 
     def round(self) -> None:
@@ -278,7 +281,7 @@ class Scraper:
         with self.lock:
             for port in sorted(self.targets):
                 out.append(self._reading(self.targets[port], now))
-            return ServersPart(tuple(out), self.prealloc, self.processes_known, self.known_pids)
+            return ServersPart(tuple(out), self.prealloc, self.processes_known, self.known_pids, self.round_errors)
 
     def _reading(self, t: Target, now: float) -> ServerReading:
         age = now - t.good_at if t.good_at is not None else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,20 @@ def test_two_servers_on_one_gpu_are_counted_and_reported(tmp_path: Path) -> None
     st = cap.status(snap)
     assert st["shared_gpus"] == {"0": [8000, 8100]}
     assert "GPU 0 is shared by the servers on ports 8000, 8100" in Servers.render(st)
+
+
+def test_a_failing_round_is_counted_and_the_readings_go_on(tmp_path: Path) -> None:
+    class Broken(HostFS):
+        def listdir(self, host_path: str) -> list[str]:
+            raise RuntimeError("a bug of ours")
+
+    s = Scraper(Broken(tmp_path), [ServerConfig(port=1, kind="vllm")], [], discover_every=0.01)
+    s.start()  # the first walk fails: counted, and start goes on
+    try:
+        deadline = time.monotonic() + 10
+        while s.part().round_errors < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert s.part().servers[0].scrapes.get("down", 0) >= 1  # still reading, between the failing walks
+    finally:
+        s.stop()
