@@ -342,7 +342,8 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
     # ---- server pressure: cut the lowest tier with headroom among the tenants a pressed server serves ----
     sp = policy.server_pressure
     last_server_cut = prev.last_server_cut
-    if pressed and now - last_server_cut >= sp.cut_every:
+    # One cut a tick at most: a latency cut this tick already answers the same overload.
+    if pressed and now - last_server_cut >= sp.cut_every and last_cut < now:
         ports = {srv.port for srv in pressed}
         srv = max(pressed, key=lambda x: (x.kv_cache_usage or 0, x.requests_waiting or 0))
         st = servers[srv.port]

@@ -389,3 +389,13 @@ def test_no_path_ever_takes_a_tenant_below_its_floor(seed: int) -> None:
             low = floors[tier] if tier == "bronze" and loop.state.tenants[name].shed else max(floors[tier], 1.0)
             assert lim is None or lim.rps >= low, (name, lim)
     assert {c.reason for _, c in loop.changes} >= {"slo_breach", "server_pressure", "gpu_memory_pressure"}
+
+
+def test_a_latency_breach_and_server_pressure_on_one_tick_cut_once() -> None:
+    loop = Loop(cfg(server_pressure={"cut_every": "100ms"}), sheddable=frozenset())
+    loop.tick(gold_over())
+    loop.tick(gold_over())
+    out = loop.tick(gold_over(), servers=vllm(0.99, 0))  # the breach's third tick, and the cache full
+    assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "slo_breach")]
+    out = loop.tick(gold_over(), servers=vllm(0.99, 0))
+    assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "server_pressure")]
