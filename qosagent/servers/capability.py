@@ -6,6 +6,7 @@ server never delays a tick; collect() copies the latest readings into the Snapsh
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,10 +35,24 @@ class Servers(Capability):
         return config.servers is None or bool(config.servers)
 
     def probe(self, features: "Features") -> Verdict:
+        cfg = self.ctx.config
+        problems = []
         if not self.ctx.hostfs.exists("/proc/net/tcp"):
-            return Verdict(State.DEGRADED, "no /proc/net/tcp: servers cannot be found or told apart by process; "
-                                           "only configured servers are read")
-        how = "configured" if self.ctx.config.servers else "found on the watched ports"
+            problems.append("no /proc/net/tcp: servers cannot be found or told apart by process; only configured "
+                            "servers are read")
+        # The agent's reads are HTTP requests too: on a port a tenant claims whole, they would count as that
+        # tenant's, and its quota would refuse them exactly when the tenant is cut.
+        claimed = {p: t.name for t in cfg.tenants if not t.match.cidrs and not t.match.header for p in t.match.ports}
+        for t in self.scraper.targets.values():
+            port = urllib.parse.urlsplit(t.url).port
+            if port in claimed:
+                problems.append(f"server {t.cfg.port}: its metrics are read on port {port}, which tenant "
+                                f"{claimed[port]!r} claims whole: the reads would count (and be limited) as its "
+                                f"requests; serve the metrics on another port (servers[].metrics) or match the "
+                                f"tenant by cidrs or header")
+        if problems:
+            return Verdict(State.DEGRADED, "; ".join(problems))
+        how = "configured" if cfg.servers else "found on the watched ports"
         return Verdict(State.ACTIVE, f"reads the inference servers' metrics ({how})")
 
     def start(self) -> None:

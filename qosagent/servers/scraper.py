@@ -107,6 +107,9 @@ class Target:
     configured: bool
     kind: str  # configured kind, else found (command line, then exposition), else auto
     url: str
+    # A discovered process whose command line names no kind is listed, not read: the agent does not send requests
+    # to whatever else listens on a watched port (a proxy, a test server).
+    read: bool = True
     pid: int | None = None
     pids: frozenset[int] = frozenset()
     good: Parsed | None = None
@@ -192,7 +195,7 @@ class Scraper:
             self._next_discovery = now + self.discover_every
             self.rediscover()
         with self.lock:
-            due = [t for t in self.targets.values() if t.next_at <= now]
+            due = [t for t in self.targets.values() if t.read and t.next_at <= now]
             for t in due:
                 t.next_at = now + t.cfg.interval
         if not due:
@@ -258,16 +261,21 @@ class Scraper:
                     if pid is None or pid in seen_pids:
                         continue
                     argv = list(procs[pid].argv)
-                    kind = kinds.from_cmdline(argv) or "auto"
-                    # A listener bound to one address answers there only (not on loopback).
-                    t = self.targets[port] = self._target(ServerConfig(port=port), False, kind, host)
-                    log.info("server found on port %d: pid %d, kind %s (%s)", port, pid, kind, " ".join(argv)[:120])
+                    kind = kinds.from_cmdline(argv) or "generic"
+                    t = self.targets[port] = self._target(ServerConfig(port=port), False, kind)
+                    log.info("listener found on port %d: pid %d, kind %s (%s)", port, pid, kind, " ".join(argv)[:120])
                 if pid is not None:
                     seen_pids.add(pid)
                     if t.pid is not None and pid != t.pid:
                         t.restarted(f"pid {t.pid} -> {pid} on the same port")
+                    found = kinds.from_cmdline(list(procs[pid].argv))
                     if t.kind == "auto":
-                        t.kind = kinds.from_cmdline(list(procs[pid].argv)) or "auto"
+                        t.kind = found or "auto"
+                    elif not t.configured:
+                        # What listens there now: the kind (and the metrics port, Triton's) follow the process.
+                        t.kind, t.read = found or "generic", found is not None
+                        # A listener bound to one address answers there only (not on loopback).
+                        t.url = kinds.metrics_url(port, t.kind, host)
                     t.pid = pid
                     t.pids = discovery.family(discovery.server_root(pid, procs), kids)
                 elif procs and t.pid is not None:
@@ -290,6 +298,9 @@ class Scraper:
         base = dict(port=t.cfg.port, kind=kind, url=t.url, configured=t.configured, pid=t.pid, pids=t.pids,
                     preallocates=kinds.kind(kind).preallocates, scrapes=MappingProxyType(dict(t.scrapes)),
                     restarts=t.restarts, counter_resets=t.counter_resets, age_s=age)
+        if not t.read:
+            return ServerReading(known=False, reason="not read: its command line names no vllm, sglang, tgi or "
+                                 "triton server; list it under servers: to read it", **base)  # type: ignore[arg-type]
         if not known:
             why = t.error or "no reading"
             if t.good is not None:

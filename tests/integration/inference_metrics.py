@@ -3,9 +3,10 @@ HELP/TYPE lines and counter suffixes of vLLM, SGLang, TGI and Triton+TensorRT-LL
 by a JSON control file that is re-read on every request, so a test can change the load, break the answer (HTML,
 garbage, NaN, HTTP 500, slow, a restart) or stop the process.
 
-    python inference_metrics.py KIND PORT CONTROL_JSON
+    python inference_metrics.py KIND PORT CONTROL_JSON [NAME]
 
-The kind is in the command line, as it is in `vllm serve ...` or `python -m sglang.launch_server ...`.
+The kind is in the command line, as it is in `vllm serve ...` or `python -m sglang.launch_server ...`; NAME
+(ignored) stands for what names TGI's and Triton's processes (`text-generation-router`, `tritonserver`).
 """
 
 from __future__ import annotations

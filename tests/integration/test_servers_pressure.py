@@ -43,6 +43,9 @@ SERVER = str(Path(__file__).with_name("inference_metrics.py"))
 class MetricsServer:
     """One stand-in server process on 127.0.0.1:port, driven through its control file."""
 
+    # What names the real servers' processes where the kind alone does not.
+    NAMES = {"tgi": "text-generation-router", "triton": "tritonserver"}
+
     def __init__(self, tmp: Path, kind: str, port: int | None = None):
         self.kind, self.port = kind, port or free_port()
         self.control = tmp / f"{kind}-{self.port}.json"
@@ -56,8 +59,8 @@ class MetricsServer:
         os.replace(tmp, self.control)  # never half a file
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, SERVER, self.kind, str(self.port), str(self.control)],
-                                     env=agent_env())
+        self.proc = subprocess.Popen([sys.executable, SERVER, self.kind, str(self.port), str(self.control),
+                                      self.NAMES.get(self.kind, "")], env=agent_env())
         deadline = time.monotonic() + 30
         while not _listening(self.port):
             assert self.proc.poll() is None and time.monotonic() < deadline, "the metrics server did not start"
@@ -105,12 +108,18 @@ def test_discovery_finds_each_kind_and_reads_its_fields(tmp_path: Path) -> None:
         sc = Scraper(HostFS("/"), None, [s.port for s in srv])
         sc.rediscover()
         read_now(sc)
-        read_now(sc)  # TGI's /info is read once its kind is known: from the first read's metric names here
         got = {r.port: r for r in sc.part().servers}
         assert set(got) == {s.port for s in srv}
+        # Triton's metrics are on port 8002 unless listed otherwise: this stand-in serves them on its own port.
+        triton = srv[3]
+        assert got[triton.port].url == "http://127.0.0.1:8002/metrics"
+        listed = Scraper(HostFS("/"), [ServerConfig(port=triton.port, kind="triton",
+                                                    metrics=f"http://127.0.0.1:{triton.port}/metrics")], [])
+        listed.rediscover()
+        read_now(listed)
+        got[triton.port] = listed.part().servers[0]
         for s in srv:
             r = got[s.port]
-            # vLLM and SGLang by their command line, TGI and Triton (no name here) by their metric names.
             assert (r.kind, r.pid, r.known, r.reason) == (s.kind, s.pid, True, ""), r
             assert r.requests_waiting == 0 and r.requests_running == 4
             assert r.kv_cache_usage == pytest.approx(0.30)
@@ -120,6 +129,41 @@ def test_discovery_finds_each_kind_and_reads_its_fields(tmp_path: Path) -> None:
         gpu = GpuState(True, gpus=(GpuSample(0, "g", 100, 92, processes=(GpuProcess(srv[0].pid, 1),
                                                                             GpuProcess(srv[1].pid, 1))),))
         assert gpu_holders(sc.part(), gpu) == {0: sorted([srv[0].port, srv[1].port])}
+
+
+def test_a_listed_server_of_kind_auto_is_known_by_its_metric_names(tmp_path: Path) -> None:
+    with servers(tmp_path, "tgi") as (s,):
+        s.NAMES = {}  # noqa: N806 - nothing in its command line says TGI
+        s.stop()
+        s.start()
+        sc = Scraper(HostFS("/"), [ServerConfig(port=s.port)], [])
+        sc.rediscover()
+        read_now(sc)
+        r = sc.part().servers[0]
+        assert (r.kind, r.known, r.requests_waiting) == ("tgi", True, 0)
+        assert "read from /info" in r.missing["kv_cache_usage"]
+        read_now(sc)  # TGI's /info is read once its kind is known
+        assert sc.part().servers[0].kv_cache_usage == pytest.approx(0.30)
+
+
+def test_discovery_leaves_a_process_of_no_known_kind_alone(tmp_path: Path) -> None:
+    with servers(tmp_path, "vllm") as (s,):
+        other = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port := free_port())],
+                                 env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 30
+            while not _listening(port):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            sc = Scraper(HostFS("/"), None, [s.port, port])
+            sc.rediscover()
+            read_now(sc)
+            got = {r.port: r for r in sc.part().servers}
+            assert got[s.port].known and not got[port].known and got[port].kind == "generic"
+            assert got[port].scrapes == {} and got[port].reason.startswith("not read")
+        finally:
+            other.terminate()
+            other.wait(10)
 
 
 @pytest.mark.parametrize(("mode", "result", "why", "timeout"), [

@@ -134,6 +134,8 @@ def test_discovery_finds_servers_by_socket_process_and_command_line(tmp_path: Pa
     assert by_port[3000].pids == frozenset({200, 201, 202})  # up to the launcher: its shards hold the GPUs
     assert by_port[8080].kind == "generic" and not by_port[8080].preallocates
     assert by_port[8080].url == "http://5.0.0.10:8080/metrics"  # bound to one address: read there
+    assert by_port[8080].reason.startswith("not read: its command line names no vllm")  # nginx is left alone
+    assert not s.targets[8080].read and s.targets[8000].read
     assert not any(r.known for r in part.servers) and by_port[8000].reason == "not read yet"
     assert part.preallocating_pids == frozenset({100, 101, 200, 201, 202}) and part.processes_known
 
@@ -270,3 +272,23 @@ def test_a_failing_round_is_counted_and_the_readings_go_on(tmp_path: Path) -> No
         assert s.part().servers[0].scrapes.get("down", 0) >= 1  # still reading, between the failing walks
     finally:
         s.stop()
+
+
+def test_probe_warns_when_a_tenant_claims_the_port_the_metrics_are_read_on(tmp_path: Path) -> None:
+    from qosagent.capability import AgentContext, State
+    from qosagent.config import parse as parse_config
+    from qosagent.features import Features
+    from qosagent.gpu.fake import FakeBackend
+    from qosagent.servers.capability import Servers
+
+    def verdict(servers: list[dict[str, object]], match: dict[str, object]) -> tuple[State, str]:
+        cfg = parse_config({"servers": servers, "tenants": [{"name": "shop", "tier": "gold", "match": match}]}, "t")
+        cap = Servers(AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=FakeBackend([])))
+        v = cap.probe(Features())
+        return v.state, v.reason
+
+    state, why = verdict([{"port": 8000, "kind": "vllm"}], {"ports": [8000]})
+    assert state is State.DEGRADED and "tenant 'shop' claims whole" in why
+    assert "tenant" not in verdict([{"port": 8000, "kind": "vllm"}], {"ports": [8000], "cidrs": ["10.0.0.0/8"]})[1]
+    assert "tenant" not in verdict([{"port": 8000, "kind": "vllm", "metrics": "http://127.0.0.1:9100/metrics"}],
+                                   {"ports": [8000]})[1]
