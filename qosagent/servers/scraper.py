@@ -32,6 +32,9 @@ log = logging.getLogger("qosagent.servers")
 MAX_BODY = 32 << 20  # a vLLM exposition with every histogram is a few hundred KiB
 DISCOVER_EVERY = 10.0  # seconds between walks of /proc (ports, owners, process tree)
 
+NOT_A_SERVER = ("not read: its command line names no vllm, sglang, tgi or triton server; list it under servers: "
+                "to read it")
+
 # Read results: the values of the metric label `result` (docs/servers.md).
 OK, DOWN, TIMEOUT, HTTP_ERROR, GARBAGE, TOO_LARGE = "ok", "down", "timeout", "http_error", "garbage", "too_large"
 
@@ -246,7 +249,9 @@ class Scraper:
         procs = discovery.processes(self.fs)
         with self.lock:
             ports = set(self.targets) | (set(self.ports) if self.discover else set())
-        owners = discovery.owners(self.fs, discovery.listening_inodes(self.fs, ports), procs) if procs else {}
+        listening = discovery.listening_inodes(self.fs, ports)
+        owners = discovery.owners(self.fs, listening, procs) if procs else {}
+        unseen = {port for port, _ in listening.values()} - set(owners)
         kids = discovery.children(procs)
         seen_pids: set[int] = set()
         with self.lock:
@@ -256,6 +261,13 @@ class Scraper:
             for port in sorted(ports):
                 pid, host = owners.get(port, (None, "127.0.0.1"))
                 t = self.targets.get(port)
+                if t is None and port in unseen and self.discover:
+                    # Listening, but whose socket it is cannot be read: another user's /proc/<pid>/fd needs
+                    # CAP_DAC_READ_SEARCH, which the systemd unit does not grant.
+                    t = self.targets[port] = self._target(ServerConfig(port=port), False, "generic")
+                    t.read, t.error = False, ("something listens here, but its process cannot be seen (another "
+                                              "user's /proc/<pid>/fd): list it under servers: to read it")
+                    continue
                 if t is None:
                     # One server per process: Triton listens on 8000 and 8001, vLLM maybe on two ports.
                     if pid is None or pid in seen_pids:
@@ -274,6 +286,10 @@ class Scraper:
                     elif not t.configured:
                         # What listens there now: the kind (and the metrics port, Triton's) follow the process.
                         t.kind, t.read = found or "generic", found is not None
+                        if not found:
+                            t.error = NOT_A_SERVER
+                        elif t.error == NOT_A_SERVER:
+                            t.error = "not read yet"
                         # A listener bound to one address answers there only (not on loopback).
                         t.url = kinds.metrics_url(port, t.kind, host)
                     t.pid = pid
@@ -299,8 +315,7 @@ class Scraper:
                     preallocates=kinds.kind(kind).preallocates, scrapes=MappingProxyType(dict(t.scrapes)),
                     restarts=t.restarts, counter_resets=t.counter_resets, age_s=age)
         if not t.read:
-            return ServerReading(known=False, reason="not read: its command line names no vllm, sglang, tgi or "
-                                 "triton server; list it under servers: to read it", **base)  # type: ignore[arg-type]
+            return ServerReading(known=False, reason=t.error, **base)  # type: ignore[arg-type]
         if not known:
             why = t.error or "no reading"
             if t.good is not None:

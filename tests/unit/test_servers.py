@@ -140,6 +140,16 @@ def test_discovery_finds_servers_by_socket_process_and_command_line(tmp_path: Pa
     assert part.preallocating_pids == frozenset({100, 101, 200, 201, 202}) and part.processes_known
 
 
+def test_a_listener_whose_process_cannot_be_seen_is_listed_and_not_read(tmp_path: Path) -> None:
+    root = host(tmp_path)
+    (root / "proc" / "300" / "fd" / "10").unlink()  # nginx's fds: another user's, unreadable without a capability
+    s = Scraper(HostFS(root), None, [8080])
+    s.rediscover()
+    r = s.part().servers[0]
+    assert (r.port, r.pid, r.known) == (8080, None, False) and "its process cannot be seen" in r.reason
+    assert not s.targets[8080].read
+
+
 def test_a_new_pid_on_the_same_port_is_a_restart_and_drops_the_old_reading(tmp_path: Path) -> None:
     root = host(tmp_path)
     now = [100.0]
