@@ -125,7 +125,7 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
         tiers=tiers,
         tenants=tenants,
         gpu=gpu_input(snap.part("gpu"), policy.gpu_pressure.gpus, servers),
-        servers=tuple(ServerInput(s.port, s.kind, s.known, s.kv_cache_usage, s.requests_waiting, s.reason)
+        servers=tuple(ServerInput(s.port, s.kind, s.known, s.kv_cache_usage, s.requests_waiting)
                       for s in (servers.servers if servers is not None else ())),
         runqueue_p99=rq.quantile(0.99) if rq is not None else None,
         window_s=lat.window_s if lat is not None else cfg.latency.window,

@@ -70,7 +70,6 @@ class ServerInput:
     known: bool
     kv_cache_usage: float | None = None  # None: unknown (not exported, NaN, ...): no pressure is read from it
     requests_waiting: float | None = None
-    reason: str = ""  # why unknown
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ class Servers(Capability):
         return {
             "discovered": self.ctx.config.servers is None,
             "servers": [{
-                "port": s.port, "kind": s.kind, "url": s.url, "pid": s.pid, "known": s.known, "reason": s.reason,
+                "port": s.port, "kind": s.kind, "url": s.url, "pid": s.pid, "configured": s.configured,
+                "preallocates": s.preallocates, "known": s.known, "reason": s.reason,
                 "age_s": s.age_s, "kv_cache_usage": s.kv_cache_usage, "requests_waiting": s.requests_waiting,
                 "requests_running": s.requests_running, "preemptions": s.preemptions, "missing": dict(s.missing),
                 "reads": dict(s.scrapes), "restarts": s.restarts, "counter_resets": s.counter_resets,

@@ -281,7 +281,7 @@ def test_shed_keeps_the_adaptive_limit_underneath() -> None:
 # ---- server pressure (KV cache, queue) and floors ----
 
 def vllm(kv: float | None, waiting: float | None = 0, port: int = 8000, known: bool = True) -> tuple[P.ServerInput]:
-    return (P.ServerInput(port, "vllm", known, kv, waiting, "" if known else "connection refused"),)
+    return (P.ServerInput(port, "vllm", known, kv, waiting),)
 
 
 def test_a_server_with_room_in_its_kv_cache_sheds_nobody() -> None:
