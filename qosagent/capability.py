@@ -170,11 +170,13 @@ class Capability:
 
 def registry() -> list[type[Capability]]:
     """All capabilities, in start and tick order: measurement first, then the ones that decide on it. Quota starts
-    before latency because latency reads quota's pinned flow map (header-matched tenants)."""
+    before latency because latency reads quota's pinned flow map (header-matched tenants); servers (readings only)
+    before admission, which decides on them."""
     from qosagent.admission.capability import Admission
     from qosagent.dvfs.capability import Dvfs
     from qosagent.latency.capability import Latency
     from qosagent.placement.capability import Placement
     from qosagent.quota.capability import Quota
+    from qosagent.servers.capability import Servers
 
-    return [Quota, Latency, Admission, Dvfs, Placement]
+    return [Quota, Latency, Servers, Admission, Dvfs, Placement]

@@ -21,6 +21,7 @@ from qosagent.gpu.config import GpuConfig
 from qosagent.latency.config import LatencyConfig
 from qosagent.placement.config import PlacementConfig
 from qosagent.quota.config import QuotaConfig
+from qosagent.servers.config import ServerConfig
 
 # The name traffic gets when it is on a watched port but matches no tenant.
 UNMATCHED = "unmatched"
@@ -39,6 +40,9 @@ class TierConfig(Section):
     weight: int = Field(ge=1, le=1000)
     quota: QuotaSpec | None = None
     floor: QuotaSpec | None = None
+    # May admission's pressure paths refuse this tier's new requests entirely (down to its floor, 0 without one)?
+    # Otherwise no path takes a tenant of it below admission.min_rps (docs/admission.md, "Floors").
+    sheddable: bool = False
 
 
 class HeaderMatch(Section):
@@ -135,6 +139,9 @@ class Config(Section):
     gpu: Annotated[GpuConfig, RESTART] = GpuConfig()
     tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
     tenants: list[TenantConfig] = Field(default_factory=list)
+    # The inference servers admission reads (KV cache, queue). None: those found listening on the watched ports;
+    # an empty list: none (docs/servers.md).
+    servers: Annotated[list[ServerConfig] | None, RESTART] = None
     latency: LatencyConfig = LatencyConfig()
     quota: QuotaConfig = QuotaConfig()
     admission: AdmissionConfig = AdmissionConfig()
@@ -217,6 +224,11 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
                 if p in port_owner:
                     problems.append((f"{here}.match.ports", f"port {p} is already claimed by {port_owner[p]!r}"))
                 port_owner.setdefault(p, t.name)
+    server_ports: dict[int, int] = {}
+    for i, srv in enumerate(cfg.servers or []):
+        if srv.port in server_ports:
+            problems.append((f"servers[{i}].port", f"port {srv.port} is already servers[{server_ports[srv.port]}]"))
+        server_ports.setdefault(srv.port, i)
     tenants = {t.name for t in cfg.tenants}
     for i, sel in enumerate(cfg.placement.selectors):
         if sel.tenant is not None and sel.tenant not in tenants:

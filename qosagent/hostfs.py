@@ -96,3 +96,10 @@ class HostFS:
         except ValueError:
             # An absolute link that points outside a fixture root: keep it as the host path it names.
             return str(real)
+
+    def readlink(self, host_path: str) -> str | None:
+        """A symlink's target as written (/proc/<pid>/fd entries read `socket:[inode]`), or None when unreadable."""
+        try:
+            return os.readlink(self.path(host_path))
+        except OSError:
+            return None

@@ -180,6 +180,20 @@ class Admission(Capability):
             yield breach
             yield GaugeMetricFamily("qosagent_admission_shed_tiers", "Tiers whose new requests are refused for GPU "
                                     "memory pressure", value=out.state.shed_tiers)
+            pressed = GaugeMetricFamily("qosagent_admission_server_pressure", "1 while the server on the port is "
+                                        "pressed (KV cache or queue over its enter threshold)", labels=["port"])
+            for port, st in sorted(out.servers.items()):
+                pressed.add_metric([str(port)], 1.0 if st.pressed else 0.0)
+            yield pressed
+            # Enforce-mode shedding and dry-run "would shed" are told apart with qosagent_admission_enforcing.
+            limited = GaugeMetricFamily("qosagent_admission_limited", "1 while admission holds the tenant below its "
+                                        "configured limit (or would, in dry-run), by the signal that set it",
+                                        labels=["tenant", "tier", "cause"])
+            for t in self.ctx.config.tenants:
+                by = out.set_by.get(t.name)
+                if by is not None and by.signal != policy.BY_CONFIG:
+                    limited.add_metric([t.name, t.tier, by.signal], 1.0)
+            yield limited
         runs = CounterMetricFamily("qosagent_admission_pre_cleanup_runs", "Pre-cleanup actions by result",
                                    labels=["result"])
         for result, n in sorted(dict(self.pre_cleanup.results).items()):
@@ -191,14 +205,19 @@ class Admission(Capability):
         cfg = self.ctx.config
         state = out.state if out is not None else self.state
         gpu = "unknown"
+        if out is not None and out.gpu.reason and not out.gpu.known:
+            gpu = f"unknown ({out.gpu.reason})"  # what sheds nothing: no NVML, a lost GPU, a pre-allocated GPU
         if out is not None and out.gpu.known:
             gpu = f"{'pressure' if state.gpu_pressure else 'ok'} (max {out.gpu.ratio or 0:.1%} on GPU {out.gpu.gpu})"
         tenants = []
         limits = self._limits()
         for t in cfg.tenants:
             s = state.tenants.get(t.name, policy.TenantState())
+            by = out.set_by.get(t.name) if out is not None else None
             tenants.append({"tenant": t.name, "tier": t.tier, "baseline": _fmt(self.baseline.get(t.name)),
-                            "limit": _fmt(limits[t.name]), "shed": s.shed, "adaptive": s.limit is not None})
+                            "limit": _fmt(limits[t.name]), "shed": s.shed, "adaptive": s.limit is not None,
+                            "signal": by.signal if by else policy.BY_CONFIG, "rule": by.rule if by else "baseline",
+                            "why": by.detail if by else ""})
         return {
             "mode": cfg.admission.mode,
             "enforcing": self._enforcing(),
@@ -206,6 +225,7 @@ class Admission(Capability):
             "signal": cfg.admission.signal,
             "gpu": gpu,
             "shed_tiers": state.shed_tiers,
+            "server_pressure": sorted(p for p, st in state.servers.items() if st.pressed),
             "escalation": state.escalation,
             "healthy_streak": state.healthy_streak,
             "tiers": {n: {"observed_s": v.observed, "slo_s": v.slo, "breach_streak": v.breach_streak,
@@ -223,18 +243,21 @@ class Admission(Capability):
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v * 1000:.1f}ms"
 
+        pressed = ",".join(map(str, status.get("server_pressure", ())))
         head = (f"ADMISSION  mode {status['mode']}{'' if status['enforcing'] else ' (not writing)'}  "
                 f"P{status['quantile'] * 100:g} {status['signal']}  GPU {status['gpu']}"
-                f"{'  shed tiers ' + str(status['shed_tiers']) if status['shed_tiers'] else ''}")
+                f"{'  shed tiers ' + str(status['shed_tiers']) if status['shed_tiers'] else ''}"
+                f"{'  servers pressed ' + pressed if pressed else ''}")
         lines = [head, "TIER         OBSERVED   SLO        STATE"]
         for tier, v in status["tiers"].items():
             st = "BREACH" if v["in_breach"] else f"over {v['breach_streak']}" if v["breach_streak"] else \
                 "near" if v["near_slo"] else "ok"
             lines.append(f"{tier:<12} {ms(v['observed_s']):<10} {ms(v['slo_s']):<10} {st}")
-        lines.append("TENANT         TIER       BASELINE               LIMIT")
+        lines.append("TENANT         TIER       BASELINE               LIMIT                  SET BY")
         for t in status["tenants"]:
-            flag = " SHED" if t["shed"] else " (adaptive)" if t["adaptive"] else ""
-            lines.append(f"{t['tenant']:<14} {t['tier']:<10} {t['baseline']:<22} {t['limit']}{flag}")
+            flag = " SHED" if t["shed"] else ""
+            by = f"{t['signal']}: {t['rule']}" + (f" ({t['why']})" if t.get("why") else "")
+            lines.append(f"{t['tenant']:<14} {t['tier']:<10} {t['baseline']:<22} {t['limit'] + flag:<22} {by}")
         pc = status.get("pre_cleanup")
         if pc:
             lines.append(f"last pre-cleanup: {pc['result']}: {pc['detail']}")

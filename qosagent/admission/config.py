@@ -41,6 +41,27 @@ class GpuPressureConfig(Section):
         return self
 
 
+class ServerPressureConfig(Section):
+    """Pressure as the inference servers report it (servers:): KV cache nearly full, or a queue that stays long."""
+
+    kv_enter: float = Field(default=0.95, gt=0, le=1, description="KV-cache usage above which the server is pressed")
+    kv_exit: float = Field(default=0.85, gt=0, le=1, description="KV-cache usage below which that pressure ends")
+    queue_enter: int = Field(default=16, ge=1, description="requests waiting above which, for queue_ticks ticks, "
+                             "the server is pressed")
+    queue_ticks: int = Field(default=10, ge=1, le=10000)
+    queue_exit: int = Field(default=4, ge=0, description="requests waiting at or below which that pressure ends")
+    # While a server stays pressed, the next cut (lowest tier with headroom first) after this long.
+    cut_every: Duration = 2.0
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "ServerPressureConfig":
+        if self.kv_exit >= self.kv_enter:
+            raise ValueError("kv_exit must be below kv_enter, or limits would flap")
+        if self.queue_exit >= self.queue_enter:
+            raise ValueError("queue_exit must be below queue_enter, or limits would flap")
+        return self
+
+
 class AdmissionConfig(Section):
     enabled: Annotated[bool, RESTART] = False
     mode: Mode = "dry-run"
@@ -58,6 +79,8 @@ class AdmissionConfig(Section):
     cut_factor: float = Field(default=0.7, gt=0, lt=1)
     raise_step: float = Field(default=0.10, gt=0, le=1)
     cooldown: Duration = 5.0
-    # No adaptive cut goes below this rate, whatever the tier's floor: a cut must never black-hole a tenant.
+    # No path takes a tenant below this rate (nor below its tier's floor) unless its tier is sheddable: a cut or a
+    # shed must never black-hole a tenant.
     min_rps: float = Field(default=1.0, gt=0)
     gpu_pressure: GpuPressureConfig = GpuPressureConfig()
+    server_pressure: ServerPressureConfig = ServerPressureConfig()

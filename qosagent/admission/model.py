@@ -12,3 +12,4 @@ class AdmissionPart:
     near_slo: frozenset[str] = frozenset()
     in_breach: frozenset[str] = frozenset()
     gpu_pressure: bool = False
+    server_pressure: frozenset[int] = frozenset()  # ports of the servers pressed this tick

@@ -7,9 +7,13 @@ Two reasons change a limit:
   lowest-weight tier that still has headroom above its floor, never one above the most important breaching tier,
   so the cut moves up the tiers only while the breach persists and the tiers below are at their floors; recovery
   +raise_step per `healthy_ticks` healthy ticks, after `cooldown` since the tenant's last cut.
-- GPU memory: above `enter` on a serving GPU, new requests of the lowest tier are refused (limit 0, or the tier's
-  floor when it has one), one more tier per `escalate_after`, until every serving GPU is below `exit`. An unknown
-  GPU state never sheds.
+- server pressure: a server whose KV cache is above `kv_enter` (until below `kv_exit`) or whose queue stays above
+  `queue_enter` for `queue_ticks` ticks (until at most `queue_exit`) is pressed; while one is, the lowest tier with
+  headroom among the tenants it serves is cut, once per `cut_every`; recovery as for latency.
+- GPU memory: above `enter` on a serving GPU, new requests of the lowest tier are refused, one more tier per
+  `escalate_after`, until every serving GPU is below `exit`. An unknown GPU state never sheds.
+Floors hold on every path: no limit below the tier's floor, nor below `min_rps` unless the tier is sheddable (then
+a shed goes to the floor, 0 without one). Each tenant's state says which signal and rule set its limit.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ SLO_RECOVERED = "slo_recovered"
 GPU_PRESSURE = "gpu_memory_pressure"
 GPU_RELIEVED = "gpu_memory_relieved"
 GPU_UNKNOWN = "gpu_state_unknown"
+SERVER_PRESSURE = "server_pressure"
+SERVER_RELIEVED = "server_relieved"
+
+# The signals that set a tenant's limit: the values of status's `signal` and the metric label `cause`.
+BY_CONFIG, BY_SLO, BY_SERVER, BY_GPU = "config", "slo", "server", "gpu_memory"
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,17 @@ class TenantInput:
     admitted_rps: float | None = None  # None: not measured
     dropped_rps: float | None = None
     in_flight: int | None = None
+    sheddable: bool = False
+    ports: frozenset[int] = frozenset()  # the ports the tenant is matched on; empty: it may reach any server
+
+
+@dataclass(frozen=True)
+class ServerInput:
+    port: int
+    kind: str
+    known: bool
+    kv_cache_usage: float | None = None  # None: unknown (not exported, NaN, ...): no pressure is read from it
+    requests_waiting: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,7 @@ class TickInput:
     tenants: Mapping[str, TenantInput]
     gpu: GpuInput
     runqueue_p99: float | None = None
+    servers: tuple[ServerInput, ...] = ()
     # The latency window: a quantile reflects a cut only once the window has turned over since it.
     window_s: float = 0.0
 
@@ -81,6 +102,21 @@ class TenantState:
     origin_rps: float | None = None  # where the first cut started: recovery up to here restores the baseline
     last_cut: float = -math.inf
     shed: bool = False
+    shed_to: TenantLimit | None = None  # the limit while shed
+    cause: str = ""  # the signal behind the adaptive limit (BY_SLO or BY_SERVER)
+    rule: str = ""  # the rule of its last change: cut or raise
+    why: str = ""  # the last change's cause, as status shows it
+
+
+@dataclass(frozen=True)
+class ServerState:
+    kv: bool = False
+    queue: bool = False
+    queue_streak: int = 0
+
+    @property
+    def pressed(self) -> bool:
+        return self.kv or self.queue
 
 
 @dataclass(frozen=True)
@@ -95,6 +131,8 @@ class LoopState:
     gpu_pressure: bool = False
     shed_tiers: int = 0  # how many of the lowest tiers are shed
     last_shed: float = -math.inf
+    servers: Mapping[int, ServerState] = field(default_factory=dict)  # by port
+    last_server_cut: float = -math.inf
 
 
 @dataclass(frozen=True)
@@ -117,6 +155,15 @@ class TierView:
 
 
 @dataclass(frozen=True)
+class SetBy:
+    """Which signal and which rule set a tenant's limit in force."""
+
+    signal: str  # BY_CONFIG, BY_SLO, BY_SERVER, BY_GPU
+    rule: str  # baseline, cut, raise, shed, and "held at the tier floor" / "held at min_rps" when a floor binds
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class Outcome:
     state: LoopState
     changes: tuple[Change, ...]
@@ -125,18 +172,29 @@ class Outcome:
     tiers: Mapping[str, TierView]
     gpu: GpuInput
     run_pre_cleanup: bool = False
+    servers: Mapping[int, ServerState] = field(default_factory=dict)
+    set_by: Mapping[str, SetBy] = field(default_factory=dict)
 
 
-def shed_limit(t: TenantInput) -> TenantLimit:
-    """A shed tenant's limit: no new requests, except what its tier's floor guarantees (the floor is a contract
-    the quota writer also holds the kernel to; a tier without a floor is shed completely)."""
-    return TenantLimit(t.floor_rps, max(1, t.floor_burst) if t.floor_rps > 0 else 0)
+def minimum(t: TenantInput, policy: AdmissionConfig, shedding: bool = False) -> float:
+    """The lowest rate any path may give a tenant: its tier's floor, and min_rps unless a shed of a sheddable tier.
+    The one place the floors live: cuts, sheds and the status's attribution all ask here."""
+    if shedding and t.sheddable:
+        return t.floor_rps
+    return max(t.floor_rps, policy.min_rps)
+
+
+def shed_limit(t: TenantInput, policy: AdmissionConfig) -> TenantLimit:
+    """A shed tenant's limit: no new requests beyond what its floor guarantees (the tier floor, which the quota
+    writer also holds the kernel to, and min_rps for a tier that is not sheddable)."""
+    rps = minimum(t, policy, shedding=True)
+    return TenantLimit(rps, max(1, t.floor_burst, math.ceil(rps * 0.1)) if rps > 0 else 0)
 
 
 def effective(t: TenantInput, s: TenantState) -> TenantLimit | None:
     """The limit in force for a tenant: shed, else the adaptive limit, else its baseline."""
-    if s.shed:
-        return shed_limit(t)
+    if s.shed and s.shed_to is not None:
+        return s.shed_to
     return s.limit if s.limit is not None else t.baseline
 
 
@@ -168,11 +226,31 @@ def _cut_one(t: TenantInput, s: TenantState, factor: float, policy: AdmissionCon
         base = t.admitted_rps if base is None else min(base, t.admitted_rps)
     if base is None:
         return None  # unlimited and nothing measured: no basis for a rate
-    floor = max(t.floor_rps, policy.min_rps)
+    floor = minimum(t, policy)
     rps = max(floor, _rate(base * factor))
     if cur is not None and rps >= cur.rps:
         return None
     return TenantLimit(rps, _scaled_burst(cur, rps, t.floor_burst))
+
+
+def _servers(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> dict[int, ServerState]:
+    """Each server's pressure, with hysteresis. An unknown reading, or an unknown field, presses nothing and ends
+    the pressure it held: nothing is decided on a reading that is not there."""
+    sp = policy.server_pressure
+    out = {}
+    for srv in inp.servers:
+        st = prev.servers.get(srv.port, ServerState())
+        kv_use = srv.kv_cache_usage if srv.known else None
+        waiting = srv.requests_waiting if srv.known else None
+        kv = kv_use is not None and (kv_use >= sp.kv_exit if st.kv else kv_use > sp.kv_enter)
+        streak = st.queue_streak + 1 if waiting is not None and waiting > sp.queue_enter else 0
+        queue = waiting is not None and (waiting > sp.queue_exit if st.queue else streak >= sp.queue_ticks)
+        out[srv.port] = ServerState(kv, queue, streak)
+    return out
+
+
+def _serves(t: TenantInput, ports: set[int]) -> bool:
+    return not t.ports or bool(t.ports & ports)
 
 
 def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
@@ -196,6 +274,10 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
                                obs is not None and obs >= tier.slo * policy.near_slo)
     breaching = [n for n in order if views[n].in_breach]
 
+    # ---- server pressure evaluation ----
+    servers = _servers(inp, policy, prev)
+    pressed = [srv for srv in inp.servers if servers[srv.port].pressed]
+
     def note(tenant: str, extra: Mapping[str, Any]) -> dict[str, Any]:
         t = inp.tenants[tenant]
         out: dict[str, Any] = {"tier": t.tier, "admitted_rps": t.admitted_rps, "dropped_rps": t.dropped_rps,
@@ -205,11 +287,34 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         out.update(extra)
         return out
 
+    def cut_lowest(eligible_tiers: list[str], tenants: list[str], factor: float, reason: str, cause: str,
+                   why: str, inputs: Mapping[str, Any]) -> bool:
+        """Cut every tenant of the lowest eligible tier that has headroom above its floor; True when one was cut."""
+        cuts: dict[str, TenantLimit] = {}
+        for name in tenants:
+            t = inp.tenants[name]
+            if t.tier in eligible_tiers and not states[name].shed:
+                new = _cut_one(t, states[name], factor, policy)
+                if new is not None:
+                    cuts[name] = new
+        # The lowest tier with headroom takes the whole cut; the next tier up waits until this one is at its floor.
+        lowest = next((n for n in eligible_tiers if any(inp.tenants[c].tier == n for c in cuts)), None)
+        for name, new in cuts.items():
+            t = inp.tenants[name]
+            if t.tier != lowest:
+                continue
+            s = states[name]
+            cur = effective(t, s)
+            origin = s.origin_rps if s.origin_rps is not None else (cur.rps if cur is not None else t.admitted_rps)
+            states[name] = replace(s, limit=new, origin_rps=origin, last_cut=now, cause=cause, rule=CUT, why=why)
+            changes.append(Change(name, CUT, cur, new, reason, note(name, inputs)))
+        return lowest is not None
+
     # ---- latency: cut while a tier is in breach ----
     escalation = prev.escalation
     healthy_streak = prev.healthy_streak
     since_cut = prev.ticks_since_cut + 1
-    if breaching:
+    if breaching or pressed:
         healthy_streak = 0
     elif all_healthy:
         healthy_streak += 1
@@ -225,37 +330,35 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         if policy.cut == "gradient":
             factor = min(1.0, max(0.5, d.slo / d.observed)) if d.observed else 1.0
         eligible = [n for n in order if inp.tiers[n].weight <= d.weight]
-        cuts: dict[str, TenantLimit] = {}
-        for tier_name in eligible:
-            for name, t in inp.tenants.items():
-                if t.tier == tier_name and not states[name].shed:
-                    new = _cut_one(t, states[name], factor, policy)
-                    if new is not None:
-                        cuts[name] = new
-        # The lowest tier with headroom takes the whole cut; the next tier up waits until this one is at its floor.
-        lowest = next((n for n in eligible if any(inp.tenants[c].tier == n for c in cuts)), None)
         cause = {"breach_tier": driver, "observed_s": d.observed, "slo_s": d.slo, "quantile": policy.quantile,
                  "factor": round(factor, 4), "escalation": escalation}
-        acted = False
-        for name, new in cuts.items():
-            t = inp.tenants[name]
-            if t.tier != lowest:
-                continue
-            s = states[name]
-            cur = effective(t, s)
-            origin = s.origin_rps if s.origin_rps is not None else (cur.rps if cur is not None else t.admitted_rps)
-            states[name] = replace(s, limit=new, origin_rps=origin, last_cut=now)
-            last_change = now
-            changes.append(Change(name, CUT, cur, new, SLO_BREACH, note(name, cause)))
-            acted = True
-        if acted:
+        why = f"{driver} P{policy.quantile * 100:g} {d.observed or 0:.3f}s > SLO {d.slo:g}s"
+        if cut_lowest(eligible, list(inp.tenants), factor, SLO_BREACH, BY_SLO, why, cause):
             escalation += 1
             since_cut = 0
-            last_cut = now
+            last_cut = last_change = now
 
-    # ---- latency: recovery after healthy_ticks, paced and after the cooldown ----
+    # ---- server pressure: cut the lowest tier with headroom among the tenants a pressed server serves ----
+    sp = policy.server_pressure
+    last_server_cut = prev.last_server_cut
+    # One cut a tick at most: a latency cut this tick already answers the same overload.
+    if pressed and now - last_server_cut >= sp.cut_every and last_cut < now:
+        ports = {srv.port for srv in pressed}
+        srv = max(pressed, key=lambda x: (x.kv_cache_usage or 0, x.requests_waiting or 0))
+        st = servers[srv.port]
+        rule = (f"kv_cache_usage {srv.kv_cache_usage:.2f} > {sp.kv_enter:g}" if st.kv else
+                f"requests_waiting {srv.requests_waiting:g} > {sp.queue_enter} for {sp.queue_ticks} ticks")
+        cause = {"server": srv.port, "kind": srv.kind, "kv_cache_usage": srv.kv_cache_usage,
+                 "requests_waiting": srv.requests_waiting, "rule": rule, "factor": policy.cut_factor}
+        served = [n for n, t in inp.tenants.items() if _serves(t, ports)]
+        if cut_lowest(order, served, policy.cut_factor, SERVER_PRESSURE, BY_SERVER, f"server {srv.port}: {rule}",
+                      cause):
+            last_server_cut = last_cut = last_change = now
+            since_cut = 0
+
+    # ---- recovery after healthy_ticks, paced and after the cooldown ----
     # A raise, like a cut, waits until the window no longer holds requests from before the last change.
-    if not breaching and healthy_streak >= policy.healthy_ticks and now - last_change >= inp.window_s:
+    if not breaching and not pressed and healthy_streak >= policy.healthy_ticks and now - last_change >= inp.window_s:
         escalation = 0
         raised = False
         for name, t in inp.tenants.items():
@@ -268,13 +371,14 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
             rps = _rate(s.limit.rps * (1.0 + policy.raise_step))
             target = t.baseline.rps if t.baseline is not None else s.origin_rps
             why = {"healthy_ticks": healthy_streak, "step": policy.raise_step}
+            reason = SERVER_RELIEVED if s.cause == BY_SERVER else SLO_RECOVERED
             if target is None or rps >= target:
                 states[name] = TenantState(last_cut=s.last_cut)
-                changes.append(Change(name, RESTORE, s.limit, t.baseline, SLO_RECOVERED, note(name, why)))
+                changes.append(Change(name, RESTORE, s.limit, t.baseline, reason, note(name, why)))
             else:
                 new = TenantLimit(rps, _scaled_burst(s.limit, rps, t.floor_burst))
-                states[name] = replace(s, limit=new)
-                changes.append(Change(name, RAISE, s.limit, new, SLO_RECOVERED, note(name, why)))
+                states[name] = replace(s, limit=new, rule=RAISE, why=f"{reason}: +{policy.raise_step:g}")
+                changes.append(Change(name, RAISE, s.limit, new, reason, note(name, why)))
             raised = True
         if raised:
             healthy_streak = 0
@@ -307,20 +411,24 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         if want == s.shed:
             continue
         before = effective(t, s)
-        states[name] = replace(s, shed=want)
-        after = effective(t, states[name])
         if want:
-            changes.append(Change(name, SHED, before, after, GPU_PRESSURE, note(name, gpu_note)))
+            why = f"GPU {g.gpu} memory {g.ratio or 0:.0%} > {policy.gpu_pressure.enter:g}"
+            states[name] = replace(s, shed=True, shed_to=shed_limit(t, policy), why=why)
+            changes.append(Change(name, SHED, before, states[name].shed_to, GPU_PRESSURE, note(name, gpu_note)))
         else:
-            changes.append(Change(name, UNSHED, before, after, release_reason, note(name, gpu_note)))
+            states[name] = replace(s, shed=False, shed_to=None)
+            changes.append(Change(name, UNSHED, before, effective(t, states[name]), release_reason,
+                                  note(name, gpu_note)))
 
     overrides = {}
+    set_by = {}
     for name, t in inp.tenants.items():
         s = states[name]
-        if s.shed:
-            overrides[name] = shed_limit(t)
-        elif s.limit is not None:
-            overrides[name] = s.limit
+        lim = effective(t, s)
+        if s.shed or s.limit is not None:
+            assert lim is not None
+            overrides[name] = lim
+        set_by[name] = _set_by(t, s, lim, policy)
     state = LoopState(
         tenants=MappingProxyType(states),
         breach_streak=MappingProxyType(streak),
@@ -332,11 +440,28 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
         gpu_pressure=pressure,
         shed_tiers=shed_tiers,
         last_shed=last_shed,
+        servers=MappingProxyType(servers),
+        last_server_cut=last_server_cut,
     )
     part = AdmissionPart(
         near_slo=frozenset(n for n, v in views.items() if v.near_slo),
         in_breach=frozenset(breaching),
         gpu_pressure=pressure,
+        server_pressure=frozenset(srv.port for srv in pressed),
     )
     return Outcome(state, tuple(changes), MappingProxyType(overrides), part, MappingProxyType(views), g,
-                   run_pre_cleanup)
+                   run_pre_cleanup, MappingProxyType(servers), MappingProxyType(set_by))
+
+
+def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: AdmissionConfig) -> SetBy:
+    """The signal and rule behind a tenant's limit in force, and whether a floor is what holds it up."""
+    if s.shed:
+        signal, rule = BY_GPU, "shed"
+    elif s.limit is not None:
+        signal, rule = s.cause or BY_SLO, s.rule or CUT
+    else:
+        return SetBy(BY_CONFIG, "baseline")
+    if lim is not None and lim.rps <= minimum(t, policy, shedding=s.shed):
+        rule += ", held at the tier floor" if lim.rps == t.floor_rps and t.floor_rps > 0 else \
+            ", held at min_rps" if lim.rps == policy.min_rps else ", shed to 0 (sheddable tier)"
+    return SetBy(signal, rule, s.why)

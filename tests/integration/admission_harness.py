@@ -86,8 +86,10 @@ def wait_for(what: str, fn: Any, timeout: float) -> Any:
     pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def config(tmp: Path, port: int, pin_root: str, quota: str, admission: str) -> Path:
-    """Gold and bronze on one server port, told apart by client address; the fake GPU driven by tmp/gpu.json."""
+def config(tmp: Path, port: int, pin_root: str, quota: str, admission: str, gold: str = "", bronze: str = "",
+           extra: str = "") -> Path:
+    """Gold and bronze on one server port, told apart by client address; the fake GPU driven by tmp/gpu.json.
+    gold and bronze are more keys of those tiers; extra is more top-level config ($PORT: the server's port)."""
     write_json(tmp / "gpu.json", {"preset": "single", "gpus": {"0": {"memory_used_ratio": 0.30}}})
     path = tmp / "qosagent.yaml"
     path.write_text(f"""
@@ -98,14 +100,15 @@ status: {{socket: {tmp / 'status.sock'}}}
 bpf: {{pin_root: {pin_root}}}
 gpu: {{backend: fake, fake_file: {tmp / 'gpu.json'}}}
 tiers:
-  gold:   {{slo_p99: {SLO_MS:g}ms, weight: 10}}
-  bronze: {{slo_p99: 5s, weight: 1, quota: {{rps: 400, burst: 40}}}}
+  gold:   {{slo_p99: {SLO_MS:g}ms, weight: 10{", " + gold if gold else ""}}}
+  bronze: {{slo_p99: 5s, weight: 1, quota: {{rps: 400, burst: 40}}{", " + bronze if bronze else ""}}}
 tenants:
   - {{name: gold-app, tier: gold, match: {{cidrs: [{GOLD}/32], ports: [{port}]}}}}
   - {{name: bronze-app, tier: bronze, match: {{cidrs: [{BRONZE}/32], ports: [{port}]}}}}
 latency: {{enabled: true, ports: [{port}], window: 1s}}
 quota: {quota}
 admission: {admission}
+{extra.replace("$PORT", str(port))}
 """)
     return path
 
@@ -139,11 +142,11 @@ class Agent(AgentProcess):
 
 
 @contextlib.contextmanager
-def scenario(tmp: Path, quota: str, admission: str) -> Iterator[tuple[Procs, Agent, int]]:
+def scenario(tmp: Path, quota: str, admission: str, **tiers_and_extra: str) -> Iterator[tuple[Procs, Agent, int]]:
     """The server and the agent running in a fresh namespace; everything stopped, detached and removed after."""
     port = 20000 + secrets.randbelow(20000)
     pin_root = f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}"
-    cfg = config(tmp, port, pin_root, quota, admission)
+    cfg = config(tmp, port, pin_root, quota, admission, **tiers_and_extra)
     with netns("admission") as ns:
         procs = Procs(ns)
         agent = None

@@ -10,6 +10,7 @@ the quota heartbeat times out, the kernel serves bronze on its baseline limit ag
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -29,12 +30,14 @@ from tests.integration.admission_harness import (
 pytestmark = [pytest.mark.privileged, pytest.mark.slow]
 
 GOLD_ACTIONS = ("cut", "raise", "restore", "shed", "unshed")
+METRICS_SERVER = str(Path(__file__).with_name("inference_metrics.py"))
 
 
 def test_closed_loop_end_to_end(bpf: None, tmp_path: Path) -> None:
     quota = "{enabled: true, interfaces: [lo], heartbeat_timeout: 2s}"
     admission = "{enabled: true, mode: enforce, cooldown: 5s, gpu_pressure: {gpus: [0], escalate_after: 1h}}"
-    with scenario(tmp_path, quota, admission) as (procs, agent, port):
+    # Bronze may be shed entirely (sheddable); without it a shed stops at admission.min_rps.
+    with scenario(tmp_path, quota, admission, bronze="sheddable: true") as (procs, agent, port):
         caps = agent.status()["capabilities"]
         assert {n: caps[n]["state"] for n in ("latency", "quota", "admission")} == {
             "latency": "active", "quota": "active", "admission": "active"}, caps
@@ -82,3 +85,63 @@ def test_closed_loop_end_to_end(bpf: None, tmp_path: Path) -> None:
         after = procs.client(port, BRONZE, 1, 200, 8, tmp_path / "after.json", timeout=10.0)
         after_reqs = results(after, tmp_path / "after.json")
         assert any(ok for _, _, ok in after_reqs), after_reqs
+
+
+def test_server_pressure_end_to_end(bpf: None, tmp_path: Path) -> None:
+    """A vLLM-shaped server (metrics from inference_metrics.py, requests served by the worker pool) on a GPU at 92 %
+    memory: nothing is limited while its KV cache has room; with the cache full and 20 waiting, bronze's limit is
+    cut in the kernel (its requests are refused) and gold keeps its floor; when the cache drains, bronze's limit
+    comes back up."""
+    quota = "{enabled: true, interfaces: [lo], heartbeat_timeout: 2s}"
+    admission = ("{enabled: true, mode: enforce, cooldown: 1s, healthy_ticks: 5, gpu_pressure: {gpus: [0]}, "
+                 "server_pressure: {cut_every: 300ms}}")
+    control = tmp_path / "vllm.json"
+    write_json(control, {"kv": 0.30, "waiting": 0, "running": 4})
+    mport = 19000  # the namespace is the test's own: nothing else listens there (the agent and server are >= 20000)
+    servers = f'servers: [{{port: $PORT, kind: vllm, metrics: "http://127.0.0.1:{mport}/metrics"}}]'
+    with scenario(tmp_path, quota, admission, gold="floor: {rps: 50, burst: 50}", extra=servers) as (
+            procs, agent, port):
+        caps = agent.wait_ready()["capabilities"]
+        assert {n: caps[n]["state"] for n in ("quota", "servers", "admission")} == {
+            "quota": "active", "servers": "active", "admission": "active"}, caps
+        vllm = procs.start([sys.executable, METRICS_SERVER, "vllm", str(mport), str(control)])
+        # vLLM's reservation: 92 % of the GPU's memory, held by the server's process.
+        write_json(tmp_path / "gpu.json", {"preset": "single", "gpus": {"0": {
+            "memory_used_ratio": 0.92, "processes": [[vllm.pid, 130 << 30]]}}})
+        wait_for("the server's reading", lambda: (s := agent.status().get("servers")) and s["servers"][0]["known"]
+                 and s, 30)
+
+        # ---- KV 0.30 at 92 % GPU memory: both tenants served, nothing limited ----
+        gold = procs.client(port, GOLD, 1, 50, 4, tmp_path / "gold1.json")
+        bronze = procs.client(port, BRONZE, 1, 50, 4, tmp_path / "bronze1.json")
+        gold_reqs, bronze_reqs = results(gold, tmp_path / "gold1.json"), results(bronze, tmp_path / "bronze1.json")
+        assert len(bronze_reqs) > 20 and all(ok for _, _, ok in gold_reqs + bronze_reqs)
+        assert agent.decisions("gold-app") == [] and agent.decisions("bronze-app") == []
+        st = agent.status()["admission"]
+        # Held by the server once /proc was walked after it started; until then its process is not identified.
+        assert st["gpu"].startswith("unknown (GPU 0 ") and st["shed_tiers"] == 0, st
+
+        # ---- KV 0.99, 20 waiting: bronze cut (in the kernel), gold never under its floor ----
+        write_json(control, {"kv": 0.99, "waiting": 20, "running": 48})
+        gold = procs.client(port, GOLD, 1, 50, 8, tmp_path / "gold2.json")
+        flood = procs.client(port, BRONZE, 2, 0, 8, tmp_path / "flood.json", timeout=1.0)
+        cut = wait_for("bronze cut for server pressure", lambda: agent.decisions("bronze-app", "cut"), 15)
+        assert cut[0]["reason"] == "server_pressure" and cut[0]["inputs"]["server"] == port
+        wait_for("bronze at min_rps", lambda: any(d["new"] == 1.0 for d in agent.decisions("bronze-app", "cut")), 20)
+        t_floor = time.monotonic()
+        gold_reqs, flood_reqs = results(gold, tmp_path / "gold2.json"), results(flood, tmp_path / "flood.json")
+        assert gold_reqs and all(ok for _, _, ok in gold_reqs)
+        after = [ok for t, _, ok in flood_reqs if t > t_floor + 0.5]
+        # About one request a second gets through a 1/s limit; the rest are refused by the classifier.
+        assert after and sum(after) <= 3 + len(after) // 10, (sum(after), len(after))
+        gold_cuts = agent.decisions("gold-app", "cut")
+        assert all(d["new"] >= 50 for d in gold_cuts), gold_cuts
+        bronze_st = next(t for t in agent.status()["admission"]["tenants"] if t["tenant"] == "bronze-app")
+        assert (bronze_st["signal"], bronze_st["rule"]) == ("server", "cut, held at min_rps"), bronze_st
+
+        # ---- the cache drains: bronze, pressing its limit, is raised back ----
+        write_json(control, {"kv": 0.40, "waiting": 0, "running": 8})
+        calm = procs.client(port, BRONZE, 2, 0, 15, tmp_path / "calm.json", timeout=1.0)
+        raised = wait_for("bronze raised after the pressure", lambda: agent.decisions("bronze-app", "raise"), 15)
+        assert raised[0]["reason"] == "server_relieved"
+        results(calm, tmp_path / "calm.json")

@@ -153,6 +153,14 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_quota_baseline_rps", ', tenant="hobby", tier="bronze"', "10x20"),
             ("qosagent_quota_limit_rps", ', tenant="shop", tier="gold"', "10x20"),
             ("qosagent_quota_baseline_rps", ', tenant="shop", tier="gold"', "10x20"),
+            ("qosagent_admission_enforcing", "", "1x30"),
+            ("qosagent_admission_limited", ', tenant="hobby", tier="bronze", cause="server"', "1x30"),
+            ("qosagent_server_reading_known", ', port="8000", kind="vllm"', "0x30"),
+            ("qosagent_server_reading_known", ', port="8001", kind="sglang"', "1x30"),
+        )] + [{"series": f'{name}{{instance="node-b:9464", job="qosagent"{labels}}}', "values": values}
+              for name, labels, values in (
+            ("qosagent_admission_enforcing", "", "0x30"),
+            ("qosagent_admission_limited", ', tenant="hobby", tier="bronze", cause="gpu_memory"', "1x30"),
         )],
         "alert_rule_test": [
             {"eval_time": "15m", "alertname": "QosagentDown", "exp_alerts": [
@@ -169,6 +177,16 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             {"eval_time": "15m", "alertname": "QosagentLoopOverrunning", "exp_alerts": []},
             {"eval_time": "15m", "alertname": "QosagentTenantShed", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze"}}]},
+            # Enforcing on node-a, dry-run on node-b: one alert each, never both for one node.
+            {"eval_time": "5m", "alertname": "QosagentAdmissionShedding", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze",
+                                "cause": "server"}}]},
+            {"eval_time": "20m", "alertname": "QosagentAdmissionWouldShed", "exp_alerts": [
+                {"exp_labels": {"severity": "info", "instance": "node-b:9464", "tenant": "hobby", "tier": "bronze",
+                                "cause": "gpu_memory"}}]},
+            {"eval_time": "5m", "alertname": "QosagentAdmissionWouldShed", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "QosagentServerReadingUnknown", "exp_alerts": [
+                {"exp_labels": {"severity": "info", "instance": "node-a:9464", "port": "8000", "kind": "vllm"}}]},
             {"eval_time": "10m", "alertname": "QosagentTenantSLOBreach", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "shop", "tier": "gold",
                                 "signal": "ttft", "slo_quantile": "0.95"}}]},

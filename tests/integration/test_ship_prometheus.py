@@ -80,7 +80,8 @@ def test_prometheus_scrapes_the_agent(prometheus: str, agent: dict[str, Any]) ->
                      lambda: query(prometheus, "increase(qosagent_ticks_total[10s]) > 0"), deadline)
     assert float(ticks[0]["value"][1]) > 0
     states = query(prometheus, "qosagent_capability_state == 1")
-    assert {s["metric"]["capability"] for s in states} == {"latency", "quota", "admission", "dvfs", "placement"}
+    assert {s["metric"]["capability"] for s in states} == {"latency", "quota", "servers", "admission", "dvfs",
+                                                           "placement"}
     slo = query(prometheus, "qosagent_tier_slo_p99_seconds")
     assert {s["metric"]["tier"]: float(s["value"][1]) for s in slo} == pytest.approx({"gold": 0.12, "silver": 0.35,
                                                                                    "bronze": 1.2})

@@ -216,7 +216,7 @@ def agent(tmp_path: Path, mode: str = "enforce") -> tuple[Agent, FakeBackend, Fa
 def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) -> None:
     a, fake, w = agent(tmp_path)
     try:
-        assert [c.name for c in a.capabilities] == ["admission"]
+        assert [c.name for c in a.capabilities] == ["servers", "admission"]
         fake.gpus[0].memory_used = int(fake.gpus[0].memory_total * 0.95)
         a.tick()
         assert w.calls[-1] == {"hobby": TenantLimit(5.0, 5)}
@@ -230,7 +230,7 @@ def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) ->
         assert not a.stats.apply_errors and not a.stats.collect_errors
         unshed = [d for d in a.decisions if d.action == "unshed"]
         assert len(unshed) == 1 and unshed[0].reason == "gpu_state_unknown"
-        assert a.status()["admission"]["gpu"] == "unknown"
+        assert a.status()["admission"]["gpu"].startswith("unknown (")
         fake.clear("sample" if kind == GPU_LOST else "memory")
         a.tick()
         assert w.calls[-1] == {"hobby": TenantLimit(5.0, 5)}
@@ -253,7 +253,10 @@ def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
         assert st["decisions"][-1]["inputs"]["memory_used_ratio"] == pytest.approx(0.95, abs=1e-3)
         human = render(st)
         assert "ADMISSION  mode enforce  P95 ttft  GPU pressure (max 95.0% on GPU 0)  shed tiers 1" in human
-        assert "hobby          bronze     100/s burst 10         5/s burst 5 SHED" in human
+        assert ("hobby          bronze     100/s burst 10         5/s burst 5 SHED       gpu_memory: shed, held at the "
+                "tier floor (GPU 0 memory 95% > 0.9)") in human
+        assert "acme           gold       unlimited              unlimited              config: baseline" in human
+        assert 'qosagent_admission_limited{cause="gpu_memory",tenant="hobby",tier="bronze"} 1.0' in text
         assert "admission  hobby          shed       100/s burst 10 -> 5/s burst 5  gpu_memory_pressure" in human
         assert st["decisions"][-1]["old"] == 100  # numbers for machines, the readable change beside them
         # The reading that drove the shed is on the scrape beside it.

@@ -25,20 +25,23 @@ class Loop:
     """Drives decide() tick by tick, keeping state, the clock and every change."""
 
     def __init__(self, policy: AdmissionConfig, baseline: dict[str, TenantLimit | None] | None = None,
-                 floors: dict[str, float] | None = None):
+                 floors: dict[str, float] | None = None, sheddable: frozenset[str] = frozenset({"bronze", "silver"})):
         self.policy = policy
         self.state = P.LoopState()
         self.now = 1000.0
         self.baseline = baseline if baseline is not None else {
             "acme": TenantLimit(200, 20), "mid": TenantLimit(200, 20), "hobby": TenantLimit(200, 20)}
         self.floors = floors or {}
+        self.sheddable = sheddable
+        self.ports: dict[str, frozenset[int]] = {}
         self.rates = {n: 150.0 for n in TENANT_TIER}  # each tenant presses against its limit unless told
         self.changes: list[tuple[int, P.Change]] = []
         self.ticks = 0
         self.last: P.Outcome | None = None
         self.window_s = 0.0
 
-    def tick(self, observed: dict[str, float | None] | None = None, gpu: P.GpuInput | None = None) -> P.Outcome:
+    def tick(self, observed: dict[str, float | None] | None = None, gpu: P.GpuInput | None = None,
+             servers: tuple[P.ServerInput, ...] = ()) -> P.Outcome:
         observed = observed or {}
         tiers = {t: P.TierInput(t, WEIGHT[t], SLO[t], observed.get(t, SLO[t] * 0.5)) for t in SLO}
         tenants = {}
@@ -46,8 +49,10 @@ class Loop:
             lim = self.limit(name)
             rate = self.rates[name] if lim is None else min(self.rates[name], lim.rps)
             tenants[name] = P.TenantInput(name, tier, self.baseline.get(name), self.floors.get(tier, 0.0), 0,
-                                          admitted_rps=rate)
-        inp = P.TickInput(self.now, tiers, tenants, gpu or P.GpuInput.unknown("no GPU"), window_s=self.window_s)
+                                          admitted_rps=rate, sheddable=tier in self.sheddable,
+                                          ports=self.ports.get(name, frozenset()))
+        inp = P.TickInput(self.now, tiers, tenants, gpu or P.GpuInput.unknown("no GPU"), servers=servers,
+                          window_s=self.window_s)
         out = P.decide(inp, self.policy, self.state)
         self.state = out.state
         self.last = out
@@ -271,3 +276,126 @@ def test_shed_keeps_the_adaptive_limit_underneath() -> None:
     assert loop.limit("hobby") == TenantLimit(0.0, 0)
     out = loop.tick(gpu=gpu(0.5))
     assert out.changes[0].new == TenantLimit(105.0, 10)
+
+
+# ---- server pressure (KV cache, queue) and floors ----
+
+def vllm(kv: float | None, waiting: float | None = 0, port: int = 8000, known: bool = True) -> tuple[P.ServerInput]:
+    return (P.ServerInput(port, "vllm", known, kv, waiting),)
+
+
+def test_a_server_with_room_in_its_kv_cache_sheds_nobody() -> None:
+    loop = Loop(cfg(), sheddable=frozenset())
+    for _ in range(300):
+        out = loop.tick(servers=vllm(0.30, 3))
+    assert loop.changes == [] and out.overrides == {} and out.part.server_pressure == frozenset()
+
+
+def test_a_full_kv_cache_cuts_bronze_first_then_silver_and_never_gold_below_its_floor() -> None:
+    loop = Loop(cfg(server_pressure={"cut_every": "1s"}), floors={"gold": 50.0}, sheddable=frozenset())
+    for _ in range(600):
+        out = loop.tick(servers=vllm(0.99, 20))
+    cuts = [(t, c.tenant, c.new.rps) for t, c in loop.changes]
+    assert all(c.action == "cut" and c.reason == "server_pressure" for _, c in loop.changes)
+    assert cuts[0] == (0, "hobby", 105.0)  # the tick the pressure is seen: 150 admitted x 0.7
+    first_mid = next(t for t, n, _ in cuts if n == "mid")
+    # Silver only once bronze sits on its floor (min_rps here), and one cut per cut_every (10 ticks).
+    assert [r for t, n, r in cuts if n == "hobby"][-1] == 1.0
+    assert all(t < first_mid for t, n, _ in cuts if n == "hobby")
+    assert all(b - a >= 10 for a, b in zip([t for t, _, _ in cuts], [t for t, _, _ in cuts][1:]))
+    assert loop.rps("acme") == 50.0 and min(r for _, n, r in cuts if n == "acme") == 50.0
+    assert out.part.server_pressure == {8000}
+    c = loop.changes[0][1]
+    assert c.inputs["server"] == 8000 and c.inputs["rule"] == "kv_cache_usage 0.99 > 0.95"
+    assert out.set_by["hobby"] == P.SetBy("server", "cut, held at min_rps", "server 8000: kv_cache_usage 0.99 > 0.95")
+    assert out.set_by["acme"].rule == "cut, held at the tier floor"
+
+
+def test_recovery_when_the_kv_cache_drops_below_exit_paced_and_with_hysteresis() -> None:
+    loop = Loop(cfg(cooldown="1s", healthy_ticks=5), sheddable=frozenset())
+    for _ in range(3):
+        loop.tick(servers=vllm(0.99, 0))
+    assert loop.rps("hobby") == 105.0
+    for _ in range(100):  # between exit and enter: still pressed, nothing raised
+        out = loop.tick(servers=vllm(0.90, 0))
+        assert out.part.server_pressure == {8000}
+    assert [c.action for _, c in loop.changes] == ["cut"] * len(loop.changes)
+    n = len(loop.changes)
+    for _ in range(300):
+        loop.tick(servers=vllm(0.50, 0))
+    raises = [(t, c) for t, c in loop.changes[n:]]
+    assert raises and {c.reason for _, c in raises} == {"server_relieved"}
+    assert all(b[0] - a[0] >= 5 for a, b in zip(raises, raises[1:]))
+    assert raises[-1][1].action == "restore" and loop.limit("hobby") == TenantLimit(200, 20)
+
+
+def test_a_queue_presses_only_after_queue_ticks_ticks_over_queue_enter() -> None:
+    loop = Loop(cfg(server_pressure={"queue_enter": 16, "queue_ticks": 10}), sheddable=frozenset())
+    for _ in range(9):
+        loop.tick(servers=vllm(0.5, 20))
+    loop.tick(servers=vllm(0.5, 3))  # the run is broken: the count starts again
+    for _ in range(9):
+        loop.tick(servers=vllm(0.5, 20))
+    assert loop.changes == []
+    out = loop.tick(servers=vllm(0.5, 20))
+    assert [(c.tenant, c.action) for c in out.changes] == [("hobby", "cut")]
+    assert "requests_waiting 20 > 16 for 10 ticks" in out.changes[0].inputs["rule"]
+
+
+def test_an_unknown_server_reading_presses_nothing_and_ends_the_pressure() -> None:
+    loop = Loop(cfg(), sheddable=frozenset())
+    for _ in range(50):
+        loop.tick(servers=vllm(None, None, known=False))
+        loop.tick(servers=vllm(None, 40))  # KV not exported (TGI): only the queue can press
+    assert loop.changes == []
+    loop.tick(servers=vllm(0.99, 0))
+    assert loop.state.servers[8000].pressed
+    out = loop.tick(servers=vllm(0.99, 0, known=False))
+    assert out.part.server_pressure == frozenset() and not loop.state.servers[8000].pressed
+
+
+def test_only_the_tenants_a_pressed_server_serves_are_cut() -> None:
+    loop = Loop(cfg(), sheddable=frozenset())
+    loop.ports = {"hobby": frozenset({9000}), "mid": frozenset({8000})}
+    out = loop.tick(servers=vllm(0.99, 0, port=8000))
+    assert [(c.tenant, c.action) for c in out.changes] == [("mid", "cut")]
+
+
+def test_gpu_shedding_of_a_tier_that_is_not_sheddable_stops_at_min_rps_or_its_floor() -> None:
+    loop = Loop(cfg(gpu_pressure={"escalate_after": "100ms"}), floors={"silver": 20.0}, sheddable=frozenset())
+    for _ in range(10):
+        out = loop.tick(gpu=gpu(0.97))
+    assert loop.limit("hobby") == TenantLimit(1.0, 1) and loop.limit("mid") == TenantLimit(20.0, 2)
+    assert loop.limit("acme") == TenantLimit(1.0, 1)
+    assert out.set_by["mid"] == P.SetBy("gpu_memory", "shed, held at the tier floor", "GPU 0 memory 97% > 0.9")
+    assert out.set_by["acme"].rule == "shed, held at min_rps"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_path_ever_takes_a_tenant_below_its_floor(seed: int) -> None:
+    """Random mixes of SLO breaches, server pressure and GPU pressure: every limit ever decided respects the floor
+    of its tier and min_rps, except sheds of sheddable tiers (to their floor)."""
+    rng = random.Random(seed)
+    floors = {"gold": 30.0, "silver": 0.0, "bronze": 0.0}
+    loop = Loop(cfg(cooldown="300ms", healthy_ticks=2, gpu_pressure={"escalate_after": "200ms"},
+                    server_pressure={"cut_every": "100ms"}), floors=floors, sheddable=frozenset({"bronze"}))
+    for _ in range(3000):
+        loop.tick({"gold": SLO["gold"] * rng.choice([0.5, 1.5, 3.0])},
+                  gpu=gpu(rng.choice([0.5, 0.87, 0.97])) if rng.random() < 0.9 else P.GpuInput.unknown("x"),
+                  servers=vllm(rng.choice([0.3, 0.9, 0.99, float("nan")]), rng.choice([0, 30]),
+                               known=rng.random() < 0.9))
+        for name, tier in TENANT_TIER.items():
+            lim = loop.limit(name)
+            low = floors[tier] if tier == "bronze" and loop.state.tenants[name].shed else max(floors[tier], 1.0)
+            assert lim is None or lim.rps >= low, (name, lim)
+    assert {c.reason for _, c in loop.changes} >= {"slo_breach", "server_pressure", "gpu_memory_pressure"}
+
+
+def test_a_latency_breach_and_server_pressure_on_one_tick_cut_once() -> None:
+    loop = Loop(cfg(server_pressure={"cut_every": "100ms"}), sheddable=frozenset())
+    loop.tick(gold_over())
+    loop.tick(gold_over())
+    out = loop.tick(gold_over(), servers=vllm(0.99, 0))  # the breach's third tick, and the cache full
+    assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "slo_breach")]
+    out = loop.tick(gold_over(), servers=vllm(0.99, 0))
+    assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "server_pressure")]

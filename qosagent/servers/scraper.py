@@ -1,0 +1,328 @@
+"""Reading the servers' metrics off the tick thread: one background thread, reads bounded by a deadline from
+connect to last byte, results kept for collect() to copy into the Snapshot.
+
+The tick never waits on a server. A read that fails keeps the last good reading only until it is stale_after
+old; after that the server is unknown, with the last failure as the reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable
+
+from qosagent.hostfs import HostFS
+from qosagent.servers import discovery, kinds
+from qosagent.servers.config import ServerConfig
+from qosagent.servers.kinds import KV, PREEMPTIONS, RUNNING, WAITING
+from qosagent.servers.model import ServerReading, ServersPart
+from qosagent.servers.parse import ExpositionError, Parsed, parse
+
+log = logging.getLogger("qosagent.servers")
+
+MAX_BODY = 32 << 20  # a vLLM exposition with every histogram is a few hundred KiB
+DISCOVER_EVERY = 10.0  # seconds between walks of /proc (ports, owners, process tree)
+
+NOT_A_SERVER = ("not read: its command line names no vllm, sglang, tgi or triton server; list it under servers: "
+                "to read it")
+
+# Read results: the values of the metric label `result` (docs/servers.md).
+OK, DOWN, TIMEOUT, HTTP_ERROR, GARBAGE, TOO_LARGE = "ok", "down", "timeout", "http_error", "garbage", "too_large"
+
+
+class FetchError(Exception):
+    def __init__(self, result: str, reason: str):
+        super().__init__(reason)
+        self.result = result
+
+
+def fetch(url: str, timeout: float) -> str:
+    """The body of a GET, within timeout from connect to last byte (a server that trickles is cut off too)."""
+    u = urllib.parse.urlsplit(url)
+    deadline = time.monotonic() + timeout
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = cls(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+
+    def left() -> float:
+        rest = deadline - time.monotonic()
+        if rest <= 0:
+            raise FetchError(TIMEOUT, f"no complete answer within {timeout:g}s")
+        return rest
+
+    try:
+        conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""),
+                     headers={"Accept": "text/plain;version=0.0.4"})
+        # Kept here: http.client drops conn.sock once a Connection: close response is under way.
+        sock = conn.sock
+        assert sock is not None
+        sock.settimeout(left())
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise FetchError(HTTP_ERROR, f"HTTP {resp.status} {resp.reason}".strip())
+        body = bytearray()
+        while True:
+            sock.settimeout(left())
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise FetchError(TOO_LARGE, f"answer over {MAX_BODY >> 20} MiB")
+        left()
+        return body.decode("utf-8", errors="replace")
+    except (socket.timeout, TimeoutError):
+        raise FetchError(TIMEOUT, f"no complete answer within {timeout:g}s") from None
+    except ConnectionRefusedError:
+        raise FetchError(DOWN, "connection refused") from None
+    except http.client.HTTPException as e:
+        raise FetchError(HTTP_ERROR, f"bad HTTP answer: {type(e).__name__} {e}".strip()) from None
+    except OSError as e:
+        raise FetchError(DOWN, e.strerror or str(e)) from None
+    finally:
+        conn.close()
+
+
+def capacity(metrics_url: str, where: tuple[str, str], timeout: float) -> float | None:
+    """A number from a JSON document next to the metrics (TGI's /info max_batch_total_tokens), or None."""
+    u = urllib.parse.urlsplit(metrics_url)
+    try:
+        doc = json.loads(fetch(urllib.parse.urlunsplit((u.scheme, u.netloc, where[0], "", "")), timeout))
+        value = float(doc[where[1]])
+    except (FetchError, ValueError, KeyError, TypeError):
+        return None
+    return value if value > 0 else None
+
+
+@dataclass
+class Target:
+    """One server as the scrape thread knows it; mutated only under Scraper.lock."""
+
+    cfg: ServerConfig
+    configured: bool
+    kind: str  # configured kind, else found (command line, then exposition), else auto
+    url: str
+    # A discovered process whose command line names no kind is listed, not read: the agent does not send requests
+    # to whatever else listens on a watched port (a proxy, a test server).
+    read: bool = True
+    pid: int | None = None
+    pids: frozenset[int] = frozenset()
+    good: Parsed | None = None
+    good_at: float | None = None
+    error: str = "not read yet"
+    start_time: float | None = None
+    kv_capacity: float | None = None  # TGI: its KV pool in tokens, from /info, read again after a restart
+    preemptions: float | None = None
+    scrapes: collections.Counter[str] = field(default_factory=collections.Counter)
+    restarts: int = 0
+    counter_resets: int = 0
+    next_at: float = 0.0
+
+    def restarted(self, why: str) -> None:
+        # What was read from the old process says nothing about the new one.
+        self.restarts += 1
+        self.good, self.good_at = None, None
+        self.start_time = self.preemptions = self.kv_capacity = None
+        self.error = why
+        log.info("server on port %d restarted (%s)", self.cfg.port, why)
+
+
+class Scraper:
+    def __init__(self, hostfs: HostFS, servers: list[ServerConfig] | None, ports: list[int],
+                 clock: Callable[[], float] = time.monotonic, discover_every: float = DISCOVER_EVERY):
+        self.fs = hostfs
+        self.clock = clock
+        self.discover = servers is None  # no list: servers are whatever listens on the watched ports
+        self.ports = ports
+        self.discover_every = discover_every
+        self.lock = threading.Lock()
+        self.targets: dict[int, Target] = {}
+        for s in servers or []:
+            self.targets[s.port] = self._target(s, True, s.kind)
+        self.prealloc: frozenset[int] = frozenset()
+        self.known_pids: frozenset[int] = frozenset()
+        self.processes_known = False
+        self.round_errors = 0
+        self._next_discovery = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def _target(cfg: ServerConfig, configured: bool, kind: str, host: str = "127.0.0.1") -> Target:
+        url = str(cfg.metrics) if cfg.metrics is not None else kinds.metrics_url(cfg.port, kind, host)
+        return Target(cfg, configured, kind, url)
+
+    # ---- the thread ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        # The first walk of /proc before the first tick: until it, no GPU could be told pre-allocated or not.
+        self._guarded(self.rediscover)
+        self._next_discovery = self.clock() + self.discover_every
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="servers-read")
+        self._thread = threading.Thread(target=self._run, name="servers", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - a bug here must not end the readings for good; counted, logged
+            self.round_errors += 1
+            log.exception("servers: read round failed")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._guarded(self.round)
+            self._stop.wait(0.05)
+
+    def round(self) -> None:
+        """One pass: rediscover when due, then read every server whose interval has come round, in parallel."""
+        now = self.clock()
+        if now >= self._next_discovery:
+            self._next_discovery = now + self.discover_every
+            self.rediscover()
+        with self.lock:
+            due = [t for t in self.targets.values() if t.read and t.next_at <= now]
+            for t in due:
+                t.next_at = now + t.cfg.interval
+        if not due:
+            return
+        pool = self._pool
+        results = pool.map(self._read, due) if pool is not None else map(self._read, due)
+        for t, (result, text, why, cap) in zip(due, results):
+            self.record(t, result, text, why, cap)
+
+    @staticmethod
+    def _read(t: Target) -> tuple[str, str, str, float | None]:
+        try:
+            text = fetch(t.url, t.cfg.timeout)
+        except FetchError as e:
+            return e.result, "", str(e), None
+        where = kinds.kind(t.kind).kv_capacity
+        cap = capacity(t.url, where, t.cfg.timeout) if where is not None and t.kv_capacity is None else None
+        return OK, text, "", cap
+
+    # ---- what a read means ----------------------------------------------------------------------------------
+    def record(self, t: Target, result: str, text: str, why: str, kv_capacity: float | None = None) -> None:
+        parsed = None
+        if kv_capacity is not None:
+            t.kv_capacity = kv_capacity
+        if result == OK:
+            try:
+                parsed = parse(text, t.kind, t.kv_capacity)
+            except ExpositionError as e:
+                result, why = GARBAGE, str(e)
+        with self.lock:
+            t.scrapes[result] += 1
+            if parsed is None:
+                t.error = why
+                return
+            if t.kind in ("auto", "generic") and parsed.kind != "generic":
+                t.kind = parsed.kind
+            if parsed.start_time is not None and t.start_time is not None and parsed.start_time != t.start_time:
+                t.restarted("the server's process_start_time_seconds changed")
+            p = parsed.values.get(PREEMPTIONS)
+            if p is not None and t.preemptions is not None and p < t.preemptions:
+                t.counter_resets += 1
+            t.preemptions = p
+            t.start_time = parsed.start_time
+            t.good, t.good_at, t.error = parsed, self.clock(), ""
+
+    def rediscover(self) -> None:
+        """Owners of the ports (pid changes are restarts), new servers on watched ports, pre-allocating pids."""
+        procs = discovery.processes(self.fs)
+        with self.lock:
+            ports = set(self.targets) | (set(self.ports) if self.discover else set())
+        listening = discovery.listening_inodes(self.fs, ports)
+        owners = discovery.owners(self.fs, listening, procs) if procs else {}
+        unseen = {port for port, _ in listening.values()} - set(owners)
+        kids = discovery.children(procs)
+        seen_pids: set[int] = set()
+        with self.lock:
+            self.processes_known = bool(procs)
+            self.known_pids = frozenset(procs)
+            self.prealloc = discovery.preallocating_pids(procs)
+            for port in sorted(ports):
+                pid, host = owners.get(port, (None, "127.0.0.1"))
+                t = self.targets.get(port)
+                if t is None and port in unseen and self.discover:
+                    # Listening, but whose socket it is cannot be read: another user's /proc/<pid>/fd needs
+                    # CAP_DAC_READ_SEARCH, which the systemd unit does not grant.
+                    t = self.targets[port] = self._target(ServerConfig(port=port), False, "generic")
+                    t.read, t.error = False, ("something listens here, but its process cannot be seen (another "
+                                              "user's /proc/<pid>/fd): list it under servers: to read it")
+                    continue
+                if t is None:
+                    # One server per process: Triton listens on 8000 and 8001, vLLM maybe on two ports.
+                    if pid is None or pid in seen_pids:
+                        continue
+                    argv = list(procs[pid].argv)
+                    kind = kinds.from_cmdline(argv) or "generic"
+                    t = self.targets[port] = self._target(ServerConfig(port=port), False, kind)
+                    log.info("listener found on port %d: pid %d, kind %s (%s)", port, pid, kind, " ".join(argv)[:120])
+                if pid is not None:
+                    seen_pids.add(pid)
+                    if t.pid is not None and pid != t.pid:
+                        t.restarted(f"pid {t.pid} -> {pid} on the same port")
+                    found = kinds.from_cmdline(list(procs[pid].argv))
+                    if t.kind == "auto":
+                        t.kind = found or "auto"
+                    elif not t.configured:
+                        # What listens there now: the kind (and the metrics port, Triton's) follow the process.
+                        t.kind, t.read = found or "generic", found is not None
+                        if not found:
+                            t.error = NOT_A_SERVER
+                        elif t.error == NOT_A_SERVER:
+                            t.error = "not read yet"
+                        # A listener bound to one address answers there only (not on loopback).
+                        t.url = kinds.metrics_url(port, t.kind, host)
+                    t.pid = pid
+                    t.pids = discovery.family(discovery.server_root(pid, procs), kids)
+                elif procs and t.pid is not None:
+                    t.error = f"nothing listens on port {port} (pid {t.pid} gone)"
+                    t.pid, t.pids = None, frozenset()
+
+    # ---- the Snapshot's part ---------------------------------------------------------------------------------
+    def part(self) -> ServersPart:
+        now = self.clock()
+        out = []
+        with self.lock:
+            for port in sorted(self.targets):
+                out.append(self._reading(self.targets[port], now))
+            return ServersPart(tuple(out), self.prealloc, self.processes_known, self.known_pids, self.round_errors)
+
+    def _reading(self, t: Target, now: float) -> ServerReading:
+        age = now - t.good_at if t.good_at is not None else None
+        known = t.good is not None and age is not None and age <= t.cfg.stale_after
+        kind = t.kind if t.kind != "auto" else "generic"
+        base = dict(port=t.cfg.port, kind=kind, url=t.url, configured=t.configured, pid=t.pid, pids=t.pids,
+                    preallocates=kinds.kind(kind).preallocates, scrapes=MappingProxyType(dict(t.scrapes)),
+                    restarts=t.restarts, counter_resets=t.counter_resets, age_s=age)
+        if not t.read:
+            return ServerReading(known=False, reason=t.error, **base)  # type: ignore[arg-type]
+        if not known:
+            why = t.error or "no reading"
+            if t.good is not None:
+                why = f"last good read {age:.1f}s ago (stale after {t.cfg.stale_after:g}s): {why}"
+            return ServerReading(known=False, reason=why, **base)  # type: ignore[arg-type]
+        assert t.good is not None
+        v = t.good.values
+        return ServerReading(known=True, reason=t.error, kv_cache_usage=v.get(KV), requests_waiting=v.get(WAITING),
+                             requests_running=v.get(RUNNING), preemptions=v.get(PREEMPTIONS),
+                             missing=MappingProxyType(dict(t.good.missing)), **base)  # type: ignore[arg-type]

@@ -1,0 +1,304 @@
+"""The servers capability's pure parts: parsing each kind's exposition, bad answers, kinds, discovery on a fixture
+/proc tree, restarts by pid, and which GPUs' memory is no load signal."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from qosagent.admission.inputs import gpu_input
+from qosagent.gpu.backend import GpuProcess, GpuSample, GpuState
+from qosagent.hostfs import HostFS
+from qosagent.servers import discovery, kinds
+from qosagent.servers.config import ServerConfig
+from qosagent.servers.model import ServerReading, ServersPart, gpu_holders
+from qosagent.servers.parse import ExpositionError, parse
+from qosagent.servers.scraper import GARBAGE, OK, Scraper
+from tests.integration.inference_metrics import TGI_KV_TOKENS, exposition
+
+LOAD = {"kv": 0.42, "waiting": 7, "running": 12, "preemptions": 3}
+
+
+@pytest.mark.parametrize(("kind", "want"), [
+    ("vllm", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3}),
+    ("sglang", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3}),
+    ("tgi", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12}),
+    ("triton", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12}),
+])
+def test_each_kinds_exposition_gives_its_fields(kind: str, want: dict[str, float]) -> None:
+    p = parse(exposition(kind, LOAD), kind, TGI_KV_TOKENS)
+    assert p.kind == kind and p.values == pytest.approx(want)
+    assert set(p.missing) == set(kinds.FIELDS) - set(want)
+    assert all("not exported" in why for why in p.missing.values())
+    # A server whose kind is not known is read by its metric names.
+    assert parse(exposition(kind, LOAD), "generic").kind == kind
+
+
+def test_tgi_kv_usage_needs_its_capacity_from_info() -> None:
+    p = parse(exposition("tgi", LOAD), "tgi")
+    assert p.missing["kv_cache_usage"] == "max_batch_total_tokens unknown (read from /info)"
+    assert p.values["requests_waiting"] == 7
+
+
+def test_older_vllm_names_and_several_engines() -> None:
+    text = exposition("vllm", LOAD).replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    text += ('vllm:num_requests_waiting{engine="1",model_name="m"} 5\n'
+             'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.97\n')
+    p = parse(text, "vllm")
+    assert p.values["kv_cache_usage"] == 0.97  # the fullest cache decides
+    assert p.values["requests_waiting"] == 12  # queues add up
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ("<!DOCTYPE html><html><body>Login</body></html>", "not a metrics exposition"),
+    ("<html>\n<head>", "not a metrics exposition"),
+    ('{"error": "not found"}', "not a metrics exposition"),
+    ("\x00\x01 this is { not metrics\n", "not a metrics exposition"),
+    ("", "empty exposition"),
+    ("# just a comment\n", "empty exposition"),
+])
+def test_answers_that_are_no_exposition_are_errors_not_zeros(body: str, why: str) -> None:
+    with pytest.raises(ExpositionError, match=why):
+        parse(body, "vllm")
+
+
+def test_nan_infinite_negative_and_out_of_range_values_leave_the_field_unknown() -> None:
+    for bad, why in (("NaN", "NaN"), ("+Inf", "infinite"), ("-1", "negative"), ("1.7", "above 1")):
+        p = parse(exposition("vllm", LOAD).replace(" 0.42\n", f" {bad}\n"), "vllm")
+        assert "kv_cache_usage" not in p.values and why in p.missing["kv_cache_usage"]
+        assert p.values["requests_waiting"] == 7  # the other fields stand
+    p = parse("vllm:num_requests_running 3\n", "vllm")
+    assert p.missing["kv_cache_usage"] == "vllm:kv_cache_usage_perc absent"
+
+
+def test_kind_from_the_command_line() -> None:
+    assert kinds.from_cmdline(["/usr/bin/python3", "-m", "vllm.entrypoints.openai.api_server"]) == "vllm"
+    assert kinds.from_cmdline(["vllm", "serve", "meta-llama/Llama-3.1-8B"]) == "vllm"
+    assert kinds.from_cmdline(["python3", "-m", "sglang.launch_server", "--model-path", "x"]) == "sglang"
+    assert kinds.from_cmdline(["text-generation-router", "--port", "80"]) == "tgi"
+    assert kinds.from_cmdline(["tritonserver", "--model-repository=/models"]) == "triton"
+    assert kinds.from_cmdline(["nginx: master process"]) is None
+    assert kinds.metrics_url(8000, "triton") == "http://127.0.0.1:8002/metrics"
+    assert kinds.metrics_url(8000, "vllm") == "http://127.0.0.1:8000/metrics"
+
+
+# ---- discovery on a fixture /proc tree ----
+
+def proc(root: Path, pid: int, ppid: int, argv: list[str], sockets: tuple[int, ...] = ()) -> None:
+    d = root / "proc" / str(pid)
+    (d / "fd").mkdir(parents=True)
+    (d / "stat").write_text(f"{pid} (python3 (x)) S {ppid} {pid} {pid} 0 -1\n")
+    (d / "cmdline").write_text("\x00".join(argv) + "\x00")
+    (d / "fd" / "0").symlink_to("/dev/null")
+    for i, inode in enumerate(sockets):
+        os.symlink(f"socket:[{inode}]", d / "fd" / str(10 + i))
+
+
+def tcp_table(root: Path, rows: list[tuple[int, str, int]], addr: str = "00000000") -> None:
+    (root / "proc" / "net").mkdir(parents=True, exist_ok=True)
+    lines = ["  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode"]
+    for i, (port, st, inode) in enumerate(rows):
+        a = "0A000005" if port == 8080 else addr  # nginx bound to 5.0.0.10 only
+        lines.append(f"   {i}: {a}:{port:04X} 00000000:0000 {st} 00000000:00000000 00:00000000 00000000"
+                     f"     0        0 {inode} 1 0000000000000000 100 0 0 10 0")
+    (root / "proc" / "net" / "tcp").write_text("\n".join(lines) + "\n")
+
+
+def host(tmp_path: Path) -> Path:
+    # vLLM: the API server listens on 8000 and 8001 (one server), its engine process (spawned, no name) holds
+    # the GPU. TGI: the router listens on 3000, the launcher's shard holds GPU 1. nginx listens on 8080.
+    proc(tmp_path, 1, 0, ["/sbin/init"])
+    proc(tmp_path, 100, 1, ["vllm", "serve", "m"], sockets=(5001, 5002))
+    proc(tmp_path, 101, 100, ["/usr/bin/python3", "-c", "from multiprocessing.spawn import spawn_main"])
+    proc(tmp_path, 200, 1, ["text-generation-launcher", "--model-id", "m"])
+    proc(tmp_path, 201, 200, ["text-generation-router", "--port", "3000"], sockets=(5003,))
+    proc(tmp_path, 202, 200, ["/usr/bin/python3", "/usr/bin/text-generation-server", "serve", "m"])
+    proc(tmp_path, 300, 1, ["nginx: master process"], sockets=(5004,))
+    tcp_table(tmp_path, [(8000, "0A", 5001), (8001, "0A", 5002), (3000, "0A", 5003), (8080, "0A", 5004),
+                         (9999, "01", 5005)])
+    return tmp_path
+
+
+def test_discovery_finds_servers_by_socket_process_and_command_line(tmp_path: Path) -> None:
+    s = Scraper(HostFS(host(tmp_path)), None, [3000, 8000, 8001, 8080])
+    s.rediscover()
+    part = s.part()
+    by_port = {r.port: r for r in part.servers}
+    assert set(by_port) == {3000, 8000, 8080}  # 8001 is the vLLM process again: one server
+    assert (by_port[8000].kind, by_port[8000].pid, by_port[8000].pids) == ("vllm", 100, frozenset({100, 101}))
+    assert by_port[8000].url == "http://127.0.0.1:8000/metrics" and not by_port[8000].configured
+    assert (by_port[3000].kind, by_port[3000].pid) == ("tgi", 201)
+    assert by_port[3000].pids == frozenset({200, 201, 202})  # up to the launcher: its shards hold the GPUs
+    assert by_port[8080].kind == "generic" and not by_port[8080].preallocates
+    assert by_port[8080].url == "http://5.0.0.10:8080/metrics"  # bound to one address: read there
+    assert by_port[8080].reason.startswith("not read: its command line names no vllm")  # nginx is left alone
+    assert not s.targets[8080].read and s.targets[8000].read
+    assert not any(r.known for r in part.servers) and by_port[8000].reason == "not read yet"
+    assert part.preallocating_pids == frozenset({100, 101, 200, 201, 202}) and part.processes_known
+
+
+def test_a_listener_whose_process_cannot_be_seen_is_listed_and_not_read(tmp_path: Path) -> None:
+    root = host(tmp_path)
+    (root / "proc" / "300" / "fd" / "10").unlink()  # nginx's fds: another user's, unreadable without a capability
+    s = Scraper(HostFS(root), None, [8080])
+    s.rediscover()
+    r = s.part().servers[0]
+    assert (r.port, r.pid, r.known) == (8080, None, False) and "its process cannot be seen" in r.reason
+    assert not s.targets[8080].read
+
+
+def test_a_new_pid_on_the_same_port_is_a_restart_and_drops_the_old_reading(tmp_path: Path) -> None:
+    root = host(tmp_path)
+    now = [100.0]
+    s = Scraper(HostFS(root), [ServerConfig(port=8000, kind="vllm")], [], clock=lambda: now[0])
+    s.rediscover()
+    t = s.targets[8000]
+    s.record(t, OK, exposition("vllm", LOAD), "")
+    assert s.part().servers[0].known and s.part().servers[0].pid == 100
+    # The server restarts: another process owns the socket.
+    (root / "proc" / "100" / "fd" / "10").unlink()
+    proc(root, 400, 1, ["vllm", "serve", "m"], sockets=(5001,))
+    s.rediscover()
+    r = s.part().servers[0]
+    assert r.pid == 400 and r.restarts == 1 and not r.known and "pid 100 -> 400" in r.reason
+    # Its process goes away: unknown, said so.
+    for f in (root / "proc" / "400" / "fd").iterdir():
+        f.unlink()
+    s.rediscover()
+    r = s.part().servers[0]
+    assert r.pid is None and "nothing listens on port 8000" in r.reason
+
+
+def test_readings_age_out_to_unknown_and_counter_resets_are_counted(tmp_path: Path) -> None:
+    now = [100.0]
+    s = Scraper(HostFS(tmp_path), [ServerConfig(port=8000, kind="vllm", stale_after="5s")], [],
+                clock=lambda: now[0])
+    t = s.targets[8000]
+    s.record(t, OK, exposition("vllm", {**LOAD, "preemptions": 9}), "")
+    now[0] += 1
+    s.record(t, OK, exposition("vllm", {**LOAD, "preemptions": 2}), "")  # went backwards
+    now[0] += 1
+    s.record(t, "down", "", "connection refused")
+    r = s.part().servers[0]
+    assert r.known and r.kv_cache_usage == 0.42 and r.reason == "connection refused" and r.counter_resets == 1
+    now[0] += 4.5
+    r = s.part().servers[0]
+    assert not r.known and r.kv_cache_usage is None and r.requests_waiting is None
+    assert r.reason == "last good read 5.5s ago (stale after 5s): connection refused"
+    s.record(t, OK, "<html>oops</html>", "")
+    r = s.part().servers[0]
+    assert r.scrapes == {OK: 2, "down": 1, GARBAGE: 1} and "not a metrics exposition" in r.reason
+    # A new process_start_time_seconds is a restart even when no pid was seen.
+    s.record(t, OK, exposition("vllm", {**LOAD, "start_time": 1.8e9}), "")
+    assert s.part().servers[0].restarts == 1 and s.part().servers[0].known
+
+
+# ---- GPU memory: no load signal where a pre-allocating server holds the GPU ----
+
+GIB = 1 << 30
+
+
+def reading(port: int, pids: set[int]) -> ServerReading:
+    return ServerReading(port=port, kind="vllm", url="", configured=True, known=True, pids=frozenset(pids),
+                         preallocates=True)
+
+
+def test_gpu_memory_is_read_only_on_gpus_no_pre_allocating_server_holds() -> None:
+    gpus = GpuState(True, gpus=(
+        GpuSample(0, "a", 100 * GIB, 92 * GIB, processes=(GpuProcess(101, 90 * GIB),)),  # vLLM's engine
+        GpuSample(1, "b", 100 * GIB, 95 * GIB, processes=(GpuProcess(555, 95 * GIB),)),  # a training job
+        GpuSample(2, "c", 100 * GIB, 93 * GIB, processes=(GpuProcess(101, 1), GpuProcess(202, 1))),  # shared
+        GpuSample(3, "d", 100 * GIB, 91 * GIB, errors=(("processes", "no_permission"),)),
+    ))
+    servers = ServersPart((reading(8000, {100, 101}), reading(3000, {200, 202})), frozenset({100, 101, 200, 202}),
+                          True, frozenset({1, 100, 101, 200, 202, 555}))
+    assert gpu_input(gpus, [0]).known and gpu_input(gpus, [0]).ratio == pytest.approx(0.92)  # no server part: as before
+    held = gpu_input(gpus, [0], servers)
+    assert not held.known and held.reason == "GPU 0 held by pre-allocating server 8000"
+    free = gpu_input(gpus, [0, 1], servers)
+    assert free.known and free.gpu == 1 and free.ratio == pytest.approx(0.95)
+    unreadable = gpu_input(gpus, [3], servers)
+    assert not unreadable.known and "process list unreadable" in unreadable.reason
+    # No pre-allocating server on the host: memory is load, as before; so without /proc to tell by.
+    assert gpu_input(gpus, [3], ServersPart(processes_known=True, known_pids=frozenset({1}))).ratio == \
+        pytest.approx(0.91)
+    assert gpu_input(gpus, [0], ServersPart()).ratio == pytest.approx(0.92)
+    # A process that started after the last walk of /proc (a server loading its model): not identified yet.
+    fresh = gpu_input(gpus, [1], ServersPart(processes_known=True, known_pids=frozenset({1})))
+    assert not fresh.known and fresh.reason == "GPU 1 process 555 on it not identified yet"
+    assert gpu_holders(servers, gpus) == {0: [8000], 2: [3000, 8000]}
+
+
+def test_discovery_reads_what_a_real_proc_offers() -> None:
+    """On this host's /proc: the test process itself is found among the processes, with its parent."""
+    procs = discovery.processes(HostFS("/"))
+    assert procs[os.getpid()].ppid == os.getppid()
+
+
+def test_two_servers_on_one_gpu_are_counted_and_reported(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from qosagent.capability import AgentContext
+    from qosagent.config import parse as parse_config
+    from qosagent.gpu.fake import FakeBackend
+    from qosagent.servers.capability import Servers
+    from qosagent.snapshot import Snapshot
+
+    cap = Servers(AgentContext(config=parse_config({}, "test"), hostfs=HostFS(tmp_path), gpu=FakeBackend([])))
+    part = ServersPart((reading(8000, {100, 101}), reading(8100, {300})), frozenset({100, 101, 300}), True)
+    gpus = GpuState(True, gpus=(GpuSample(0, "a", 100, 92, processes=(GpuProcess(101, 1), GpuProcess(300, 1))),
+                                GpuSample(1, "b", 100, 50, processes=(GpuProcess(100, 1),))))
+    snap = Snapshot.build(1, 1.0, 1.0, {"servers": part, "gpu": gpus})
+
+    class One:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return cap.metrics(snap)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(One())  # type: ignore[arg-type]
+    text = generate_latest(reg).decode()
+    assert 'qosagent_server_gpu_holders{gpu="0"} 2.0' in text and 'qosagent_server_gpu_holders{gpu="1"} 1.0' in text
+    st = cap.status(snap)
+    assert st["shared_gpus"] == {"0": [8000, 8100]}
+    assert "GPU 0 is shared by the servers on ports 8000, 8100" in Servers.render(st)
+
+
+def test_a_failing_round_is_counted_and_the_readings_go_on(tmp_path: Path) -> None:
+    class Broken(HostFS):
+        def listdir(self, host_path: str) -> list[str]:
+            raise RuntimeError("a bug of ours")
+
+    s = Scraper(Broken(tmp_path), [ServerConfig(port=1, kind="vllm")], [], discover_every=0.01)
+    s.start()  # the first walk fails: counted, and start goes on
+    try:
+        deadline = time.monotonic() + 10
+        while s.part().round_errors < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert s.part().servers[0].scrapes.get("down", 0) >= 1  # still reading, between the failing walks
+    finally:
+        s.stop()
+
+
+def test_probe_warns_when_a_tenant_claims_the_port_the_metrics_are_read_on(tmp_path: Path) -> None:
+    from qosagent.capability import AgentContext, State
+    from qosagent.config import parse as parse_config
+    from qosagent.features import Features
+    from qosagent.gpu.fake import FakeBackend
+    from qosagent.servers.capability import Servers
+
+    def verdict(servers: list[dict[str, object]], match: dict[str, object]) -> tuple[State, str]:
+        cfg = parse_config({"servers": servers, "tenants": [{"name": "shop", "tier": "gold", "match": match}]}, "t")
+        cap = Servers(AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=FakeBackend([])))
+        v = cap.probe(Features())
+        return v.state, v.reason
+
+    state, why = verdict([{"port": 8000, "kind": "vllm"}], {"ports": [8000]})
+    assert state is State.DEGRADED and "tenant 'shop' claims whole" in why
+    assert "tenant" not in verdict([{"port": 8000, "kind": "vllm"}], {"ports": [8000], "cidrs": ["10.0.0.0/8"]})[1]
+    assert "tenant" not in verdict([{"port": 8000, "kind": "vllm", "metrics": "http://127.0.0.1:9100/metrics"}],
+                                   {"ports": [8000]})[1]
