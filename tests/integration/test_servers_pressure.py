@@ -34,7 +34,7 @@ from qosagent.servers.model import gpu_holders
 from qosagent.servers.scraper import Scraper
 from qosagent.status import render
 from qosagent.tenants import TenantLimit
-from tests.conftest import agent_env
+from testkit.agent import agent_env
 from tests.integration.latency_helpers import free_port
 
 SERVER = str(Path(__file__).with_name("inference_metrics.py"))
