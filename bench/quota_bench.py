@@ -165,8 +165,8 @@ tenants:
         for _ in range(pairs):
             without = wrk()
             agent = subprocess.Popen(["nsenter", f"--net=/run/netns/{srv}", sys.executable, "-m", "qosagent", "run",
-                                      "--config", str(tmp / "q.yaml")], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                                      "--config", str(tmp / "q.yaml"), "--detach-on-exit"], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for _ in range(300):
                 if "qosagent-quota" in sh("ip", "netns", "exec", srv, "tc", "filter", "show", "dev", "vs", "ingress"):
                     break

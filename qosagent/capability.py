@@ -55,6 +55,9 @@ class AgentContext:
     clock: Callable[[], float] = time.monotonic
     # What one capability offers another, by a dotted name (e.g. "quota.limits" -> tenants.LimitsWriter).
     services: dict[str, Any] = field(default_factory=dict)
+    # A clean stop hands enforcement over to the next agent where a capability can (quota's filter and pins stay);
+    # True makes stop() remove everything, as `qosagent detach` would.
+    detach_on_exit: bool = False
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qosagent"))
 
 
@@ -97,7 +100,8 @@ class Capability:
         """Take a new, already validated config in place; raise CapabilityError to keep the old one."""
 
     def stop(self) -> None:
-        """Undo everything start() and apply() did, in reverse; safe to call twice."""
+        """Undo everything start() and apply() did, in reverse; safe to call twice. Quota alone leaves its
+        datapath for the next agent unless ctx.detach_on_exit."""
 
     @classmethod
     def detach(cls, ctx: AgentContext) -> list[str]:

@@ -149,6 +149,7 @@ class Quota(Capability):
             for line in self.datapath.attach(self.attached):
                 log.info("%s", line)
         except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
+            self._failed_start()
             raise CapabilityError(f"cannot load or attach the classifier: {e}") from e
         if self.datapath.adopted:
             log.info("adopted pinned quota state at %s", self.datapath.path)
@@ -225,8 +226,22 @@ class Quota(Capability):
         self.attached = names
         self.specs, self.table = derived
 
+    def _failed_start(self) -> None:
+        """A start that failed leaves what it adopted enforcing (the previous agent's limits hold); a datapath of
+        its own that never enforced anything goes."""
+        d, self.datapath = self.datapath, None
+        if d is None:
+            return
+        d.close()
+        if not d.adopted and not d.older:
+            q = self.ctx.config.quota
+            for line in dp.remove_attachments(d.path, q.tc_prio, q.tc_handle, self.attached) + dp.remove_pins(d.path):
+                log.info("%s", line)
+
     def stop(self) -> None:
-        """A clean stop removes everything (only a dead agent leaves the classifier enforcing)."""
+        """A clean stop hands over: the filter keeps the program and the pins keep the limits, so the next agent
+        adopts them with no moment unenforced (adaptive overrides expire with the heartbeat). With
+        ctx.detach_on_exit it removes everything instead."""
         d = self.datapath
         if d is None:
             return
@@ -235,6 +250,10 @@ class Quota(Capability):
         q = self.ctx.config.quota
         path = d.path
         d.close()
+        if not self.ctx.detach_on_exit:
+            log.info("handover: filter on %s and pins at %s stay enforcing for the next agent "
+                     "(qosagent detach removes them)", ", ".join(self.attached), path)
+            return
         for line in dp.remove_attachments(path, q.tc_prio, q.tc_handle, self.attached) + dp.remove_pins(path):
             log.info("%s", line)
 

@@ -214,7 +214,43 @@ class Datapath:
             self._bump_rules_gen()
         self.baseline = dict(limits)
         self._write_limits()
+        if self.older and not self.adopted:
+            self._inherit_buckets()
         self.heartbeat(cfg, bool(r.headers))
+
+    def _inherit_buckets(self) -> None:
+        """An upgrade of layout starts each tenant's buckets where the old agent's stood (its quota_slots and
+        quota_buckets, where their layout is ours), so that taking over grants no tenant a fresh burst. Called
+        before attach: what the old program admits until then is at most a token or two more."""
+        want = layout.map_specs(self.cfg.quota.flow_entries)
+        bsize = ctypes.sizeof(layout.QuotaBucket)
+        ours = self.bpf[b"quota_buckets"]
+        for old in self.older:
+            paths = {n: os.path.join(old, n) for n in ("quota_slots", "quota_buckets")}
+            try:
+                infos = {n: syscall.pinned_map_info(p) for n, p in paths.items()}
+                if any((i.type, i.key_size, i.value_size) != (want[n][0].type, want[n][0].key_size,
+                                                               want[n][0].value_size) for n, i in infos.items()):
+                    log.warning("%s: its buckets have another layout; tenants start with a full burst", old)
+                    continue
+                fds = {n: syscall.obj_get(p) for n, p in paths.items()}
+            except OSError as e:
+                log.warning("%s: cannot read its buckets (%s); tenants start with a full burst", old, e)
+                continue
+            try:
+                for k, v in syscall.map_items(fds["quota_slots"], 4, 4):
+                    tid = int.from_bytes(k, "little")
+                    slot = self.slots.get(tid)
+                    raw = syscall.map_lookup(fds["quota_buckets"], v, bsize)
+                    if slot is None or raw is None:
+                        continue
+                    got = layout.QuotaBucket.from_buffer_copy(raw)
+                    cur = ours[ctypes.c_uint32(slot)]
+                    cur.req_tat, cur.conn_tat = max(cur.req_tat, got.req_tat), max(cur.conn_tat, got.conn_tat)
+                    ours[ctypes.c_uint32(slot)] = cur
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
 
     def _sync(self, table: Any, want: Mapping[tuple[Any, ...], tuple[int, ...]], cidr: bool = False) -> bool:
         def key_of(k: tuple[Any, ...]) -> Any:

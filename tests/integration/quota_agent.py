@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from qosagent.status import NoAgent, request
 from tests.conftest import TIME_SCALE, agent_argv, agent_env
 
 
-def start_quota_agent(netns: str, config: Path, socket: str, log: Path) -> subprocess.Popen:
+def agent_of_layout(n: int, *args: str) -> list[str]:
+    """This checkout's agent as if its pin layout were n: what an agent of another version leaves behind."""
+    return [sys.executable, "-c", f"import qosagent.quota.layout as m; m.LAYOUT = {n}; "
+            "from qosagent.cli import main; main()", *args]
+
+
+def start_quota_agent(netns: str, config: Path, socket: str, log: Path, extra: Sequence[str] = (),
+                      argv: Sequence[str] | None = None) -> subprocess.Popen:
     """nsenter, not `ip netns exec`: that remounts /sys, hiding the host's bpffs and the pins in it."""
+    cmd = list(argv) if argv is not None else agent_argv("run", "--config", str(config), *extra)
     with open(log, "a") as out:
-        agent = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}",
-                                  *agent_argv("run", "--config", str(config))],
+        agent = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}", *cmd],
                                  env=agent_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 60 * TIME_SCALE
     while time.time() < deadline:

@@ -122,7 +122,8 @@ def _agent_with_unit_caps(conf, prefix: list[str], shell: str = ""):
     from tests.conftest import agent_argv, agent_env
 
     bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
-    argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", *agent_argv("run", "--config", str(conf))]
+    argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all",
+            *agent_argv("run", "--config", str(conf), "--detach-on-exit")]
     if shell:
         # Set up as full root first (the way systemd mounts bpffs at boot), then drop to the unit's set.
         argv = ["sh", "-c", shell + ' && exec "$@"', "sh", *argv]
