@@ -19,6 +19,7 @@ from qosagent.capability import AgentContext, Capability, CapabilityError, State
 from qosagent.placement import applier
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
+from qosagent.placement.cgroupns import HostCgroups
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology
@@ -96,6 +97,7 @@ class Placement(Capability):
         self._procs: dict[int, ProcInfo] = {}
         self._gpu_pids: set[int] = set()
         self._next_reconcile = float("-inf")
+        self.cgroups = HostCgroups(ctx.hostfs)  # the host's cgroup paths, also from a container's namespace
         self._configure(ctx.config)
 
     def _configure(self, config: "Config") -> None:
@@ -191,7 +193,8 @@ class Placement(Capability):
         if reconcile:
             self._next_reconcile = now + self.cfg.reconcile_interval
             gpu_pids = self._gpu_pids if self.cfg.gpu_processes else set()
-            procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid()))
+            procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid(),
+                                   cgroups=self.cgroups))
             for p in procs:
                 rec = self.records.get(p.pid)
                 if rec is not None and rec.start == p.start and now - rec.locality_at >= self.cfg.locality_interval:
