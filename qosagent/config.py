@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
@@ -116,6 +116,12 @@ class BpfConfig(Section):
     pin_root: str = "/sys/fs/bpf/qosagent"
 
 
+class ReadinessConfig(Section):
+    # Capabilities that may be unavailable or degraded while /readyz still answers ready; every other enabled one
+    # must be active.
+    optional: list[Literal["latency", "quota", "admission", "dvfs", "placement"]] = Field(default_factory=list)
+
+
 def _default_tiers() -> dict[str, TierConfig]:
     return {
         "gold": TierConfig(slo_p99="120ms", weight=10),  # type: ignore[arg-type]
@@ -131,6 +137,7 @@ class Config(Section):
     metrics: MetricsConfig = MetricsConfig()
     status: StatusConfig = StatusConfig()
     bpf: BpfConfig = BpfConfig()
+    readiness: ReadinessConfig = ReadinessConfig()
     gpu: GpuConfig = GpuConfig()
     tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
     tenants: list[TenantConfig] = Field(default_factory=list)

@@ -121,10 +121,12 @@ class Agent:
     def tick(self) -> Snapshot:
         t0 = time.monotonic()
         parts: dict[str, Any] = {"gpu": self._sample_gpu()}
+        failed: set[str] = set()
         for cap in self.capabilities:
             try:
                 parts[cap.name] = cap.collect()
             except Exception as e:  # noqa: BLE001 - counted and reported; the loop goes on
+                failed.add(cap.name)
                 self.stats.collect_errors[cap.name] += 1
                 self._degrade(cap, f"collect failed: {e}")
                 log.debug("%s collect failed", cap.name, exc_info=True)
@@ -135,6 +137,7 @@ class Agent:
                 decisions = cap.decide(snap)
                 cap.apply(decisions)
             except Exception as e:  # noqa: BLE001
+                failed.add(cap.name)
                 self.stats.apply_errors[cap.name] += 1
                 self._degrade(cap, f"decide/apply failed: {e}")
                 log.warning("%s: %s", cap.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
@@ -144,6 +147,7 @@ class Agent:
                          "" if d.applied else " [dry-run]")
             decided.extend(decisions)
         self.decisions.extend(decided)
+        self._recover(failed)
         snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, snap.parts, tuple(decided))
         self.latest = snap
         elapsed = time.monotonic() - t0
@@ -158,6 +162,14 @@ class Agent:
         except Exception as e:  # noqa: BLE001 - a backend bug must not stop the loop; GPU state is unknown
             self.stats.collect_errors["gpu"] += 1
             return GpuState(available=False, reason=f"sample failed: {e}")
+
+    def _recover(self, failed: set[str]) -> None:
+        """A capability degraded by a tick error and whose whole tick now succeeded is back to its started verdict."""
+        for cap in self.capabilities:
+            v = self.verdicts.get(cap.name)
+            if cap.name not in failed and v is not None and v != cap.verdict and v.state is State.DEGRADED:
+                log.info("%s recovered: %s", cap.name, cap.verdict.state.value)
+                self.verdicts[cap.name] = cap.verdict
 
     def _degrade(self, cap: Capability, reason: str) -> None:
         v = Verdict(State.DEGRADED, reason)
