@@ -50,6 +50,34 @@ class TenantMatch(Section):
     ports: list[Port] = Field(default_factory=list)
     cidrs: list[str] = Field(default_factory=list)
     header: HeaderMatch | None = None
+    # Requests into the network namespace of a serving process whose command line this regex finds (a pod), on
+    # `ports` (default: every watched port). Quota only: the latency probes do not attribute it yet.
+    process: str | None = None
+    pods: Any = None  # refused below: named so that the refusal can say what to use instead
+
+    @field_validator("process")
+    @classmethod
+    def _process(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression: {e}") from None
+        return v
+
+    @field_validator("pods")
+    @classmethod
+    def _pods(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("matching by pod (namespace, labels) is not supported: it needs the container runtime's "
+                             "socket or the kubelet, which the agent does not read; match.process names a pod by "
+                             "its serving process's command line")
+        return v
+
+    @property
+    def claims_ports(self) -> bool:
+        """Ports alone claim every connection on them, in every network namespace."""
+        return bool(self.ports) and not self.cidrs and not self.header and self.process is None
 
     @field_validator("cidrs")
     @classmethod
@@ -215,14 +243,21 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
         if t.tier not in cfg.tiers:
             problems.append((f"{here}.tier", f"unknown tier {t.tier!r}; expected one of {sorted(cfg.tiers)}"))
         m = t.match
-        if not (m.ports or m.cidrs or m.header):
-            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header"))
+        if not (m.ports or m.cidrs or m.header or m.process):
+            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header, process"))
+        if m.process is not None and (m.cidrs or m.header):
+            problems.append((f"{here}.match.process", "cannot be combined with cidrs or header"))
         # A port alone claims every connection on it; two tenants cannot both claim one.
-        if m.ports and not m.cidrs and not m.header:
+        if m.claims_ports:
             for p in m.ports:
                 if p in port_owner:
                     problems.append((f"{here}.match.ports", f"port {p} is already claimed by {port_owner[p]!r}"))
                 port_owner.setdefault(p, t.name)
+    for i, t in enumerate(cfg.tenants):
+        for p in t.match.ports if t.match.process is not None else []:
+            if p in port_owner:
+                problems.append((f"tenants[{i}].match.ports", f"port {p} is claimed by {port_owner[p]!r} in every "
+                                 "network namespace; a process tenant cannot share it"))
     tenants = {t.name for t in cfg.tenants}
     for i, sel in enumerate(cfg.placement.selectors):
         if sel.tenant is not None and sel.tenant not in tenants:

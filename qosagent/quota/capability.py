@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from qosagent.capability import AgentContext, Capability, CapabilityError, State, Verdict
 from qosagent.config import UNMATCHED, Config
 from qosagent.quota import datapath as dp
-from qosagent.quota import tc
+from qosagent.quota import netns, tc
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
 from qosagent.snapshot import Snapshot
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from qosagent.features import Features
 
 log = logging.getLogger("qosagent.quota")
+
+# How often serving network namespaces are looked for (a scan of /proc: a stat per process).
+NETNS_EVERY = 1.0
 
 
 def interfaces(cfg: Config) -> list[str]:
@@ -92,6 +95,12 @@ class Quota(Capability):
         self.overrides: dict[str, TenantLimit] = {}
         self.attached: list[str] = []
         self.others: list[str] = []
+        # Serving network namespaces followed (inode -> what was found), the host-side veths into them (egress) and
+        # the tenants their processes give each port.
+        self.namespaces: dict[int, netns.ServingNs] = {}
+        self.egress: dict[int, list[tuple[int, str]]] = {}
+        self.ns_tenants: dict[int, dict[int, int]] = {}
+        self._netns_next = float("-inf")
         # From the last collect, for metrics and status: packets passed by reason, and the unmatched tenant's counts.
         self.passed: dict[str, int] = {}
         self.unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -135,6 +144,8 @@ class Quota(Capability):
             return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
         self.others = notes
         reason = f"ingress of {', '.join(names)}"
+        if q.namespaces:
+            reason += "; serving network namespaces followed (egress of their host-side veths)"
         if notes:
             reason += "; " + "; ".join(notes)
         return Verdict(State.ACTIVE, reason)
@@ -148,6 +159,7 @@ class Quota(Capability):
             self.attached = interfaces(cfg)
             for line in self.datapath.attach(self.attached):
                 log.info("%s", line)
+            self._follow()
         except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
             self._failed_start()
             raise CapabilityError(f"cannot load or attach the classifier: {e}") from e
@@ -196,6 +208,42 @@ class Quota(Capability):
         self.unmatched_counts = r.counts.get(UNMATCHED_ID, (0, 0, 0, 0))
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0))
 
+    def apply(self, decisions: list[Any]) -> None:
+        """Follow serving network namespaces as they come and go (a watcher on its own schedule, not a restart)."""
+        if self.datapath is not None and self.ctx.clock() >= self._netns_next:
+            self._follow()
+
+    def _follow(self) -> None:
+        d = self.datapath
+        assert d is not None
+        cfg = self.ctx.config
+        self._netns_next = self.ctx.clock() + NETNS_EVERY
+        rules = [(t.match.process, tuple(t.match.ports), tenant_id(t.name)) for t in cfg.tenants
+                 if t.match.process is not None]
+        found: dict[int, netns.ServingNs] = {}
+        veths: dict[int, list[tuple[int, str]]] = {}
+        if cfg.quota.namespaces:
+            own = os.stat("/proc/self/ns/net").st_ino
+            found = netns.serving_namespaces(self.ctx.hostfs, cfg.watched_ports(), own, bool(rules))
+            with tc.IPRoute() as ipr:
+                veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
+        tenants = {ino: netns.process_tenants(rules, found[ino]) for ino in veths}
+        entries = {(idx, port): tid for ino, vs in veths.items() for idx, _ in vs
+                   for port, tid in tenants[ino].items()}
+        d.set_netns(entries)
+        for line in d.attach(self.attached, [name for vs in veths.values() for _, name in vs]):
+            log.info("%s", line)
+        names = {tid: info.name for tid, info in self.table.items()}
+        for ino in veths.keys() - self.egress.keys():
+            ns = found[ino]
+            log.info("following network namespace %d (pid %d, ports %s) through %s%s", ino, ns.pid,
+                     ",".join(map(str, sorted(ns.ports))), ", ".join(n for _, n in veths[ino]),
+                     "".join(f"; port {p or 'any'}: tenant {names.get(t, t)}" for p, t in tenants[ino].items()))
+        for ino in self.egress.keys() - veths.keys():
+            log.info("network namespace %d no longer serves here (gone, or its veth is): its rules removed", ino)
+        self.namespaces = {ino: found[ino] for ino in veths}
+        self.egress, self.ns_tenants = veths, tenants
+
     def reload(self, config: Config) -> None:
         d = self.datapath
         if d is None:
@@ -219,12 +267,13 @@ class Quota(Capability):
         try:
             d.write_config(config, _baseline_buckets(config))
             d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in self.overrides.items()})
-            for line in d.attach(names):
+            for line in d.attach(names, [n for vs in self.egress.values() for _, n in vs]):
                 log.info("%s", line)
         except Exception as e:  # noqa: BLE001
             raise CapabilityError(f"updating the quota maps failed: {e}") from e
         self.attached = names
         self.specs, self.table = derived
+        self._netns_next = float("-inf")  # process rules may have changed: the next tick follows afresh
 
     def _failed_start(self) -> None:
         """A start that failed leaves what it adopted enforcing (the previous agent's limits hold); a datapath of
@@ -315,8 +364,14 @@ class Quota(Capability):
         def lim(x: TenantLimit | None) -> Any:
             return None if x is None else {"rps": x.rps, "burst": x.burst}
 
+        names = {tid: info.name for tid, info in self.table.items()}
         return {
             "interfaces": self.attached,
+            "namespaces": [{
+                "netns": ino, "pid": ns.pid, "ports": sorted(ns.ports),
+                "egress": [n for _, n in self.egress.get(ino, [])],
+                "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in self.ns_tenants.get(ino, {}).items()},
+            } for ino, ns in sorted(self.namespaces.items())],
             "pins": self.datapath.path if self.datapath else None,
             "others_on_hook": self.others,
             "unmatched_packets": part.unmatched_packets,
@@ -338,6 +393,10 @@ class Quota(Capability):
                  f"unmatched packets {status.get('unmatched_packets', 0)}"]
         for o in status.get("others_on_hook") or []:
             lines.append(f"  {o}")
+        for n in status.get("namespaces") or []:
+            who = ", ".join(f"port {p}: {t}" for p, t in n["tenants"].items()) or "tenants by port and CIDR"
+            lines.append(f"  netns {n['netns']} (pid {n['pid']}, ports {','.join(map(str, n['ports']))}) "
+                         f"egress of {', '.join(n['egress'])}: {who}")
         lines.append(f"{'TENANT':<16} {'TIER':<8} {'LIMIT':>10} {'BASELINE':>10} {'ADMIT/S':>8} {'DROP/S':>8} "
                      f"{'ADMITTED':>9} {'DROPPED':>8} {'CONN_ADM':>8} {'CONN_DROP':>9} {'TOKENS':>7}")
         for t in status.get("tenants", []):

@@ -180,6 +180,7 @@ class Datapath:
             raise
         self.overrides: dict[int, Bucket] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
+        self.egress: set[int] = set()  # ifindexes whose egress this program is on (host-side veths)
         fd = self.bpf[b"tenant_ports"].map_fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
@@ -216,7 +217,7 @@ class Datapath:
         self._write_limits()
         if self.older and not self.adopted:
             self._inherit_buckets()
-        self.heartbeat(cfg, bool(r.headers))
+        self.heartbeat(cfg, self._flags(cfg, bool(r.headers)))
 
     def _inherit_buckets(self) -> None:
         """An upgrade of layout starts each tenant's buckets where the old agent's stood (its quota_slots and
@@ -330,7 +331,24 @@ class Datapath:
         conf.rules_gen = (conf.rules_gen + 1) & 0xFFFFFFFF  # continues from an adopted pin's value
         t[ctypes.c_int(0)] = t.Leaf.from_buffer_copy(bytes(conf))
 
-    def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
+    @staticmethod
+    def _flags(cfg: Config, header_rules: bool) -> int:
+        process_rules = any(t.match.process is not None for t in cfg.tenants)
+        return (layout.QOS_CONF_HEADER_RULES if header_rules else 0) | \
+            (layout.QOS_CONF_NETNS_RULES if process_rules else 0)
+
+    def set_netns(self, entries: Mapping[tuple[int, int], int]) -> bool:
+        """quota_netns from (host-side veth ifindex, port or 0) -> tenant id. A change empties the flow cache and
+        bumps the rules generation, as a rule change does: flows into a namespace found late were cached
+        unmatched, and a gone one's ifindex may come back for another namespace."""
+        b = self.bpf
+        changed = self._sync(b[b"quota_netns"], {(i, p, 0): (t,) for (i, p), t in entries.items()})
+        if changed:
+            b[b"tenant_flows"].clear()
+            self._bump_rules_gen()
+        return changed
+
+    def heartbeat(self, cfg: Config | None = None, flags: int | None = None) -> None:
         """Tell the kernel the agent is alive: overrides hold for heartbeat_timeout from now."""
         cfg = cfg or self.cfg
         t = self.bpf[b"quota_config"]
@@ -339,16 +357,15 @@ class Datapath:
         conf.rules_gen = cur.rules_gen  # only a rule change moves it (write_config)
         conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
         conf.heartbeat_timeout_ns = int(cfg.quota.heartbeat_timeout * 1e9)
-        if header_rules is None:
-            conf.flags = cur.flags
-        else:
-            conf.flags = layout.QOS_CONF_HEADER_RULES if header_rules else 0
+        conf.flags = cur.flags if flags is None else flags
         t[ctypes.c_int(0)] = t.Leaf.from_buffer_copy(bytes(conf))
 
     # ---- the hook ----------------------------------------------------------------------------------------
-    def attach(self, ifnames: Iterable[str]) -> list[str]:
-        """Put the program on each interface's ingress (replacing only our own filter); drop it from interfaces
-        recorded earlier and no longer named. Returns what changed."""
+    def attach(self, ifnames: Iterable[str], egress: Iterable[str] = ()) -> list[str]:
+        """Put the program on each interface's ingress, and on the egress of each of `egress` (host-side veths into
+        serving namespaces), replacing only our own filter; drop it from interfaces recorded earlier and no longer
+        named (a veth gone with its namespace took its filter along: only the record goes). Returns what
+        changed."""
         q = self.cfg.quota
         rec = self.bpf[b"quota_attach"]
         here = tc.netns_ino()
@@ -361,9 +378,12 @@ class Datapath:
                 rec[rec.Key(idx, ino)] = rec.Leaf.from_buffer_copy(bytes(val))
         with tc.IPRoute() as ipr:
             keep = set()
-            for name in ifnames:
+            hooks = [(n, tc.INGRESS) for n in ifnames] + [(n, tc.EGRESS) for n in egress]
+            for name, parent in hooks:
                 idx = tc.ifindex(ipr, name)
                 if idx is None:
+                    if parent == tc.EGRESS:
+                        continue  # the namespace went while we looked: nothing to attach to
                     raise OSError(f"interface {name!r} not found")
                 created = tc.ensure_clsact(ipr, idx)
                 old = rec.get(rec.Key(idx, here))
@@ -371,9 +391,16 @@ class Datapath:
                     val = AttachVal()
                     val.created_clsact = int(created or (old is not None and old.created_clsact))
                     rec[rec.Key(idx, here)] = rec.Leaf.from_buffer_copy(bytes(val))
-                tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle)
+                if idx in keep or (parent == tc.EGRESS and idx in self.egress):
+                    # already on this hook: a netns sync re-attaches nothing
+                    keep.add(idx)
+                    continue
+                tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle, parent)
+                if parent == tc.EGRESS:
+                    self.egress.add(idx)
                 keep.add(idx)
-                done.append(f"{name}: attached{' (created clsact)' if created else ''}")
+                done.append(f"{name}: attached{' on egress' if parent == tc.EGRESS else ''}"
+                            f"{' (created clsact)' if created else ''}")
             for k in list(rec.keys()):
                 if k.netns_ino == here and k.ifindex not in keep:
                     links = ipr.get_links(k.ifindex) if ipr.link_lookup(index=k.ifindex) else []
@@ -381,6 +408,7 @@ class Datapath:
                         done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
                                           bool(rec[k].created_clsact))
                     del rec[k]
+            self.egress &= keep
         for old in self.older:
             done += remove_pins(old)
         self.older, self.inherited = [], {}
