@@ -180,7 +180,7 @@ class Datapath:
             raise
         self.overrides: dict[int, Bucket] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
-        self.egress: set[int] = set()  # ifindexes whose egress this program is on (host-side veths)
+        self.hooked: set[tuple[int, str]] = set()  # (ifindex, hook) this program was attached to
         fd = self.bpf[b"tenant_ports"].map_fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
@@ -385,20 +385,17 @@ class Datapath:
                     if parent == tc.EGRESS:
                         continue  # the namespace went while we looked: nothing to attach to
                     raise OSError(f"interface {name!r} not found")
+                keep.add(idx)
+                if (idx, parent) in self.hooked:
+                    continue  # this program is on the hook already: a netns sync or reload replaces nothing
                 created = tc.ensure_clsact(ipr, idx)
                 old = rec.get(rec.Key(idx, here))
                 if created or old is None:
                     val = AttachVal()
                     val.created_clsact = int(created or (old is not None and old.created_clsact))
                     rec[rec.Key(idx, here)] = rec.Leaf.from_buffer_copy(bytes(val))
-                if idx in keep or (parent == tc.EGRESS and idx in self.egress):
-                    # already on this hook: a netns sync re-attaches nothing
-                    keep.add(idx)
-                    continue
                 tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle, parent)
-                if parent == tc.EGRESS:
-                    self.egress.add(idx)
-                keep.add(idx)
+                self.hooked.add((idx, parent))
                 done.append(f"{name}: attached{' on egress' if parent == tc.EGRESS else ''}"
                             f"{' (created clsact)' if created else ''}")
             for k in list(rec.keys()):
@@ -408,7 +405,7 @@ class Datapath:
                         done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
                                           bool(rec[k].created_clsact))
                     del rec[k]
-            self.egress &= keep
+            self.hooked = {h for h in self.hooked if h[0] in keep}
         for old in self.older:
             done += remove_pins(old)
         self.older, self.inherited = [], {}
