@@ -101,6 +101,7 @@ class Quota(Capability):
         self.egress: dict[int, list[tuple[int, str]]] = {}
         self.ns_tenants: dict[int, dict[int, int]] = {}
         self._netns_next = float("-inf")
+        self._listeners = netns.ListenCache()
         # From the last collect, for metrics and status: packets passed by reason, and the unmatched tenant's counts.
         self.passed: dict[str, int] = {}
         self.unmatched_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -224,7 +225,8 @@ class Quota(Capability):
         veths: dict[int, list[tuple[int, str]]] = {}
         if cfg.quota.namespaces:
             own = os.stat("/proc/self/ns/net").st_ino
-            found = netns.serving_namespaces(self.ctx.hostfs, cfg.watched_ports(), own, bool(rules))
+            found = netns.serving_namespaces(self.ctx.hostfs, cfg.watched_ports(), own, bool(rules),
+                                             self._listeners, self.ctx.clock())
             with tc.IPRoute() as ipr:
                 veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
         tenants = {ino: netns.process_tenants(rules, found[ino]) for ino in veths}

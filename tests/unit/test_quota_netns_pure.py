@@ -20,9 +20,17 @@ TCP6 = """  sl  local_address                         remote_address            
 
 
 def test_listening_ports_are_the_listen_rows_only() -> None:
-    assert listening_ports(TCP) == {8000, 8080}  # the established socket on 8000's row 2 is not a listener
-    assert listening_ports(TCP6) == {3000}
-    assert listening_ports("header only\n") == set()
+    assert listening_ports(TCP.splitlines()) == {8000, 8080}  # the established socket on 8000 is not a listener
+    assert listening_ports(TCP6.splitlines()) == {3000}
+    assert listening_ports(["header only"]) == set()
+
+
+def test_the_first_row_of_another_state_ends_the_listeners() -> None:
+    def rows():
+        yield from TCP.splitlines()
+        raise AssertionError("read past the listeners")
+
+    assert listening_ports(rows()) == {8000, 8080}
 
 
 def test_process_rules_first_match_wins_a_port() -> None:
@@ -57,3 +65,43 @@ def test_a_process_tenant_cannot_share_a_port_claimed_everywhere() -> None:
     with pytest.raises(config.ConfigError, match=r"tenants\[1\].match.ports: port 8000 is claimed by 'a'"):
         cfg({"name": "a", "tier": "gold", "match": {"ports": [8000]}},
             {"name": "b", "tier": "gold", "match": {"process": "x", "ports": [8000]}})
+
+
+def test_namespaces_by_inode_and_their_listeners_read_again_only_when_due(tmp_path) -> None:
+    from qosagent.hostfs import HostFS
+    from qosagent.quota.netns import RECHECK_IDLE, ListenCache, serving_namespaces
+
+    def proc(pid: int, ns: str, tcp: str, cmd: str) -> None:
+        d = tmp_path / "proc" / str(pid)
+        (d / "ns").mkdir(parents=True)
+        (d / "net").mkdir()
+        target = tmp_path / "ns" / ns
+        target.parent.mkdir(exist_ok=True)
+        if not target.exists():
+            target.write_text("")
+        (d / "ns" / "net").hardlink_to(target)  # one inode per namespace, as nsfs gives
+        (d / "net" / "tcp").write_text(tcp)
+        (d / "cmdline").write_text(cmd.replace(" ", "\0"))
+
+    header = TCP.splitlines()[0] + "\n"
+    proc(1, "host", TCP, "init")
+    proc(10, "a", TCP, "vllm serve --served-model-name llama")
+    proc(11, "a", TCP, "sleep infinity")
+    proc(20, "b", header, "vllm serve --served-model-name mistral")
+    fs = HostFS(tmp_path)
+    own = (tmp_path / "ns" / "host").stat().st_ino
+    cache = ListenCache()
+    found = serving_namespaces(fs, [8000], own, True, cache, now=100.0)
+    (a,) = found.values()
+    assert a.ino == (tmp_path / "ns" / "a").stat().st_ino and a.ports == {8000}
+    assert sorted(a.cmdlines) == ["sleep infinity", "vllm serve --served-model-name llama"]
+    # b starts listening: seen once its idle recheck is due, not before.
+    (tmp_path / "proc" / "20" / "net" / "tcp").write_text(TCP)
+    assert len(serving_namespaces(fs, [8000], own, False, cache, now=100.0 + RECHECK_IDLE / 2)) == 1
+    assert len(serving_namespaces(fs, [8000], own, False, cache, now=100.0 + RECHECK_IDLE)) == 2
+    # Gone processes take their namespace out of the cache.
+    for f in (tmp_path / "proc" / "20").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    assert len(serving_namespaces(fs, [8000], own, False, cache, now=200.0)) == 1
+    assert (tmp_path / "ns" / "b").stat().st_ino not in cache.read
