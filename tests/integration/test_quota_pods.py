@@ -1,7 +1,7 @@
 """Servers in pods: HTTP servers each in its own network namespace behind a veth pair whose other end is in the
 "node" namespace the agent runs in (as a CNI lays pods out), reached from the node and from a client namespace
-routed through it. Two pods serve the same port and are two tenants (match.process); the second pod appears after
-the agent started and is followed, then deleted and forgotten."""
+routed through it. Two pods serve the same port and are two tenants (match.process); a restart hands the pods'
+filters over; the second pod appears after the agent started and is followed, then deleted and forgotten."""
 
 from __future__ import annotations
 
@@ -109,10 +109,19 @@ def rate(r: dict, frm: float = 1.0) -> float:
 def test_pods_on_one_port_are_two_tenants_followed_as_they_come_and_go(cluster):
     c = cluster
     before = c.node_hooks()
-    agent = start_quota_agent(c.node, c.config, c.socket, c.log, ("--detach-on-exit",))
-    c.lab.procs.append(agent)
+    first = start_quota_agent(c.node, c.config, c.socket, c.log)
+    c.lab.procs.append(first)
     (a,) = c.wait_namespaces(1)
     assert a["egress"] == ["pa"] and a["tenants"] == {"8000": "alpha"} and a["ports"] == [8000], a
+    # A restart hands the pod's filter over like the node's own: it stays while no agent runs, and is adopted.
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == 0, c.log.read_text()
+    assert "qosagent-quota" in sh("ip", "netns", "exec", c.node, "tc", "filter", "show", "dev", "pa", "egress")
+    agent = start_quota_agent(c.node, c.config, c.socket, c.log, ("--detach-on-exit",))
+    c.lab.procs.append(agent)
+    assert "adopted pinned quota state" in c.log.read_text()
+    (a,) = c.wait_namespaces(1)
+    assert a["egress"] == ["pa"]
 
     # A pod created after the agent started is found without a restart.
     c.add_pod_b()
