@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test setup-kernels run test test-kernels lint bench clean install install-files install-agent demo
+.PHONY: setup setup-test setup-kernels run test test-kernels lint bench clean install install-files install-agent demo \
+	uninstall
 
 setup:
 	@scripts/setup.sh
@@ -32,6 +33,7 @@ lint: setup-test
 bench: setup-test
 	$(PY) -m bench.latency_overhead
 	$(PY) bench/quota_bench.py
+	$(PY) bench/quota_netns_bench.py
 	$(PY) -m bench.dvfs_collect
 	$(PY) bench/placement_bench.py
 	$(PY) bench/ship_metrics.py
@@ -67,6 +69,17 @@ install-agent:
 	@if [ -n "$(DESTDIR)" ]; then echo "install: DESTDIR set, not building the agent's venv at $(PREFIX)"; else \
 	  scripts/setup.sh && /usr/bin/python3 -m venv --system-site-packages $(PREFIX) && \
 	  $(PREFIX)/bin/pip install -q --disable-pip-version-check . ; fi
+
+# A stopped agent leaves quota's filter and pins enforcing for the next one (the handover): uninstalling stops the
+# unit, then removes them with `qosagent detach`, then the files. The operator's config stays.
+uninstall:
+	-systemctl disable --now qosagent
+	@if [ -x $(PREFIX)/bin/qosagent ]; then $(PREFIX)/bin/qosagent detach --config $(CONFDIR)/config.yaml; \
+	 else echo "uninstall: no $(PREFIX)/bin/qosagent; run qosagent detach by hand if the agent ran"; fi
+	rm -f $(DESTDIR)$(UNITDIR)/qosagent.service
+	rm -rf $(DESTDIR)$(DATADIR) $(DESTDIR)$(DOCDIR) $(PREFIX)
+	-systemctl daemon-reload
+	@echo "uninstall: kept $(CONFDIR)/config.yaml"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

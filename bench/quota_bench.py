@@ -164,7 +164,7 @@ tenants:
         for _ in range(pairs):
             without = wrk()
             agent = AgentProcess(tmp / "q.yaml", f"{tmp}/s.sock", tmp / "agent.log",
-                                 prefix=["nsenter", f"--net=/run/netns/{srv}"])
+                                 prefix=["nsenter", f"--net=/run/netns/{srv}"], args=["--detach-on-exit"])
             agent.start()  # ready: the classifier is attached
             with_cls = wrk()
             agent.stop()

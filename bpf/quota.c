@@ -1,4 +1,5 @@
-/* Per-tenant quotas at TC ingress: a cls_bpf direct-action classifier.
+/* Per-tenant quotas at TC ingress (and on the egress of host-side veths toward serving network namespaces): a
+ * cls_bpf direct-action classifier.
  *
  * A new connection (SYN) and a new HTTP/1.x request (a segment whose payload starts with a method token) each take
  * a token from their tenant's bucket; over quota that segment is dropped and TCP retransmits it (back-pressure).
@@ -34,6 +35,7 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct qos_quota_count, quota_counters, 
 BPF_TABLE_PINNED("percpu_array", __u32, struct qos_stat_val, quota_stats, QOS_STAT_MAX, QOS_PIN_DIR "/quota_stats");
 BPF_TABLE_PINNED("array", __u32, struct qos_quota_conf, quota_config, 1, QOS_PIN_DIR "/quota_config");
 BPF_TABLE_PINNED("hash", struct qos_attach_key, struct qos_attach_val, quota_attach, 256, QOS_PIN_DIR "/quota_attach");
+BPF_TABLE_PINNED("hash", struct qos_netns_key, struct qos_tenant_val, quota_netns, 1024, QOS_PIN_DIR "/quota_netns");
 
 /* quota_flow_l1: a per-CPU direct-mapped front for tenant_flows. A hashed map lookup is a kernel call (tens of ns
  * with retpolines and safe-RET); a per-CPU array lookup is inlined by the verifier. A flow's segments mostly arrive
@@ -307,6 +309,22 @@ static __always_inline __u32 tenant_by_header(struct __sk_buff *skb, struct scan
     return *found;
 }
 
+/* The serving namespace's tenant for this port, else for any watched port; skb->ifindex is the host-side veth
+ * whose egress leads into the namespace. */
+static __always_inline __u32 tenant_by_netns(__u32 ifindex, __u16 lport, __u8 *via)
+{
+    struct qos_netns_key k = {.ifindex = ifindex, .port = lport};
+    struct qos_tenant_val *t = quota_netns.lookup(&k);
+    if (!t) {
+        k.port = 0;
+        t = quota_netns.lookup(&k);
+    }
+    if (!t)
+        return QOS_UNMATCHED;
+    *via = QOS_VIA_NETNS;
+    return t->tenant;
+}
+
 /* GCRA: admit when the bucket (capacity tau/interval tokens) holds a token; lock-free with a bounded retry. */
 static __always_inline int take(__u64 *tat, __u64 now, const struct qos_bucket_limit *l)
 {
@@ -462,7 +480,11 @@ int quota_classify(struct __sk_buff *skb)
                 if (!watched_ports.lookup(&wk))
                     return TC_ACT_UNSPEC;
                 struct qos_flow_val nv = {};
-                nv.tenant = qos_tenant_by_addr(p.flow.lport, p.flow.raddr, &nv.via);
+                nv.tenant = QOS_UNMATCHED;
+                if (cf && (cf->flags & QOS_CONF_NETNS_RULES))
+                    nv.tenant = tenant_by_netns(skb->ifindex, p.flow.lport, &nv.via);
+                if (nv.tenant == QOS_UNMATCHED)
+                    nv.tenant = qos_tenant_by_addr(p.flow.lport, p.flow.raddr, &nv.via);
                 nv.slot = slot_of(nv.tenant);
                 tenant_flows.update(&p.flow, &nv);
                 tenant = nv.tenant;

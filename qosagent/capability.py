@@ -97,6 +97,9 @@ class AgentContext:
     # The verdicts of the capabilities probed (and started, in the agent) before this one, by name: what a
     # capability may count on from another at probe, in `qosagent check` as in the agent.
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    # A clean stop hands enforcement over to the next agent where a capability can (quota's filter and pins stay);
+    # True makes stop() remove everything, as `qosagent detach` would.
+    detach_on_exit: bool = False
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qosagent"))
 
 
@@ -146,7 +149,8 @@ class Capability:
         return UNCHANGED
 
     def stop(self) -> None:
-        """Undo everything start() and apply() did, in reverse; safe to call twice."""
+        """Undo everything start() and apply() did, in reverse; safe to call twice. Quota alone leaves its
+        datapath for the next agent unless ctx.detach_on_exit."""
 
     @classmethod
     def detach(cls, ctx: AgentContext) -> list[str]:

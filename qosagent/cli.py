@@ -58,8 +58,13 @@ def main() -> None:
 
 @main.command()
 @host_options
-def run(config_path: str | None, host_root: str) -> None:
-    """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config)."""
+@click.option("--detach-on-exit", is_flag=True, envvar="QOSAGENT_DETACH_ON_EXIT",
+              help="On SIGTERM/SIGINT remove the quota filter and pins too (for uninstalling). Without it they stay "
+                   "enforcing for the next agent (an upgrade or restart leaves no gap); `qosagent detach` removes "
+                   "them later. [env: QOSAGENT_DETACH_ON_EXIT]")
+def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
+    """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config). On exit every capability
+    rolls back, except that quota's classifier stays enforcing for the next agent (see --detach-on-exit)."""
     from qosagent import logs
     from qosagent.daemon import Agent
     from qosagent.metrics import MetricsServer
@@ -69,6 +74,7 @@ def run(config_path: str | None, host_root: str) -> None:
     logs.setup(cfg.log_level)
     log = logging.getLogger("qosagent.cli")
     agent = Agent(cfg, HostFS(host_root), config_path)
+    agent.ctx.detach_on_exit = detach_on_exit
     agent.install_signal_handlers()
     try:
         status_server = StatusServer(agent, cfg.status.socket)
@@ -98,7 +104,8 @@ def run(config_path: str | None, host_root: str) -> None:
     finally:
         sd_notify("STOPPING=1")
         agent.stop()
-        log.info("stopped; everything attached has been detached")
+        log.info("stopped; %s", "everything attached has been detached" if detach_on_exit else
+                 "rolled back; a quota classifier stays enforcing for the next agent")
 
 
 @main.command()

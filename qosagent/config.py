@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
@@ -54,6 +54,34 @@ class TenantMatch(Section):
     ports: list[Port] = Field(default_factory=list)
     cidrs: list[str] = Field(default_factory=list)
     header: HeaderMatch | None = None
+    # Requests into the network namespace of a serving process whose command line this regex finds (a pod), on
+    # `ports` (default: every watched port). Quota only: the latency probes do not attribute it yet.
+    process: str | None = None
+    pods: Any = None  # refused below: named so that the refusal can say what to use instead
+
+    @field_validator("process")
+    @classmethod
+    def _process(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression: {e}") from None
+        return v
+
+    @field_validator("pods")
+    @classmethod
+    def _pods(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("matching by pod (namespace, labels) is not supported: it needs the container runtime's "
+                             "socket or the kubelet, which the agent does not read; match.process names a pod by "
+                             "its serving process's command line")
+        return v
+
+    @property
+    def claims_ports(self) -> bool:
+        """Ports alone claim every connection on them, in every network namespace."""
+        return bool(self.ports) and not self.cidrs and not self.header and self.process is None
 
     @field_validator("cidrs")
     @classmethod
@@ -120,6 +148,12 @@ class BpfConfig(Section):
     pin_root: str = "/sys/fs/bpf/qosagent"
 
 
+class ReadinessConfig(Section):
+    # Capabilities that may be unavailable or degraded while /readyz still answers ready; every other enabled one
+    # must be active.
+    optional: list[Literal["latency", "quota", "admission", "dvfs", "placement"]] = Field(default_factory=list)
+
+
 def _default_tiers() -> dict[str, TierConfig]:
     return {
         "gold": TierConfig(slo_p99="120ms", weight=10),  # type: ignore[arg-type]
@@ -136,6 +170,7 @@ class Config(Section):
     metrics: Annotated[MetricsConfig, RESTART] = MetricsConfig()
     status: Annotated[StatusConfig, RESTART] = StatusConfig()
     bpf: Annotated[BpfConfig, RESTART] = BpfConfig()
+    readiness: ReadinessConfig = ReadinessConfig()
     gpu: Annotated[GpuConfig, RESTART] = GpuConfig()
     tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
     tenants: list[TenantConfig] = Field(default_factory=list)
@@ -216,10 +251,12 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
         if t.tier not in cfg.tiers:
             problems.append((f"{here}.tier", f"unknown tier {t.tier!r}; expected one of {sorted(cfg.tiers)}"))
         m = t.match
-        if not (m.ports or m.cidrs or m.header):
-            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header"))
+        if not (m.ports or m.cidrs or m.header or m.process):
+            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header, process"))
+        if m.process is not None and (m.cidrs or m.header):
+            problems.append((f"{here}.match.process", "cannot be combined with cidrs or header"))
         # A port alone claims every connection on it; two tenants cannot both claim one.
-        if m.ports and not m.cidrs and not m.header:
+        if m.claims_ports:
             for p in m.ports:
                 if p in port_owner:
                     problems.append((f"{here}.match.ports", f"port {p} is already claimed by {port_owner[p]!r}"))
@@ -229,6 +266,11 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
         if srv.port in server_ports:
             problems.append((f"servers[{i}].port", f"port {srv.port} is already servers[{server_ports[srv.port]}]"))
         server_ports.setdefault(srv.port, i)
+    for i, t in enumerate(cfg.tenants):
+        for p in t.match.ports if t.match.process is not None else []:
+            if p in port_owner:
+                problems.append((f"tenants[{i}].match.ports", f"port {p} is claimed by {port_owner[p]!r} in every "
+                                 "network namespace; a process tenant cannot share it"))
     tenants = {t.name for t in cfg.tenants}
     for i, sel in enumerate(cfg.placement.selectors):
         if sel.tenant is not None and sel.tenant not in tenants:

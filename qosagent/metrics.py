@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from qosagent import exposition
 from qosagent.capability import State
+from qosagent.readiness import readiness
 
 if TYPE_CHECKING:
     from qosagent.config import MetricsBasicAuth, MetricsTls
@@ -105,7 +106,8 @@ def make_registry(agent: "Agent") -> CollectorRegistry:
 
 
 class MetricsServer:
-    """/metrics, /healthz (the loop is ticking) and /readyz (programs attached, first tick done)."""
+    """/metrics, /healthz (the loop is ticking; not while starting, so a start that hangs fails a startup probe)
+    and /readyz (first tick done, every enabled capability active or optional: readiness.readiness())."""
 
     def __init__(self, agent: "Agent", listen: str, tls: "MetricsTls | None" = None,
                  basic_auth: "MetricsBasicAuth | None" = None):
@@ -134,8 +136,8 @@ class MetricsServer:
                     ok, why = agent_health(agent)
                     self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
                 elif path == "/readyz":
-                    ready = agent.ready.is_set()
-                    self._send(200 if ready else 503, b"ready\n" if ready else b"starting\n", "text/plain")
+                    ok, why = readiness(agent)
+                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
@@ -191,11 +193,12 @@ def scrape_body(registry: CollectorRegistry, accept: str | None) -> tuple[bytes,
 
 
 def agent_health(agent: "Agent") -> tuple[bool, str]:
-    """Healthy while the loop ticks: the last tick is at most 5 intervals (and 2 s) old."""
+    """Healthy while the loop ticks: the last tick is at most 5 intervals (and 2 s) old. Not before the first tick:
+    a start that hangs (compiling, attaching) must fail the startup probe, which is what bounds it."""
     import time
 
     if not agent.ready.is_set():
-        return True, "starting"
+        return False, "starting"
     age = time.monotonic() - agent.latest.monotonic
     limit = max(5 * agent.config.interval, 2.0)
     if age > limit:

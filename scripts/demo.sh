@@ -15,7 +15,7 @@ agent_pid="" server_pid=""
 cleanup() {
   set +e
   if [ -n "$agent_pid" ] && kill -0 "$agent_pid" 2>/dev/null; then
-    kill -TERM "$agent_pid"                      # the agent detaches its filters and programs on SIGTERM
+    kill -TERM "$agent_pid"                      # run with --detach-on-exit: SIGTERM removes filters and pins
     for _ in $(seq 1 40); do kill -0 "$agent_pid" 2>/dev/null || break; sleep 0.5; done
     kill -KILL "$agent_pid" 2>/dev/null
   fi
@@ -55,7 +55,7 @@ YAML
 step "the agent, with this config:"
 sed 's/^/    /' "$work/config.yaml"
 # Inside the namespace the agent mounts its own tracefs and bpffs (ip netns exec gives it a private /sys).
-ip netns exec "$ns" "$PY" -m qosagent run --config "$work/config.yaml" > "$work/agent.log" 2>&1 &
+ip netns exec "$ns" "$PY" -m qosagent run --detach-on-exit --config "$work/config.yaml" > "$work/agent.log" 2>&1 &
 agent_pid=$!
 metrics() { in_ns "$PY" -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen("http://127.0.0.1:9464" + sys.argv[1], timeout=5).read().decode())' "$1"; }
 for _ in $(seq 1 120); do

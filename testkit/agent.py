@@ -57,9 +57,11 @@ class AgentProcess:
     status.socket). Use as a context manager, or call start() and stop()."""
 
     def __init__(self, config: Path | str, socket: str, log: Path | str, *, prefix: Sequence[str] = (),
-                 args: Sequence[str] = (), env: dict[str, str] | None = None):
+                 args: Sequence[str] = (), env: dict[str, str] | None = None, argv: Sequence[str] | None = None):
         self.config, self.socket, self.log = str(config), socket, Path(log)
         self.prefix, self.args = list(prefix), list(args)
+        # The command that runs the agent, when it is not this checkout's `qosagent run` (another version's).
+        self.argv = list(argv) if argv is not None else agent_argv("run", "--config", self.config, *self.args)
         self.env = env if env is not None else agent_env()
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = self.ready_s = 0.0
@@ -72,7 +74,7 @@ class AgentProcess:
     def launch(self) -> None:
         """Start it without waiting (for a test of how it fails to start: then `wait()`)."""
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([*self.prefix, *agent_argv("run", "--config", self.config, *self.args)],
+            self.proc = subprocess.Popen([*self.prefix, *self.argv],
                                          env=self.env, stdout=out, stderr=subprocess.STDOUT)
         self.started = time.monotonic()
 

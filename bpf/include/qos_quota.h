@@ -65,6 +65,7 @@ struct qos_stat_val {
 
 /* quota_config[0]: written by the agent; heartbeat_ns every tick. */
 #define QOS_CONF_HEADER_RULES 1 /* some tenant is matched by a header: scan unmatched request starts */
+#define QOS_CONF_NETNS_RULES 2  /* some tenant is matched by a serving network namespace: look up quota_netns */
 struct qos_quota_conf {
     __u64 heartbeat_ns;
     __u64 heartbeat_timeout_ns;
@@ -76,6 +77,16 @@ struct qos_quota_conf {
 /* quota_headers: FNV-1a 64 of lowercase(name) ":" value -> tenant. */
 struct qos_header_key {
     __u64 hash;
+};
+
+/* quota_netns: requests to a serving network namespace, seen on the egress of the host-side veth toward it:
+ * (that veth's ifindex, local port; port 0 = any watched port) -> tenant. Resolved like a CIDR tenant, once per
+ * flow, and cached in tenant_flows with via QOS_VIA_NETNS. */
+#define QOS_VIA_NETNS 4
+struct qos_netns_key {
+    __u32 ifindex;
+    __u16 port;
+    __u16 pad;
 };
 
 /* quota_attach: what the agent attached, so that `qosagent detach` can remove it without a running agent. */

@@ -17,6 +17,7 @@ from qosagent.capability import AgentContext, Capability, CapabilityError, Chang
 from qosagent.placement import applier, export
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
+from qosagent.placement.cgroupns import HostCgroups
 from qosagent.placement.model import PlacementPart, Record
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan
@@ -47,6 +48,7 @@ class Placement(Capability):
         self._procs: dict[int, ProcInfo] = {}
         self._gpu_pids: set[int] = set()
         self._reconcile = Every(self.cfg.reconcile_interval)
+        self.cgroups = HostCgroups(ctx.hostfs)  # the host's cgroup paths, also from a container's namespace
         self._configure(ctx.config)
 
     def _configure(self, config: "Config") -> None:
@@ -158,7 +160,8 @@ class Placement(Capability):
         reconcile = self._reconcile.due(now)
         if reconcile:
             gpu_pids = self._gpu_pids if self.cfg.gpu_processes else set()
-            procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid()))
+            procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid(),
+                                   cgroups=self.cgroups))
             for p in procs:
                 rec = self.records.get(p.pid)
                 if rec is not None and rec.start == p.start and now - rec.locality_at >= self.cfg.locality_interval:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from qosagent.hostfs import HostFS
+from qosagent.placement.cgroupns import HostCgroups
 from qosagent.placement.config import Selector
 from qosagent.cpulist import parse_cpulist
 
@@ -142,9 +143,17 @@ class Matcher:
         return None
 
 
-def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid: int | None = None) -> list[ProcInfo]:
-    """Selected processes now running: those a selector matches, and the pids in gpu_pids (already selected)."""
+def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid: int | None = None,
+             cgroups: HostCgroups | None = None) -> list[ProcInfo]:
+    """Selected processes now running: those a selector matches, and the pids in gpu_pids (already selected).
+    Cgroup paths are the host's (`cgroups` rebases them when the agent runs in a cgroup namespace of its own)."""
     wanted_gpu = set(gpu_pids)
+    hc = cgroups if cgroups is not None else HostCgroups(fs, own_pid)
+
+    def host_paths(text: str) -> tuple[str, str, str]:
+        v2, cpuset, systemd = cgroup_paths(text)
+        return hc.host("v2", v2), hc.host("cpuset", cpuset), hc.host("systemd", systemd)
+
     out: list[ProcInfo] = []
     for entry in fs.listdir("/proc"):
         if not entry.isdigit():
@@ -158,7 +167,7 @@ def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid
             continue
         cmdline = cmd_raw.replace("\0", " ").strip()
         name = functools.cache(lambda pid=pid: fs.try_read(f"/proc/{pid}/comm") or "")
-        cgroups = functools.cache(lambda pid=pid: cgroup_paths(fs.try_read(f"/proc/{pid}/cgroup") or ""))
+        cgroups = functools.cache(lambda pid=pid: host_paths(fs.try_read(f"/proc/{pid}/cgroup") or ""))
         # Selectors name cgroups as systemd and kubelet lay them out: the v2 tree, else v1's systemd hierarchy.
         hit = matcher.match(name, lambda: cmdline, lambda: cgroups()[0] or cgroups()[2] or cgroups()[1])
         if hit is None and pid not in wanted_gpu:

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
 from qosagent.quota import datapath as dp
-from qosagent.quota import tc
+from qosagent.quota import netns, tc
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
+from qosagent.schedule import Every
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, tenant_id, tenant_table
 
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from qosagent.features import Features
 
 log = logging.getLogger("qosagent.quota")
+
+# How often serving network namespaces are looked for (a scan of /proc: a stat per process).
+NETNS_EVERY = 1.0
 
 
 def interfaces(cfg: Config) -> list[str]:
@@ -103,6 +107,13 @@ class Quota(Capability):
         self.overrides: dict[str, TenantLimit] = {}
         self.attached: list[str] = []
         self.others: list[str] = []
+        # Serving network namespaces followed (inode -> what was found), the host-side veths into them (egress) and
+        # the tenants their processes give each port.
+        self.namespaces: dict[int, netns.ServingNs] = {}
+        self.egress: dict[int, list[tuple[int, str]]] = {}
+        self.ns_tenants: dict[int, dict[int, int]] = {}
+        self._follow_every = Every(NETNS_EVERY)
+        self._listeners = netns.ListenCache()
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
@@ -143,6 +154,8 @@ class Quota(Capability):
             return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
         self.others = notes
         reason = f"ingress of {', '.join(names)}"
+        if q.namespaces:
+            reason += "; serving network namespaces followed (egress of their host-side veths)"
         if notes:
             reason += "; " + "; ".join(notes)
         return Verdict(State.ACTIVE, reason)
@@ -156,7 +169,9 @@ class Quota(Capability):
             self.attached = interfaces(cfg)
             for line in self.datapath.attach(self.attached):
                 log.info("%s", line)
+            self._follow()
         except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
+            self._failed_start()
             raise CapabilityError(f"cannot load or attach the classifier: {e}") from e
         if self.datapath.adopted:
             log.info("adopted pinned quota state at %s", self.datapath.path)
@@ -166,6 +181,9 @@ class Quota(Capability):
         # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
         assert self.datapath is not None
         self.datapath.heartbeat()
+        # Serving network namespaces come and go (pods): followed on their own schedule, not by a restart.
+        if self._follow_every.due(self.ctx.clock()):
+            self._follow()
 
     def collect(self) -> QuotaPart:
         d = self.datapath
@@ -205,7 +223,47 @@ class Quota(Capability):
                 dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
                          unmatched_counts=r.counts.get(UNMATCHED_ID, (0, 0, 0, 0)), passed=dict(r.stats),
-                         interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others))
+                         interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others),
+                         namespaces=self._namespaces_seen())
+
+    def _namespaces_seen(self) -> tuple[dict[str, Any], ...]:
+        names = {tid: info.name for tid, info in self.table.items()}
+        return tuple({
+            "netns": ino, "pid": ns.pid, "ports": sorted(ns.ports),
+            "egress": [n for _, n in self.egress.get(ino, [])],
+            "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in self.ns_tenants.get(ino, {}).items()},
+        } for ino, ns in sorted(self.namespaces.items()))
+
+    def _follow(self) -> None:
+        d = self.datapath
+        assert d is not None
+        cfg = self.ctx.config
+        rules = [(t.match.process, tuple(t.match.ports), tenant_id(t.name)) for t in cfg.tenants
+                 if t.match.process is not None]
+        found: dict[int, netns.ServingNs] = {}
+        veths: dict[int, list[tuple[int, str]]] = {}
+        if cfg.quota.namespaces:
+            own = os.stat("/proc/self/ns/net").st_ino
+            found = netns.serving_namespaces(self.ctx.hostfs, cfg.watched_ports(), own, bool(rules),
+                                             self._listeners, self.ctx.clock())
+            with tc.IPRoute() as ipr:
+                veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
+        tenants = {ino: netns.process_tenants(rules, found[ino]) for ino in veths}
+        entries = {(idx, port): tid for ino, vs in veths.items() for idx, _ in vs
+                   for port, tid in tenants[ino].items()}
+        d.set_netns(entries)
+        for line in d.attach(self.attached, [name for vs in veths.values() for _, name in vs]):
+            log.info("%s", line)
+        names = {tid: info.name for tid, info in self.table.items()}
+        for ino in veths.keys() - self.egress.keys():
+            ns = found[ino]
+            log.info("following network namespace %d (pid %d, ports %s) through %s%s", ino, ns.pid,
+                     ",".join(map(str, sorted(ns.ports))), ", ".join(n for _, n in veths[ino]),
+                     "".join(f"; port {p or 'any'}: tenant {names.get(t, t)}" for p, t in tenants[ino].items()))
+        for ino in self.egress.keys() - veths.keys():
+            log.info("network namespace %d no longer serves here (gone, or its veth is): its rules removed", ino)
+        self.namespaces = {ino: found[ino] for ino in veths}
+        self.egress, self.ns_tenants = veths, tenants
 
     def prepare(self, config: Config) -> Change:
         d = self.datapath
@@ -229,14 +287,29 @@ class Quota(Capability):
         assert d is not None
         d.write_config(w.config, _baseline_buckets(w.config))
         d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in w.overrides.items()})
-        for line in d.attach(w.interfaces):
+        for line in d.attach(w.interfaces, [n for vs in self.egress.values() for _, n in vs]):
             log.info("%s", line)
         self.attached = list(w.interfaces)
         self.specs, self.table = w.derived
         self.overrides = dict(w.overrides)
+        self._follow_every.again()  # process rules may have changed: the next tick follows afresh
+
+    def _failed_start(self) -> None:
+        """A start that failed leaves what it adopted enforcing (the previous agent's limits hold); a datapath of
+        its own that never enforced anything goes."""
+        d, self.datapath = self.datapath, None
+        if d is None:
+            return
+        d.close()
+        if not d.adopted and not d.older:
+            q = self.ctx.config.quota
+            for line in dp.remove_attachments(d.path, q.tc_prio, q.tc_handle, self.attached) + dp.remove_pins(d.path):
+                log.info("%s", line)
 
     def stop(self) -> None:
-        """A clean stop removes everything (only a dead agent leaves the classifier enforcing)."""
+        """A clean stop hands over: the filter keeps the program and the pins keep the limits, so the next agent
+        adopts them with no moment unenforced (adaptive overrides expire with the heartbeat). With
+        ctx.detach_on_exit it removes everything instead."""
         d = self.datapath
         if d is None:
             return
@@ -245,6 +318,10 @@ class Quota(Capability):
         q = self.ctx.config.quota
         path = d.path
         d.close()
+        if not self.ctx.detach_on_exit:
+            log.info("handover: filter on %s and pins at %s stay enforcing for the next agent "
+                     "(qosagent detach removes them)", ", ".join(self.attached), path)
+            return
         for line in dp.remove_attachments(path, q.tc_prio, q.tc_handle, self.attached) + dp.remove_pins(path):
             log.info("%s", line)
 
@@ -308,6 +385,7 @@ class Quota(Capability):
 
         return {
             "interfaces": list(part.interfaces),
+            "namespaces": [dict(n) for n in part.namespaces],
             "pins": part.pins,
             "others_on_hook": list(part.others_on_hook),
             "unmatched_packets": part.unmatched_packets,
@@ -329,6 +407,10 @@ class Quota(Capability):
                  f"unmatched packets {status.get('unmatched_packets', 0)}"]
         for o in status.get("others_on_hook") or []:
             lines.append(f"  {o}")
+        for n in status.get("namespaces") or []:
+            who = ", ".join(f"port {p}: {t}" for p, t in n["tenants"].items()) or "tenants by port and CIDR"
+            lines.append(f"  netns {n['netns']} (pid {n['pid']}, ports {','.join(map(str, n['ports']))}) "
+                         f"egress of {', '.join(n['egress'])}: {who}")
         lines.append(f"{'TENANT':<16} {'TIER':<8} {'LIMIT':>10} {'BASELINE':>10} {'ADMIT/S':>8} {'DROP/S':>8} "
                      f"{'ADMITTED':>9} {'DROPPED':>8} {'CONN_ADM':>8} {'CONN_DROP':>9} {'TOKENS':>7}")
         for t in status.get("tenants", []):

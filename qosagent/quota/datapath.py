@@ -7,6 +7,7 @@ the directory an agent of another layout left is taken over at attach (its filte
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import os
@@ -173,6 +174,7 @@ class Datapath:
             raise
         self.overrides: dict[int, Bucket] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
+        self.hooked: set[tuple[int, str]] = set()  # (ifindex, hook) this program was attached to
         fd = self.maps["tenant_ports"].fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
@@ -208,7 +210,38 @@ class Datapath:
             self._bump_rules_gen()
         self.baseline = dict(limits)
         self._write_limits()
-        self.heartbeat(cfg, bool(r.headers))
+        if self.older and not self.adopted:
+            self._inherit_buckets()
+        self.heartbeat(cfg, self._flags(cfg, bool(r.headers)))
+
+    def _inherit_buckets(self) -> None:
+        """An upgrade of layout starts each tenant's buckets where the old agent's stood (its quota_slots and
+        quota_buckets, where their layout is ours), so that taking over grants no tenant a fresh burst. Called
+        before attach: what the old program admits until then is at most a token or two more."""
+        want = layout.map_specs(self.cfg.quota.flow_entries)
+        ours = self.maps["quota_buckets"]
+        for old in self.older:
+            paths = {n: os.path.join(old, n) for n in ("quota_slots", "quota_buckets")}
+            try:
+                infos = {n: pinned_map_info(p) for n, p in paths.items()}
+                if any((i.type, i.key_size, i.value_size) != (want[n][0].type, want[n][0].key_size,
+                                                               want[n][0].value_size) for n, i in infos.items()):
+                    log.warning("%s: its buckets have another layout; tenants start with a full burst", old)
+                    continue
+                slots = Map.pinned(paths["quota_slots"], ctypes.c_uint32, ctypes.c_uint32)
+                buckets = Map.pinned(paths["quota_buckets"], ctypes.c_uint32, layout.QuotaBucket)
+            except OSError as e:
+                log.warning("%s: cannot read its buckets (%s); tenants start with a full burst", old, e)
+                continue
+            with slots, buckets:
+                for tid, old_slot in slots.items():
+                    slot = self.slots.get(tid.value)
+                    got = buckets.lookup(old_slot.value)
+                    if slot is None or got is None:
+                        continue
+                    cur = ours.lookup(slot)
+                    cur.req_tat, cur.conn_tat = max(cur.req_tat, got.req_tat), max(cur.conn_tat, got.conn_tat)
+                    ours.update(slot, cur)
 
     def _assign_slots(self, tids: list[int]) -> None:
         """Keep the slot of every tenant that stays (adopted pins included); a freed slot is zeroed before reuse.
@@ -261,7 +294,24 @@ class Datapath:
         conf.rules_gen = (conf.rules_gen + 1) & 0xFFFFFFFF  # continues from an adopted pin's value
         t.update(0, bytes(conf))
 
-    def heartbeat(self, cfg: Config | None = None, header_rules: bool | None = None) -> None:
+    @staticmethod
+    def _flags(cfg: Config, header_rules: bool) -> int:
+        process_rules = any(t.match.process is not None for t in cfg.tenants)
+        return (layout.QOS_CONF_HEADER_RULES if header_rules else 0) | \
+            (layout.QOS_CONF_NETNS_RULES if process_rules else 0)
+
+    def set_netns(self, entries: Mapping[tuple[int, int], int]) -> bool:
+        """quota_netns from (host-side veth ifindex, port or 0) -> tenant id. A change empties the flow cache and
+        bumps the rules generation, as a rule change does: flows into a namespace found late were cached
+        unmatched, and a gone one's ifindex may come back for another namespace."""
+        m = self.maps["quota_netns"]
+        changed = sync(m, ((bytes(layout.NetnsKey(i, p, 0)), t) for (i, p), t in entries.items()))
+        if changed:
+            self.maps["tenant_flows"].clear()
+            self._bump_rules_gen()
+        return changed
+
+    def heartbeat(self, cfg: Config | None = None, flags: int | None = None) -> None:
         """Tell the kernel the agent is alive: overrides hold for heartbeat_timeout from now."""
         cfg = cfg or self.cfg
         t = self.maps["quota_config"]
@@ -270,16 +320,15 @@ class Datapath:
         conf.rules_gen = cur.rules_gen  # only a rule change moves it (write_config)
         conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
         conf.heartbeat_timeout_ns = int(cfg.quota.heartbeat_timeout * 1e9)
-        if header_rules is None:
-            conf.flags = cur.flags
-        else:
-            conf.flags = layout.QOS_CONF_HEADER_RULES if header_rules else 0
+        conf.flags = cur.flags if flags is None else flags
         t.update(0, bytes(conf))
 
     # ---- the hook ----------------------------------------------------------------------------------------
-    def attach(self, ifnames: Iterable[str]) -> list[str]:
-        """Put the program on each interface's ingress (replacing only our own filter); drop it from interfaces
-        recorded earlier and no longer named. Returns what changed."""
+    def attach(self, ifnames: Iterable[str], egress: Iterable[str] = ()) -> list[str]:
+        """Put the program on each interface's ingress, and on the egress of each of `egress` (host-side veths into
+        serving namespaces), replacing only our own filter; drop it from interfaces recorded earlier and no longer
+        named (a veth gone with its namespace took its filter along: only the record goes). Returns what
+        changed."""
         q = self.cfg.quota
         rec = self.maps["quota_attach"]
         here = tc.netns_ino()
@@ -290,18 +339,25 @@ class Datapath:
                 rec.update(bytes(AttachKey(idx, ino)), bytes(AttachVal(created_clsact=int(created))))
         with tc.IPRoute() as ipr:
             keep = set()
-            for name in ifnames:
+            hooks = [(n, tc.INGRESS) for n in ifnames] + [(n, tc.EGRESS) for n in egress]
+            for name, parent in hooks:
                 idx = tc.ifindex(ipr, name)
                 if idx is None:
+                    if parent == tc.EGRESS:
+                        continue  # the namespace went while we looked: nothing to attach to
                     raise OSError(f"interface {name!r} not found")
+                keep.add(idx)
+                if (idx, parent) in self.hooked:
+                    continue  # this program is on the hook already: a netns sync or reload replaces nothing
                 created = tc.ensure_clsact(ipr, idx)
                 old = rec.lookup(bytes(AttachKey(idx, here)))
                 if created or old is None:
                     val = AttachVal(created_clsact=int(created or (old is not None and old.created_clsact)))
                     rec.update(bytes(AttachKey(idx, here)), bytes(val))
-                tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle)
-                keep.add(idx)
-                done.append(f"{name}: attached{' (created clsact)' if created else ''}")
+                tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle, parent)
+                self.hooked.add((idx, parent))
+                done.append(f"{name}: attached{' on egress' if parent == tc.EGRESS else ''}"
+                            f"{' (created clsact)' if created else ''}")
             for k, v in rec.items():
                 if k.netns_ino == here and k.ifindex not in keep:
                     links = ipr.get_links(k.ifindex) if ipr.link_lookup(index=k.ifindex) else []
@@ -309,6 +365,7 @@ class Datapath:
                         done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
                                           bool(v.created_clsact))
                     rec.delete(k)
+            self.hooked = {h for h in self.hooked if h[0] in keep}
         for old in self.older:
             done += remove_pins(old)
         self.older, self.inherited = [], {}

@@ -15,10 +15,11 @@ QOS_LIMIT_REQ = 1
 QOS_LIMIT_CONN = 2
 QOS_LIMIT_OVERRIDE = 4
 QOS_CONF_HEADER_RULES = 1
+QOS_CONF_NETNS_RULES = 2
 
 STAT_REASONS = ("unmatched", "malformed", "fragment", "header_incomplete", "override_expired")  # QOS_STAT_*
 
-VIA = {0: "none", 1: "port", 2: "cidr", 3: "header"}  # QOS_VIA_*
+VIA = {0: "none", 1: "port", 2: "cidr", 3: "header", 4: "netns"}  # QOS_VIA_*
 
 TC_ACT_UNSPEC = -1
 TC_ACT_SHOT = 2
@@ -53,6 +54,10 @@ class AttachKey(ctypes.Structure):
 
 class AttachVal(ctypes.Structure):
     _fields_ = [("created_clsact", ctypes.c_uint8), ("pad", ctypes.c_uint8 * 7)]
+
+
+class NetnsKey(ctypes.Structure):
+    _fields_ = [("ifindex", ctypes.c_uint32), ("port", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
 
 
 class FlowKey(ctypes.Structure):
@@ -92,5 +97,6 @@ def map_specs(flow_entries: int) -> dict[str, tuple[MapSpec, int]]:
         "quota_stats": (MapSpec(PERCPU_ARRAY, 4, 8), len(STAT_REASONS)),
         "quota_config": (MapSpec(ARRAY, 4, ctypes.sizeof(QuotaConf)), 1),
         "quota_attach": (MapSpec(HASH, ctypes.sizeof(AttachKey), ctypes.sizeof(AttachVal)), 256),
+        "quota_netns": (MapSpec(HASH, ctypes.sizeof(NetnsKey), tval), 1024),
         "quota_progs": (MapSpec(PROG_ARRAY, 4, 4), 1),
     }

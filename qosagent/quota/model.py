@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from qosagent.tenants import TenantLimit
 
@@ -33,3 +33,5 @@ class QuotaPart:
     interfaces: tuple[str, ...] = ()  # where the classifier is attached
     pins: str | None = None
     others_on_hook: tuple[str, ...] = ()  # other filters and programs on the same hook, as probe found them
+    # Serving network namespaces followed: netns, pid, ports, the host-side veths classified, tenants by port.
+    namespaces: tuple[Mapping[str, Any], ...] = ()

@@ -1,4 +1,5 @@
-"""The classifier on clsact ingress through pyroute2, under the agent's own prio and handle.
+"""The classifier on clsact ingress (and egress of host-side veths) through pyroute2, under the agent's own prio
+and handle.
 
 Only what qosagent created is ever replaced or deleted: its filter (prio, handle and name all match) and a clsact
 qdisc it created itself. Everything else on the hook is reported, never touched.
@@ -33,6 +34,10 @@ def _netlink_error() -> type[Exception]:
 
 INGRESS = "ffff:fff2"
 INGRESS_ID = 0xFFFFFFF2
+# The egress of a host-side veth: what leaves it enters the serving namespace at its other end.
+EGRESS = "ffff:fff3"
+EGRESS_ID = 0xFFFFFFF3
+HOOKS = {INGRESS_ID: (INGRESS, "ingress"), EGRESS_ID: (EGRESS, "egress")}
 FILTER_NAME = "qosagent-quota"
 
 
@@ -49,9 +54,10 @@ class Hooked:
     handle: int
     kind: str
     name: str
+    hook: str = "ingress"
 
     def __str__(self) -> str:
-        return f"{self.ifname} ingress pref {self.prio} handle {self.handle:#x} {self.kind} {self.name}".rstrip()
+        return f"{self.ifname} {self.hook} pref {self.prio} handle {self.handle:#x} {self.kind} {self.name}".rstrip()
 
 
 def ifindex(ipr: "_IPRoute", name: str) -> int | None:
@@ -59,10 +65,11 @@ def ifindex(ipr: "_IPRoute", name: str) -> int | None:
     return found[0] if found else None
 
 
-def ingress_filters(ipr: "_IPRoute", idx: int, ifname: str) -> list[Hooked]:
+def ingress_filters(ipr: "_IPRoute", idx: int, ifname: str, parent_id: int = INGRESS_ID) -> list[Hooked]:
+    """The filters on one hook of an interface (ingress unless parent_id says egress)."""
     out = []
     try:
-        msgs = ipr.get_filters(index=idx, parent=INGRESS_ID)
+        msgs = ipr.get_filters(index=idx, parent=parent_id)
     except _netlink_error() as e:
         if e.code in (errno.EINVAL, errno.ENOENT):  # no clsact/ingress qdisc: nothing hooked
             return []
@@ -72,7 +79,8 @@ def ingress_filters(ipr: "_IPRoute", idx: int, ifname: str) -> list[Hooked]:
             continue  # the chain/prio header the kernel lists before the filters
         opts = f.get_attr("TCA_OPTIONS")
         name = (opts.get_attr("TCA_BPF_NAME") if opts is not None and hasattr(opts, "get_attr") else None) or ""
-        out.append(Hooked(ifname, f["info"] >> 16, f["handle"], f.get_attr("TCA_KIND") or "?", name))
+        out.append(Hooked(ifname, f["info"] >> 16, f["handle"], f.get_attr("TCA_KIND") or "?", name,
+                          HOOKS[parent_id][1]))
     return out
 
 
@@ -91,21 +99,23 @@ def ensure_clsact(ipr: "_IPRoute", idx: int) -> bool:
         raise
 
 
-def attach(ipr: "_IPRoute", idx: int, prog_fd: int, prio: int, handle: int) -> None:
+def attach(ipr: "_IPRoute", idx: int, prog_fd: int, prio: int, handle: int, parent: str = INGRESS) -> None:
     """Put our program in place, replacing only our own filter (an adopted one keeps its place: no second filter)."""
-    ipr.tc("replace-filter", "bpf", idx, handle, fd=prog_fd, name=FILTER_NAME, parent=INGRESS, classid=1,
+    ipr.tc("replace-filter", "bpf", idx, handle, fd=prog_fd, name=FILTER_NAME, parent=parent, classid=1,
            direct_action=True, prio=prio)
 
 
 def remove(ipr: "_IPRoute", idx: int, ifname: str, prio: int, handle: int, created_clsact: bool) -> list[str]:
-    """Remove our filter (checked by prio, handle and name) and a clsact we created, if nothing else sits on it."""
+    """Remove our filter from either hook (checked by prio, handle and name) and a clsact we created, if nothing else
+    sits on it."""
     done = []
-    for h in ingress_filters(ipr, idx, ifname):
-        if is_ours(h, prio, handle):
-            ipr.tc("del-filter", "bpf", idx, handle, parent=INGRESS, prio=prio)
-            done.append(f"removed filter {h}")
+    for parent_id, (parent, _) in HOOKS.items():
+        for h in ingress_filters(ipr, idx, ifname, parent_id):
+            if is_ours(h, prio, handle):
+                ipr.tc("del-filter", "bpf", idx, handle, parent=parent, prio=prio)
+                done.append(f"removed filter {h}")
     if created_clsact:
-        others = ingress_filters(ipr, idx, ifname)
+        others = [h for parent_id in HOOKS for h in ingress_filters(ipr, idx, ifname, parent_id)]
         if others:
             done.append(f"kept clsact on {ifname}: other filters sit on it ({'; '.join(map(str, others))})")
         else:

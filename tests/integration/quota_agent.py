@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Sequence
 
 from testkit.agent import AgentProcess
 
 
-def start_quota_agent(netns: str, config: Path, socket: str, log: Path) -> AgentProcess:
-    """nsenter, not `ip netns exec`: that remounts /sys, hiding the host's bpffs and the pins in it."""
-    agent = AgentProcess(config, socket, log, prefix=["nsenter", f"--net=/run/netns/{netns}"])
+def agent_of_layout(n: int, *args: str) -> list[str]:
+    """This checkout's agent as if its pin layout were n: what an agent of another version leaves behind."""
+    return [sys.executable, "-c", f"import qosagent.quota.layout as m; m.LAYOUT = {n}; "
+            "from qosagent.cli import main; main()", *args]
+
+
+def start_quota_agent(netns: str, config: Path, socket: str, log: Path, extra: Sequence[str] = (),
+                      argv: Sequence[str] | None = None) -> AgentProcess:
+    """nsenter, not `ip netns exec`: that remounts /sys, hiding the host's bpffs and the pins in it. argv: another
+    command than this checkout's `qosagent run` (agent_of_layout)."""
+    agent = AgentProcess(config, socket, log, prefix=["nsenter", f"--net=/run/netns/{netns}"], args=extra,
+                         argv=argv)
     st = agent.start()
     if st["capabilities"].get("quota", {}).get("state") != "active":
         agent.kill()

@@ -63,7 +63,8 @@ class Env:
         return (self.tmp / "agent.log").read_text()
 
     def start_agent(self) -> None:
-        self.agent = start_quota_agent(self.ns, self.config, self.socket, self.tmp / "agent.log")
+        self.agent = start_quota_agent(self.ns, self.config, self.socket, self.tmp / "agent.log",
+                                       ("--detach-on-exit",))
 
 
 @pytest.fixture
@@ -95,7 +96,7 @@ def test_an_older_layout_is_taken_over_in_place_then_stopped_cleanly(env):
     assert f" id {new_id} " in hook and f" id {old_id} " not in hook, hook
     assert os.listdir(env.pin_root) == ["quota-v2"]
     assert f"removed pins {env.pin_root}/quota-v1" in env.log()
-    # A clean stop removes the clsact too: the old agent created it, and its record was inherited.
+    # Stopping with --detach-on-exit removes the clsact too: the old agent created it, and its record was inherited.
     assert env.agent is not None
     assert env.agent.stop() == 0, env.log()
     assert env.hook() == before

@@ -100,8 +100,8 @@ class Net:
         cfg.update(extra or {})
         self.config.write_text(yaml.safe_dump(cfg))
 
-    def start_agent(self) -> None:
-        self.agent = start_quota_agent(self.srv, self.config, self.socket, self.tmp / "agent.log")
+    def start_agent(self, *extra: str) -> None:
+        self.agent = start_quota_agent(self.srv, self.config, self.socket, self.tmp / "agent.log", extra)
 
     def status(self) -> dict:
         return request(self.socket, {"cmd": "status"})
@@ -151,7 +151,7 @@ def net(root, bpf, tmp_path):
 def test_rates_isolation_retransmission_reload_and_stop(net):
     before = net.tc_state()
     net.write_config()
-    net.start_agent()
+    net.start_agent("--detach-on-exit")
     # The steady tenant alone: its unloaded rate and latency.
     alone = result(net.load(STEADY, 8000, threads=1, duration=4, pause=0.02))
     # Then a flood on the port tenant, the header tenant over its quota, and the steady tenant again, for 10 s.
@@ -212,7 +212,8 @@ def test_rates_isolation_retransmission_reload_and_stop(net):
     assert "quota" in net.status()["self"]["last_reload_error"] or "x" in net.status()["self"]["last_reload_error"]
     assert net.tenant("flood")["limit"] == {"rps": 40, "burst": 10}
 
-    # A clean stop removes every filter, the clsacts it created and its pins.
+    # A clean stop with --detach-on-exit removes every filter, the clsacts it created and its pins (without it they
+    # stay for the next agent: test_quota_handover.py).
     assert net.agent.stop() == 0, net.log()
     assert net.tc_state() == before
     assert not os.path.exists(net.pin_root)

@@ -110,7 +110,7 @@ def _agent_with_unit_caps(conf, sock, log, prefix: list[str], shell: str = "") -
     if shell:
         # Set up as full root first (the way systemd mounts bpffs at boot), then drop to the unit's set.
         setpriv = ["sh", "-c", shell + ' && exec "$@"', "sh", *setpriv]
-    return AgentProcess(conf, str(sock), log, prefix=[*prefix, *setpriv])
+    return AgentProcess(conf, str(sock), log, prefix=[*prefix, *setpriv], args=["--detach-on-exit"])
 
 
 @pytest.mark.parametrize("mode", ["sockops", "tracepoint"])
