@@ -142,6 +142,11 @@ class Capability:
     def apply(self, decisions: list[Decision]) -> None:
         """Write what was decided (nothing in dry-run)."""
 
+    def settled(self, part: Any) -> Any:
+        """This tick's part as published once decide and apply have run: the collected one, unless the capability's
+        part is the report of its own decision (admission), so that metrics and status show what the audit shows."""
+        return part
+
     def prepare(self, config: "Config") -> Change:
         """Check a new, already validated config against what runs, writing nothing; raise CapabilityError to
         refuse it (the old config then stays everywhere). Keys marked RESTART in the schema never differ here.

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from qosagent import config as config_mod
@@ -161,7 +162,10 @@ class Agent:
             decided.extend(decisions)
         self._recover(failed)
         self.decisions.extend(decided)
-        snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, snap.parts, tuple(decided))
+        for cap in self.capabilities:
+            if cap.name not in failed:
+                parts[cap.name] = cap.settled(parts.get(cap.name))
+        snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, MappingProxyType(parts), tuple(decided))
         self.latest = snap
         elapsed = time.monotonic() - t0
         self.stats.ticks += 1

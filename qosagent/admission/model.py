@@ -1,8 +1,34 @@
-"""The admission capability's part of the Snapshot (what DVFS and status read)."""
+"""The admission capability's part of the Snapshot: what the last tick decided, as DVFS, metrics and status read it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from qosagent.tenants import TenantLimit
+
+
+@dataclass(frozen=True)
+class TierAdmission:
+    tier: str
+    observed: float | None  # the policy's quantile of the tier's signal over the window
+    slo: float
+    breach_streak: int
+    in_breach: bool
+    near_slo: bool
+
+
+@dataclass(frozen=True)
+class TenantAdmission:
+    tenant: str
+    tier: str
+    baseline: TenantLimit | None  # None: unlimited
+    limit: TenantLimit | None  # in force (or that would be, in dry-run)
+    shed: bool
+    adaptive: bool
+    signal: str  # which signal set the limit (config, slo, server, gpu)
+    rule: str  # which rule (baseline, cut, raise, shed, held at a floor)
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -13,3 +39,19 @@ class AdmissionPart:
     in_breach: frozenset[str] = frozenset()
     gpu_pressure: bool = False
     server_pressure: frozenset[int] = frozenset()  # ports of the servers pressed this tick
+    # The rest is the report of the same tick, for metrics and status.
+    decided: bool = False  # False before the first decision: nothing below is known yet
+    mode: str = ""
+    enforcing: bool = False
+    quantile: float = 0.0
+    signal: str = ""
+    gpu: str = "unknown"
+    shed_tiers: int = 0
+    escalation: int = 0
+    healthy_streak: int = 0
+    servers_known: tuple[int, ...] = ()  # ports with a pressure state, pressed or not
+    tiers: tuple[TierAdmission, ...] = ()
+    tenants: tuple[TenantAdmission, ...] = ()
+    decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (tenant, action, reason) -> n
+    pre_cleanup_runs: Mapping[str, int] = field(default_factory=dict)  # by result
+    pre_cleanup_last: Mapping[str, str] = field(default_factory=dict)

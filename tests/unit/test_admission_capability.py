@@ -127,7 +127,8 @@ def test_dry_run_computes_and_reports_but_writes_nothing() -> None:
     decisions = run(cap, 3, gold_ms=200)
     assert [(d.target, d.action, d.applied) for d in decisions] == [("hobby", "cut", False)]
     assert w.calls == []
-    assert cap.status(snapshot(3, 200))["tenants"][1]["limit"] == "56/s burst 6"
+    published = Snapshot.build(3, 0.0, 0.0, {"admission": cap.settled(cap.collect())})
+    assert cap.status(published)["tenants"][1]["limit"] == "56/s burst 6"
     cap.stop()
     assert w.calls == []
 

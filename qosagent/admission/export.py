@@ -1,0 +1,110 @@
+"""What admission shows: its metrics, its `qosagent status` part and the CLI's rendering of it, from the part."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from qosagent.admission.model import AdmissionPart
+from qosagent.admission.policy import BY_CONFIG
+from qosagent.tenants import TenantLimit
+
+
+def fmt(limit: TenantLimit | None) -> str:
+    return "unlimited" if limit is None else f"{limit.rps:g}/s burst {limit.burst}"
+
+
+def metrics(part: AdmissionPart) -> Iterable[Metric]:
+    decisions = CounterMetricFamily("qosagent_admission_decisions", "Limit changes decided, by tenant, action "
+                                    "and reason (dry-run ones included)", labels=["tenant", "action", "reason"])
+    for (tenant, action, reason), n in sorted(part.decisions.items()):
+        decisions.add_metric([tenant, action, reason], n)
+    yield decisions
+    limit = GaugeMetricFamily("qosagent_admission_limit_rps", "Request starts per second in force (or that "
+                              "would be in dry-run) per tenant; +Inf when unlimited", labels=["tenant", "tier"])
+    for t in part.tenants:
+        limit.add_metric([t.tenant, t.tier], math.inf if t.limit is None else t.limit.rps)
+    yield limit
+    yield GaugeMetricFamily("qosagent_admission_enforcing", "1 when limits are written to the quota maps",
+                            value=1.0 if part.enforcing else 0.0)
+    if part.decided:
+        q = GaugeMetricFamily("qosagent_admission_tier_latency_seconds", "The policy's latency quantile per "
+                              "tier over the latency window", labels=["tier"])
+        breach = GaugeMetricFamily("qosagent_admission_tier_in_breach", "1 while a tier is in SLO breach",
+                                   labels=["tier"])
+        for v in part.tiers:
+            if v.observed is not None:
+                q.add_metric([v.tier], v.observed)
+            breach.add_metric([v.tier], 1.0 if v.in_breach else 0.0)
+        yield q
+        yield breach
+        yield GaugeMetricFamily("qosagent_admission_shed_tiers", "Tiers whose new requests are refused for GPU "
+                                "memory pressure", value=part.shed_tiers)
+        pressed = GaugeMetricFamily("qosagent_admission_server_pressure", "1 while the server on the port is "
+                                    "pressed (KV cache or queue over its enter threshold)", labels=["port"])
+        for port in part.servers_known:
+            pressed.add_metric([str(port)], 1.0 if port in part.server_pressure else 0.0)
+        yield pressed
+        # Enforce-mode shedding and dry-run "would shed" are told apart with qosagent_admission_enforcing.
+        limited = GaugeMetricFamily("qosagent_admission_limited", "1 while admission holds the tenant below its "
+                                    "configured limit (or would, in dry-run), by the signal that set it",
+                                    labels=["tenant", "tier", "cause"])
+        for t in part.tenants:
+            if t.signal != BY_CONFIG:
+                limited.add_metric([t.tenant, t.tier, t.signal], 1.0)
+        yield limited
+    runs = CounterMetricFamily("qosagent_admission_pre_cleanup_runs", "Pre-cleanup actions by result",
+                               labels=["result"])
+    for result, n in sorted(part.pre_cleanup_runs.items()):
+        runs.add_metric([result], n)
+    yield runs
+
+
+def status(part: AdmissionPart) -> dict[str, Any]:
+    return {
+        "mode": part.mode,
+        "enforcing": part.enforcing,
+        "quantile": part.quantile,
+        "signal": part.signal,
+        "gpu": part.gpu,
+        "shed_tiers": part.shed_tiers,
+        "server_pressure": sorted(part.server_pressure),
+        "escalation": part.escalation,
+        "healthy_streak": part.healthy_streak,
+        "tiers": {v.tier: {"observed_s": v.observed, "slo_s": v.slo, "breach_streak": v.breach_streak,
+                           "in_breach": v.in_breach, "near_slo": v.near_slo} for v in part.tiers},
+        "tenants": [{"tenant": t.tenant, "tier": t.tier, "baseline": fmt(t.baseline), "limit": fmt(t.limit),
+                     "shed": t.shed, "adaptive": t.adaptive, "signal": t.signal, "rule": t.rule, "why": t.why}
+                    for t in part.tenants],
+        "pre_cleanup": dict(part.pre_cleanup_last),
+    }
+
+
+def render(status: dict[str, Any]) -> str:
+    if "mode" not in status:  # the agent could not build this part; say so instead of failing the whole view
+        return f"ADMISSION  {status.get('error', 'no status')}"
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}ms"
+
+    pressed = ",".join(map(str, status.get("server_pressure", ())))
+    head = (f"ADMISSION  mode {status['mode']}{'' if status['enforcing'] else ' (not writing)'}  "
+            f"P{status['quantile'] * 100:g} {status['signal']}  GPU {status['gpu']}"
+            f"{'  shed tiers ' + str(status['shed_tiers']) if status['shed_tiers'] else ''}"
+            f"{'  servers pressed ' + pressed if pressed else ''}")
+    lines = [head, "TIER         OBSERVED   SLO        STATE"]
+    for tier, v in status["tiers"].items():
+        st = "BREACH" if v["in_breach"] else f"over {v['breach_streak']}" if v["breach_streak"] else \
+            "near" if v["near_slo"] else "ok"
+        lines.append(f"{tier:<12} {ms(v['observed_s']):<10} {ms(v['slo_s']):<10} {st}")
+    lines.append("TENANT         TIER       BASELINE               LIMIT                  SET BY")
+    for t in status["tenants"]:
+        flag = " SHED" if t["shed"] else ""
+        by = f"{t['signal']}: {t['rule']}" + (f" ({t['why']})" if t.get("why") else "")
+        lines.append(f"{t['tenant']:<14} {t['tier']:<10} {t['baseline']:<22} {t['limit'] + flag:<22} {by}")
+    pc = status.get("pre_cleanup")
+    if pc:
+        lines.append(f"last pre-cleanup: {pc['result']}: {pc['detail']}")
+    return "\n".join(lines)
