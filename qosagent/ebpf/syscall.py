@@ -18,6 +18,7 @@ BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_LINK_CREATE = 28
+BPF_ENABLE_STATS = 32
 # enum bpf_attach_type (UAPI)
 ATTACH_CGROUP_INET_INGRESS = 0
 ATTACH_CGROUP_INET_EGRESS = 1
@@ -55,7 +56,16 @@ class _ProgInfo(ctypes.Structure):
                 ("jited_prog_len", ctypes.c_uint32), ("xlated_prog_len", ctypes.c_uint32),
                 ("jited_prog_insns", ctypes.c_uint64), ("xlated_prog_insns", ctypes.c_uint64),
                 ("load_time", ctypes.c_uint64), ("created_by_uid", ctypes.c_uint32), ("nr_map_ids", ctypes.c_uint32),
-                ("map_ids", ctypes.c_uint64), ("name", ctypes.c_char * 16)]
+                ("map_ids", ctypes.c_uint64), ("name", ctypes.c_char * 16), ("ifindex", ctypes.c_uint32),
+                ("gpl_compatible", ctypes.c_uint32), ("netns_dev", ctypes.c_uint64), ("netns_ino", ctypes.c_uint64),
+                ("nr_jited_ksyms", ctypes.c_uint32), ("nr_jited_func_lens", ctypes.c_uint32),
+                ("jited_ksyms", ctypes.c_uint64), ("jited_func_lens", ctypes.c_uint64), ("btf_id", ctypes.c_uint32),
+                ("func_info_rec_size", ctypes.c_uint32), ("func_info", ctypes.c_uint64),
+                ("nr_func_info", ctypes.c_uint32), ("nr_line_info", ctypes.c_uint32), ("line_info", ctypes.c_uint64),
+                ("jited_line_info", ctypes.c_uint64), ("nr_jited_line_info", ctypes.c_uint32),
+                ("line_info_rec_size", ctypes.c_uint32), ("jited_line_info_rec_size", ctypes.c_uint32),
+                ("nr_prog_tags", ctypes.c_uint32), ("prog_tags", ctypes.c_uint64), ("run_time_ns", ctypes.c_uint64),
+                ("run_cnt", ctypes.c_uint64)]
 
 
 def obj_get(path: str) -> int:
@@ -87,6 +97,22 @@ def prog_id(fd: int) -> int:
     info = _ProgInfo()
     bpf(BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=ctypes.addressof(info)))
     return int(info.id)
+
+
+def prog_run_count(fd: int) -> int:
+    """How many times the program ran while the kernel's BPF run statistics were on (enable_stats)."""
+    info = _ProgInfo()
+    bpf(BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=ctypes.addressof(info)))
+    return int(info.run_cnt)
+
+
+class _StatsAttr(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint32)]
+
+
+def enable_stats() -> int:
+    """BPF_ENABLE_STATS (5.8): programs count their runs (and time them, ~75 ns each) until the fd is closed."""
+    return bpf(BPF_ENABLE_STATS, _StatsAttr(type=0))  # BPF_STATS_RUN_TIME
 
 
 def pinned_map_info(path: str) -> MapInfo:

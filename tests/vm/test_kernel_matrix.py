@@ -28,6 +28,7 @@ SELECTION = [
     "tests/integration/test_latency_probes.py",
     "tests/integration/test_latency_agent.py::test_per_tenant_latency_matches_the_client",
     "tests/integration/test_latency_agent.py::test_stop_detaches_every_program",
+    "tests/integration/test_latency_selftest.py",
     # The egress program (TTFT, inter-token gaps, framing) against a scripted server: counts and reasons, no
     # uvicorn (its start alone takes tens of seconds emulated) and no tight timing.
     "tests/integration/test_latency_streaming.py::test_http10_long_headers_empty_bodies_and_resets_are_counted_never_timed_wrong",
