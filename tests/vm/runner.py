@@ -181,17 +181,18 @@ def _megabytes(size: str) -> int:
 # tests, then SIGABRT, on which Python's faulthandler (on in pytest) prints every thread's stack, and SIGKILL.
 WATCHDOG = r"""
 qosagent_watchdog() {
+  since=$(mktemp)  # the guest's /tmp is the host's under an overlay: other runs' logs are there too
   sleep "$2" </dev/null >/dev/null 2>&1  # it outlives a killed watchdog: it must not hold the guest's output open
   kill -0 "$1" 2>/dev/null || return 0
   echo "qosagent-vm: watchdog: the guest's command still runs after $2 s; its processes:"
-  ps -eo pid,ppid,stat,wchan:32,etime,args
+  ps -N --ppid 2 -p 2 -o pid,ppid,stat,wchan:32,etime,args  # all but kernel threads
   for pid in $(ps -eo pid=,stat= | awk '$2 ~ /^D/ {print $1}'); do
     echo "qosagent-vm: watchdog: $pid in uninterruptible sleep: $(tr '\0' ' ' </proc/$pid/cmdline)"
     cat "/proc/$pid/stack"
   done
   echo w >/proc/sysrq-trigger
   dmesg | tail -n 80
-  for f in $(ls -t /tmp/pytest-of-root/pytest-*/*/agent.log 2>/dev/null | head -n 2); do
+  for f in $(find /tmp/pytest-of-root -name agent.log -newer "$since" 2>/dev/null | tail -n 2); do
     echo "qosagent-vm: watchdog: $f"; tail -n 30 "$f"
   done
   kill -ABRT "$1"; sleep 10; kill -KILL "$1" 2>/dev/null

@@ -46,7 +46,7 @@ MEMORY_NODES = 2
 # then ends it); the VM itself (the host kills QEMU and fails with the guest's last output).
 TEST_TIMEOUT_S = 300
 GUEST_TIMEOUT_S = 900
-TIMEOUT_S = GUEST_TIMEOUT_S + 120
+TIMEOUT_S = TEST_TIMEOUT_S + GUEST_TIMEOUT_S + 120  # the ready check, pytest, the boot
 # What is known to fail on a kernel, with why. The matrix passes when exactly these fail: a fix shows up as a
 # failure of the matrix ("now passes"), so that this list is emptied as the causes are fixed, never left stale.
 KNOWN_FAILING: dict[str, dict[str, str]] = {
