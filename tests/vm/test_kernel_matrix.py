@@ -1,9 +1,11 @@
 """The kernel matrix: the integration tests that depend on the kernel, run inside a VM booted from each cached
-distro kernel (Debian 12's 6.1 by default: kprobe mode, cgroup v2 only), while the rest of the suite covers this
-host's kernel natively. One boot per kernel runs the whole selection (tests/vm/runner.py: KVM where it works,
-else TCG); the agent's time to ready and its request counting with idle blocked readers are measured first.
+distro kernel (Debian 12's 6.1 by default: kprobe mode, cgroup v2 only) with two NUMA nodes, while the rest of the
+suite covers this host's kernel natively. One boot per kernel runs the whole selection (tests/vm/runner.py: KVM
+where it works, else TCG); the agent's time to ready and its request counting with idle blocked readers are
+measured first.
 
-Slow (minutes under TCG) and privileged: under CI=true a host that cannot boot the VM fails, never skips.
+Slow (minutes under TCG) and privileged: under CI=true a host that cannot boot the VM fails, never skips. Part of
+`make test` (collected last), and of `make test-kernels` alone.
 """
 
 from __future__ import annotations
