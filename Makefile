@@ -15,7 +15,7 @@ run: setup
 	$(PY) -m qosagent run $(ARGS)
 
 # The whole suite: natively on this host's kernel, then (tests/vm, collected last) the kernel matrix, where Debian 12's
-# 6.1 in a QEMU VM with two NUMA nodes runs the kernel-dependent tests (11-13 minutes under emulation).
+# 6.1 in a QEMU VM with two NUMA nodes runs the kernel-dependent tests (8-13 minutes under emulation).
 test: setup-test setup-kernels lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
