@@ -68,6 +68,7 @@ struct scan_buf {
     __u64 hash;
     __u32 state;
     __u32 found;
+    __u32 end;
     __u8 b[QOS_HDR_SCAN];
 };
 BPF_PERCPU_ARRAY(quota_scan, struct scan_buf, 1);
@@ -265,11 +266,16 @@ static __always_inline __u32 tenant_by_header(struct __sk_buff *skb, struct scan
     volatile __u64 *hash = &s->hash;
     volatile __u32 *state = &s->state;
     volatile __u32 *found = &s->found;
+    /* The scan's end, compared from memory at each byte: with n in a register clang turns the loop into a countdown
+     * of min(n, QOS_HDR_SCAN) bytes, and 6.1's verifier learns no bound from that counter's "!= 0" (newer ones
+     * do), walks past the buffer and refuses the program (EACCES). */
+    volatile __u32 *end = &s->end;
+    *end = n;
     *hash = FNV64_OFFSET;
     *state = SCAN_REQUEST_LINE;
     *found = QOS_UNMATCHED;
     for (__u32 i = 0; i < QOS_HDR_SCAN; i++) {
-        if (i >= n)
+        if (i >= *end)
             break;
         __u8 c = s->b[i];
         __u32 st = *state;

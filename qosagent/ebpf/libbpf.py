@@ -42,6 +42,7 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "bpf_link_create": (_c_int, _c_int, _u32, _c_void_p),
     "bpf_prog_test_run_opts": (_c_int, _c_void_p),
     "libbpf_num_possible_cpus": (),
+    "bpf_enable_stats": (_c_int,),
 }
 
 
@@ -95,12 +96,21 @@ class _MapInfo(ctypes.Structure):  # the head of UAPI struct bpf_map_info; the k
                 ("name", ctypes.c_char * 16)]
 
 
-class _ProgInfo(ctypes.Structure):  # the head of UAPI struct bpf_prog_info
+class _ProgInfo(ctypes.Structure):  # the head of UAPI struct bpf_prog_info, through run_cnt (5.1)
     _fields_ = [("type", ctypes.c_uint32), ("id", ctypes.c_uint32), ("tag", ctypes.c_uint8 * 8),
                 ("jited_prog_len", ctypes.c_uint32), ("xlated_prog_len", ctypes.c_uint32),
                 ("jited_prog_insns", ctypes.c_uint64), ("xlated_prog_insns", ctypes.c_uint64),
                 ("load_time", ctypes.c_uint64), ("created_by_uid", ctypes.c_uint32), ("nr_map_ids", ctypes.c_uint32),
-                ("map_ids", ctypes.c_uint64), ("name", ctypes.c_char * 16)]
+                ("map_ids", ctypes.c_uint64), ("name", ctypes.c_char * 16), ("ifindex", ctypes.c_uint32),
+                ("gpl_compatible", ctypes.c_uint32), ("netns_dev", ctypes.c_uint64), ("netns_ino", ctypes.c_uint64),
+                ("nr_jited_ksyms", ctypes.c_uint32), ("nr_jited_func_lens", ctypes.c_uint32),
+                ("jited_ksyms", ctypes.c_uint64), ("jited_func_lens", ctypes.c_uint64), ("btf_id", ctypes.c_uint32),
+                ("func_info_rec_size", ctypes.c_uint32), ("func_info", ctypes.c_uint64),
+                ("nr_func_info", ctypes.c_uint32), ("nr_line_info", ctypes.c_uint32), ("line_info", ctypes.c_uint64),
+                ("jited_line_info", ctypes.c_uint64), ("nr_jited_line_info", ctypes.c_uint32),
+                ("line_info_rec_size", ctypes.c_uint32), ("jited_line_info_rec_size", ctypes.c_uint32),
+                ("nr_prog_tags", ctypes.c_uint32), ("prog_tags", ctypes.c_uint64), ("run_time_ns", ctypes.c_uint64),
+                ("run_cnt", ctypes.c_uint64)]
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,21 @@ def prog_id(fd: int) -> int:
     i = _ProgInfo()
     _info(fd, i)
     return int(i.id)
+
+
+def prog_run_count(fd: int) -> int:
+    """How many times the program ran while the kernel's BPF run statistics were on (enable_stats)."""
+    i = _ProgInfo()
+    _info(fd, i)
+    return int(i.run_cnt)
+
+
+BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type (UAPI)
+
+
+def enable_stats() -> int:
+    """BPF_ENABLE_STATS (5.8): programs count their runs (and time them, ~75 ns each) until the fd is closed."""
+    return call("bpf_enable_stats", BPF_STATS_RUN_TIME)
 
 
 def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:

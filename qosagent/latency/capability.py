@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
+from qosagent.latency import selftest
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.window import Window
 from qosagent.schedule import Every
@@ -199,10 +200,21 @@ class Latency(Capability):
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
 
     def started(self, verdict: Verdict) -> Verdict:
-        if not self._egress_lost:
-            return verdict
-        why = f"time to first token and inter-token latency unavailable: {self._egress_error}"
-        return Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, why) if r))
+        if self._egress_lost:
+            why = f"time to first token and inter-token latency unavailable: {self._egress_error}"
+            verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, why) if r))
+        # Active only once the hooks were seen running (qosagent/latency/selftest.py): those on every socket's path.
+        rooted = (("lat_sockops", self._sockops_link), ("lat_ingress_learn", self._learn_link),
+                  ("lat_egress_learn", self._learn_egress_link), ("lat_egress", self._egress_root_link))
+        # The run-queue probes are left out: a wakeup of a new task needs a fork, which one connection does not make.
+        traced = [k.decode() for k in self.bpf.funcs if k.startswith((b"tracepoint__", b"raw_tracepoint__", b"kp_"))
+                  and not k.startswith(b"tracepoint__sched__")]
+        names = [n for n, link in rooted if link is not None] + traced
+        silent = selftest.check({n: self.bpf.funcs[n.encode()].fd for n in names}, set(bm.watched(self.ctx.config)))
+        if silent:
+            log.warning("latency: %s", silent)
+            verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, silent) if r))
+        return verdict
 
     def _attach_sockops(self) -> None:
         """The sock_ops program on the cgroup2 root (it sees every TCP socket's connection events, and picks the

@@ -19,15 +19,19 @@ from typing import Any, Iterator
 import pytest
 
 from tests.conftest import require
-from testkit.agent import AgentProcess, agent_argv, agent_env, status_socket
+from testkit.agent import TIME_SCALE, AgentProcess, agent_argv, agent_env, status_socket
 from tests.integration.latency_helpers import free_port, serving
 from tests.kernel_modes import latency_modes
 
 N = 30  # requests per server
-FAST_DELAY = 0.020
-SLOW_DELAY = 0.080
+# Under emulation (the kernel matrix's VMs) the Python client spends 3-4 ms of its own around each request, which
+# no server-side clock can see (tests/vm/arrival_gap.py measured it beside the kernel's timestamps): longer delays
+# there keep it inside the 10 % the quantiles are compared at, as it is natively.
+DELAY = 1 if TIME_SCALE == 1 else 4
+FAST_DELAY = 0.020 * DELAY
+SLOW_DELAY = 0.080 * DELAY
 SLOW_CHUNKS = 4
-SLOW_PAUSE = 0.030
+SLOW_PAUSE = 0.030 * DELAY
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -184,6 +188,12 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
             for kind, values in (("headers_total", ttfb), ("response_total", total)):
                 truth = exact_quantile(values, q)
                 got = row[kind][key]
+                if q == 0.99 and DELAY > 1:
+                    # Under emulation the p99 of 30 requests is the slowest one, and one stall of the emulated
+                    # client (17 ms seen on a loaded host) sets it where no server-side clock can see: there the
+                    # agent may be below the client, never above it.
+                    assert got <= truth * 1.10, (tenant, kind, key, got, truth)
+                    continue
                 assert got == pytest.approx(truth, rel=0.10), (tenant, kind, key, got, truth)
     # The slow server's response really spans its chunks: response - TTFB is the streaming time.
     assert rows["hobby"]["response_total"]["p50"] - rows["hobby"]["headers_total"]["p50"] >= \

@@ -176,9 +176,42 @@ def _megabytes(size: str) -> int:
     return int(m.group(1)) * (1024 if m.group(2) == "G" else 1)
 
 
-def pytest_script(args: list[str]) -> str:
-    """The guest's command for a pytest selection (no cache writes: the checkout is read-only there)."""
-    return "exec .venv/bin/python -m pytest -p no:cacheprovider " + " ".join(shlex.quote(a) for a in args)
+# Run in the guest when its command outlives its limit: what every process waits on (a hang under emulation has been
+# a task stuck in the kernel as often as one in Python), the kernel's blocked tasks, the newest agent logs of the
+# tests, then SIGABRT, on which Python's faulthandler (on in pytest) prints every thread's stack, and SIGKILL.
+WATCHDOG = r"""
+qosagent_watchdog() {
+  since=$(mktemp)  # the guest's /tmp is the host's under an overlay: other runs' logs are there too
+  sleep "$2" </dev/null >/dev/null 2>&1  # it outlives a killed watchdog: it must not hold the guest's output open
+  kill -0 "$1" 2>/dev/null || return 0
+  echo "qosagent-vm: watchdog: the guest's command still runs after $2 s; its processes:"
+  ps -N --ppid 2 -p 2 -o pid,ppid,stat,wchan:32,etime,args  # all but kernel threads
+  for pid in $(ps -eo pid=,stat= | awk '$2 ~ /^D/ {print $1}'); do
+    echo "qosagent-vm: watchdog: $pid in uninterruptible sleep: $(tr '\0' ' ' </proc/$pid/cmdline)"
+    cat "/proc/$pid/stack"
+  done
+  echo w >/proc/sysrq-trigger
+  dmesg | tail -n 80
+  for f in $(find /tmp/pytest-of-root -name agent.log -newer "$since" 2>/dev/null | tail -n 2); do
+    echo "qosagent-vm: watchdog: $f"; tail -n 30 "$f"
+  done
+  kill -ABRT "$1"; sleep 10; kill -KILL "$1" 2>/dev/null
+}
+"""
+
+
+def pytest_script(args: list[str], limit_s: float | None = None, test_limit_s: float | None = None) -> str:
+    """The guest's command for a pytest selection (no cache writes: the checkout is read-only there). limit_s: the
+    whole run's limit in the guest, past which the watchdog above reports and ends it; test_limit_s: one test's
+    (pytest-timeout: that test fails with its traceback, the run goes on)."""
+    argv = ".venv/bin/python -m pytest -p no:cacheprovider"
+    if test_limit_s:
+        argv += f" --timeout={test_limit_s:.0f}"
+    argv += " " + " ".join(shlex.quote(a) for a in args)
+    if not limit_s:
+        return "exec " + argv
+    return (WATCHDOG + f"{argv} &\npid=$!\nqosagent_watchdog $pid {limit_s:.0f} &\nwd=$!\n"
+            "wait $pid\nrc=$?\nkill $wd 2>/dev/null\nexit $rc")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,75 @@
+"""The latency self-test's verdict from run counts (fakes for the kernel), and its loopback exchange for real."""
+
+from __future__ import annotations
+
+import errno
+
+from qosagent.latency import selftest
+
+
+class Counts:
+    """Run counts per program fd; `fires` says which programs the traffic runs."""
+
+    def __init__(self, fires: set[int]) -> None:
+        self.n = {fd: 10 for fd in (1, 2, 3)}
+        self.fires = fires
+        self.stats_open = False
+
+    def traffic(self, _avoid: object) -> None:
+        assert self.stats_open, "counts only move while the statistics are on"
+        for fd in self.fires:
+            self.n[fd] += 2
+
+    def enable(self) -> int:
+        import os
+
+        self.stats_open = True
+        return os.open("/dev/null", os.O_RDONLY)  # closed by check(), as the real stats fd is
+
+
+PROGS = {"kp_tcp_read": 1, "kp_tcp_sendmsg": 2, "lat_egress": 3}
+
+
+def test_every_hook_ran_is_no_reason() -> None:
+    c = Counts({1, 2, 3})
+    assert selftest.check(PROGS, traffic=c.traffic, run_count=c.n.__getitem__, enable_stats=c.enable) is None
+
+
+def test_a_hook_that_did_not_run_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(selftest, "SETTLE_S", 0.1)
+    c = Counts({1, 2})
+    why = selftest.check(PROGS, traffic=c.traffic, run_count=c.n.__getitem__, enable_stats=c.enable)
+    assert why is not None and "lat_egress did not run" in why and "kp_tcp" not in why
+
+
+def test_no_run_statistics_is_a_reason_not_a_pass() -> None:
+    def refuse() -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    why = selftest.check(PROGS, traffic=lambda _: None, run_count=lambda _: 0, enable_stats=refuse)
+    assert why is not None and "not possible" in why and "Invalid argument" in why
+
+
+def test_a_failed_exchange_is_a_reason() -> None:
+    def broken(_avoid: object) -> None:
+        raise OSError("refused")
+
+    c = Counts(set())
+    why = selftest.check(PROGS, traffic=broken, run_count=c.n.__getitem__, enable_stats=c.enable)
+    assert why is not None and "refused" in why
+
+
+def test_the_exchange_is_real_and_avoids_watched_ports() -> None:
+    class FirstTwoWatched:
+        """Says the first two ports the exchange is given are watched."""
+
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def __contains__(self, port: object) -> bool:
+            self.asked.append(int(port))  # type: ignore[call-overload]
+            return len(self.asked) <= 2
+
+    avoid = FirstTwoWatched()
+    selftest.loopback_exchange(avoid)  # type: ignore[arg-type]
+    assert len(avoid.asked) == 3, "two ports refused, the third used"
