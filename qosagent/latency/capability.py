@@ -86,6 +86,10 @@ class Latency(Capability):
         self._cgroup_errors = 0  # serving cgroups not linked (not found, link refused) and failed polls: status
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
+        # Connections open before their port was watched (_adopt_open); tracepoint and kprobe modes link
+        # lat_adopt_ingress on the cgroup2 root while any waits for its first request.
+        self._adoption: Any = None
+        self._adopt_link: Any = None
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -179,6 +183,7 @@ class Latency(Capability):
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(self.bpf[b"lat_counters"].Leaf)
+        self._listing(True)
         self._fill_maps(self.ctx.config)
         if self.mode == "sockops":
             # Maps first, hooks last: a connection established before the tenant maps were written would be
@@ -186,6 +191,7 @@ class Latency(Capability):
             self._attach_sockops()
         elif self.egress:
             self._attach_egress_root()
+        self._adopt_open(set(bm.watched(self.ctx.config)))
         self.programs = self._program_ids()
         self._window = Window(self.ctx.config.latency.window)
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
@@ -381,10 +387,12 @@ class Latency(Capability):
                 if links is not None:
                     links.close()
             self._ingress = self._egress = None
-            for link in (self._sockops_link, self._learn_link, self._learn_egress_link, self._egress_root_link):
+            for link in (self._sockops_link, self._learn_link, self._learn_egress_link, self._egress_root_link,
+                         self._adopt_link):
                 if link is not None:
                     os.close(link)
             self._sockops_link = self._learn_link = self._learn_egress_link = self._egress_root_link = None
+            self._adopt_link = None
         if self.bpf is not None:
             self.bpf.cleanup()
             self.bpf = None
@@ -397,6 +405,7 @@ class Latency(Capability):
             n += 1 + (2 if self._ingress is not None and self._ingress.paths else 0)
             n += 2 if self._learn_link is not None else 0
         n += 1 if self._egress_root_link is not None else 0
+        n += 1 if self._adopt_link is not None else 0
         return n
 
     def cgroups(self) -> list[str]:
@@ -479,12 +488,17 @@ class Latency(Capability):
     def reload(self, config: "Config") -> None:
         if self.bpf is None:
             return
+        added = set(bm.watched(config)) - set(bm.watched(self.ctx.config))
         try:
+            self._listing(bool(added))
             self._fill_maps(config)
+            self._adopt_open(added)
         except CapabilityError:
             raise
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception on map writes
             raise CapabilityError(f"updating the tenant maps failed part-way ({e}); reload again to retry") from None
+        finally:
+            self._listing(False)
         if config.latency.window != self.ctx.config.latency.window:
             self._window = Window(config.latency.window)
 
@@ -520,6 +534,7 @@ class Latency(Capability):
             self._runq_next = now + RUNQ_REFRESH_S
             if self.runq:
                 self._refresh_runq_threads()
+            self._maintain_adoption()
             if self.mode == "sockops":
                 self._prune_cgroups()
                 if self._learn_link is not None and now >= self._learn_until:
@@ -540,6 +555,8 @@ class Latency(Capability):
             tenants=tenants,
             runqueue=runq,
             runqueue_window=Since(runq, self._hist(base, UNMATCHED_ID, bm.KIND_RUNQ)) if runq is not None else None,
+            found_open=self._adoption.found if self._adoption is not None else 0,
+            unobserved=self._unobserved(),
         )
 
     @staticmethod
@@ -587,7 +604,116 @@ class Latency(Capability):
             no_ttft={reason: n for reason, what in bm.NO_TTFT_REASONS.items() if (n := c(raw, what))},
             interim=c(raw, bm.C_INTERIM),
             framed=c(raw, bm.C_FRAMED),
+            adopted=c(raw, bm.C_ADOPTED),
         )
+
+    # ---- connections open before their port was watched --------------------------------------------------------
+    def _listing(self, on: bool) -> None:
+        """While on, the kernel notes connections established on watched ports in lat_fresh: those are hooked
+        already, whatever the listing that runs meanwhile finds. On before the hooks or the ports change."""
+        try:
+            conf = self.bpf[b"lat_adopt_conf"]
+        except KeyError:  # built without cgroup_skb programs (no cgroup v2): nothing adopts connections
+            return
+        cur = conf[ctypes.c_int(0)]
+        conf[ctypes.c_int(0)] = conf.Leaf(adopting=cur.adopting, listing=int(on))
+        if not on:
+            self.bpf[b"lat_fresh"].clear()
+
+    def _adopt_open(self, ports: set[int]) -> None:
+        """Take the established connections on `ports` under observation: the kernel adopts each at its next
+        request (bpf/latency.c, lat_adopt). In sockops mode their cgroups are linked, as the listeners' are."""
+        from qosagent.latency import adopt
+
+        if self._adoption is None:
+            self._adoption = self._new_adoption()
+        conns = adopt.established(self.ctx.hostfs, ports)
+        fresh = {bytes(k) for k in self.bpf[b"lat_fresh"].keys()} if self._adoption.write is not None else set()
+        self._listing(False)
+        n = self._adoption.add(conns, fresh)
+        if self.mode == "sockops":
+            for cgid in sorted({c.cgroup_id for c in conns if c.cgroup_id}):
+                if cgid not in self._cgroup_ids:
+                    self._link_cgroup(cgid, 0)
+        self._set_adopting()
+        if n:
+            log.info("latency: %d connections were open on watched ports before the agent watched them: each is "
+                     "observed from its next request", n)
+
+    def _new_adoption(self) -> Any:
+        from qosagent.latency import adopt
+
+        if self.mode != "sockops" and not self.egress:
+            # No cgroup_skb program to see a request arrive: nothing can adopt a connection.
+            return adopt.Adoption(None, lambda k: False, lambda k: None)
+        tbl = self.bpf[b"lat_adopt"]
+
+        def write(k: bytes) -> bool:
+            try:
+                tbl[tbl.Key.from_buffer_copy(k)] = tbl.Leaf(on=1)
+            except Exception:  # noqa: BLE001 - bcc raises plain Exception when the map is full
+                return False
+            return True
+
+        def waiting(k: bytes) -> bool:
+            try:
+                tbl[tbl.Key.from_buffer_copy(k)]
+            except KeyError:
+                return False
+            return True
+
+        def drop(k: bytes) -> None:
+            try:
+                del tbl[tbl.Key.from_buffer_copy(k)]
+            except KeyError:
+                pass
+
+        return adopt.Adoption(write, waiting, drop)
+
+    def _set_adopting(self) -> None:
+        """Tell the kernel whether connections wait for adoption; in tracepoint and kprobe modes, link the program
+        that adopts them on the cgroup2 root while any does, and only then (it sees every packet arriving)."""
+        if self._adoption is None or self._adoption.write is None:
+            return
+        pending = self._adoption.pending
+        conf = self.bpf[b"lat_adopt_conf"]
+        cur = conf[ctypes.c_int(0)]
+        if bool(cur.adopting) != pending:
+            conf[ctypes.c_int(0)] = conf.Leaf(adopting=int(pending), listing=cur.listing)
+        if self.mode == "sockops":
+            return
+        if pending and self._adopt_link is None:
+            from bcc import BPF
+
+            from qosagent.ebpf.syscall import ATTACH_CGROUP_INET_INGRESS
+
+            prog = self.bpf.load_func(b"lat_adopt_ingress", BPF.CGROUP_SKB)
+            self._adopt_link = self._link_root(self._cgroup_root(), prog.fd, ATTACH_CGROUP_INET_INGRESS)
+        elif not pending and self._adopt_link is not None:
+            with self._cgroup_lock:
+                os.close(self._adopt_link)
+                self._adopt_link = None
+
+    def _maintain_adoption(self) -> None:
+        """Once a second while any watched-port connection is not observed: forget those adopted or closed."""
+        from qosagent.latency import adopt
+
+        if self._adoption is None or not self._adoption.ports():
+            return
+        still = {c.key for c in adopt.established(self.ctx.hostfs, self._adoption.ports())}
+        self._adoption.prune(still, set(bm.watched(self.ctx.config)))
+        self._set_adopting()
+
+    def _unobserved(self) -> dict[str, int]:
+        if self._adoption is None:
+            return {}
+        if self.mode != "sockops":
+            return self._adoption.unobserved(lambda c: self._adopt_link is not None)
+        # Sockops mode: a connection's segments reach the ingress program on its own cgroup, or on the root while
+        # the learner is linked; an unknown cgroup (no sock_diag) is taken to be its listener's, linked at start.
+        linked = set(self._cgroup_ids)
+        learning = self._learn_link is not None
+        return self._adoption.unobserved(lambda c: learning or not c.cgroup_id or c.cgroup_id in linked)
 
     def _refresh_runq_threads(self) -> None:
         """Expand the processes seen serving watched sockets into their threads (the sched tracepoints name threads);
