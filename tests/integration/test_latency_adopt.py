@@ -9,6 +9,7 @@ the clients are raw keep-alive connections (h11), each timing what it saw. Runs 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any, Iterator
@@ -255,3 +256,20 @@ def _scrape(cap: Latency, part: LatencyPart) -> str:
     reg = CollectorRegistry()
     reg.register(Collector())
     return generate_latest(reg).decode()
+
+
+def test_sock_diag_and_proc_net_tcp_find_the_same_connections() -> None:
+    """The two ways open connections are listed agree, on real sockets (no BPF: nothing to lock)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port), source_address=(src, 0)) for src in (NET2, NET3)]
+    accepted = [srv.accept()[0] for _ in clients]
+    try:
+        diag = adopt.established(HostFS("/"), {port})
+        proc = adopt.parse_proc_net_tcp(HostFS("/").try_read("/proc/net/tcp") or "", False, {port})
+        assert {c.key for c in diag} == {c.key for c in proc} and len(proc) == 2
+        assert {c.remote for c in diag} == {adopt.mapped(NET2), adopt.mapped(NET3)}
+        assert all(c.cgroup_id for c in diag)  # sock_diag names each socket's cgroup, for linking it
+    finally:
+        for s in clients + accepted + [srv]:
+            s.close()
