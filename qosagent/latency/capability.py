@@ -630,11 +630,14 @@ class Latency(Capability):
         conns = adopt.established(self.ctx.hostfs, ports)
         fresh = {bytes(k) for k in self.bpf[b"lat_fresh"].keys()} if self._adoption.write is not None else set()
         self._listing(False)
-        n = self._adoption.add(conns, fresh)
+        # Everything that adopts in place first: a connection is observed from the first request after its entry.
         if self.mode == "sockops":
             for cgid in sorted({c.cgroup_id for c in conns if c.cgroup_id}):
                 if cgid not in self._cgroup_ids:
                     self._link_cgroup(cgid, 0)
+        if conns:
+            self._set_adopting(True)
+        n = self._adoption.add(conns, fresh)
         self._set_adopting()
         if n:
             log.info("latency: %d connections were open on watched ports before the agent watched them: each is "
@@ -670,12 +673,13 @@ class Latency(Capability):
 
         return adopt.Adoption(write, waiting, drop)
 
-    def _set_adopting(self) -> None:
-        """Tell the kernel whether connections wait for adoption; in tracepoint and kprobe modes, link the program
-        that adopts them on the cgroup2 root while any does, and only then (it sees every packet arriving)."""
+    def _set_adopting(self, pending: bool | None = None) -> None:
+        """Tell the kernel whether connections wait for adoption (default: whether any does); in tracepoint and
+        kprobe modes, link the program that adopts them on the cgroup2 root while any does, and only then (it sees
+        every packet arriving)."""
         if self._adoption is None or self._adoption.write is None:
             return
-        pending = self._adoption.pending
+        pending = self._adoption.pending if pending is None else pending
         conf = self.bpf[b"lat_adopt_conf"]
         cur = conf[ctypes.c_int(0)]
         if bool(cur.adopting) != pending:
