@@ -142,17 +142,20 @@ class Adoption:
         """The local ports of the connections not observed yet: the ones to list again."""
         return {c.lport for c in self._pending.values()} | {c.lport for c, _ in self._left.values()}
 
-    def prune(self, still_open: set[bytes], watched: set[int]) -> None:
-        """Forget connections the kernel adopted, and those that closed (or whose port is no longer watched): those
-        are taken back from the kernel's list."""
+    def prune(self, still_open: set[bytes] | None, watched: set[int]) -> None:
+        """Forget connections the kernel adopted, and those that closed (when `still_open` lists the open ones) or
+        whose port is no longer watched: those are taken back from the kernel's list."""
+        def gone(k: bytes, c: Conn) -> bool:
+            return (still_open is not None and k not in still_open) or c.lport not in watched
+
         for k, c in list(self._pending.items()):
             if not self.waiting(k):
                 del self._pending[k]
-            elif k not in still_open or c.lport not in watched:
+            elif gone(k, c):
                 self.drop(k)
                 del self._pending[k]
         for k, (c, _) in list(self._left.items()):
-            if k not in still_open or c.lport not in watched:
+            if gone(k, c):
                 del self._left[k]
 
     def unobserved(self, hooked: Callable[[Conn], bool]) -> dict[str, int]:

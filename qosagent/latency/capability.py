@@ -43,6 +43,9 @@ CGROUP_EVENT_POLL_MS = 200  # how long the cgroup watcher blocks on the ring buf
 # How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
 # starts are found by their first request's arrival (and it is timed) rather than by their first response.
 LEARN_S = 30.0
+# How often, while connections found open are not observed, they are listed again to forget those that closed: a
+# listing reads every established socket of the host (sock_diag), which costs on hosts with many.
+ADOPT_RELIST_S = 5.0
 _EMPTY: dict[int, int] = {}
 
 
@@ -90,6 +93,7 @@ class Latency(Capability):
         # lat_adopt_ingress on the cgroup2 root while any waits for its first request.
         self._adoption: Any = None
         self._adopt_link: Any = None
+        self._adopt_relist_at = 0.0
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -699,12 +703,17 @@ class Latency(Capability):
                 self._adopt_link = None
 
     def _maintain_adoption(self) -> None:
-        """Once a second while any watched-port connection is not observed: forget those adopted or closed."""
+        """Once a second while any watched-port connection is not observed: forget those the kernel adopted, and
+        every ADOPT_RELIST_S those that closed."""
         from qosagent.latency import adopt
 
         if self._adoption is None or not self._adoption.ports():
             return
-        still = {c.key for c in adopt.established(self.ctx.hostfs, self._adoption.ports())}
+        still = None
+        now = self.ctx.clock()
+        if now >= self._adopt_relist_at:
+            self._adopt_relist_at = now + ADOPT_RELIST_S
+            still = {c.key for c in adopt.established(self.ctx.hostfs, self._adoption.ports())}
         self._adoption.prune(still, set(bm.watched(self.ctx.config)))
         self._set_adopting()
 
