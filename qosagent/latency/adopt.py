@@ -51,16 +51,19 @@ def mapped(address: str) -> bytes:
     return _V4_MAPPED + ip.packed if ip.version == 4 else ip.packed
 
 
-def established(fs: "HostFS", ports: Iterable[int]) -> list[Conn]:
-    """The established TCP connections whose local port is one of `ports`, in the agent's network namespace: from
-    sock_diag (with each socket's cgroup), else from /proc/net/tcp{,6}."""
+def established(fs: "HostFS", ports: Iterable[int], cgroups: bool = False) -> list[Conn]:
+    """The established TCP connections whose local port is one of `ports`, in the agent's network namespace, from
+    /proc/net/tcp{,6}; with `cgroups`, from sock_diag, which names each socket's cgroup (else as without). pyroute2
+    parses sock_diag's answer at ~70 us per established socket on the host, /proc/net/tcp takes ~5 us: measured here
+    with 4,000, 287 ms against 20 ms."""
     want = set(ports)
     if not want:
         return []
-    try:
-        return _from_diag(want)
-    except Exception as e:  # noqa: BLE001 - pyroute2 raises NetlinkError, OSError, or ImportError without it
-        log.info("latency: sock_diag unavailable (%s): open connections read from /proc/net/tcp", e)
+    if cgroups:
+        try:
+            return _from_diag(want)
+        except Exception as e:  # noqa: BLE001 - pyroute2 raises NetlinkError, OSError, or ImportError without it
+            log.info("latency: sock_diag unavailable (%s): open connections read from /proc/net/tcp", e)
     out: list[Conn] = []
     for name, v6 in (("tcp", False), ("tcp6", True)):
         out += parse_proc_net_tcp(fs.try_read(f"/proc/net/{name}") or "", v6, want)

@@ -631,7 +631,8 @@ class Latency(Capability):
 
         if self._adoption is None:
             self._adoption = self._new_adoption()
-        conns = adopt.established(self.ctx.hostfs, ports)
+        # Sockops mode links each connection's cgroup, which only sock_diag names.
+        conns = adopt.established(self.ctx.hostfs, ports, cgroups=self.mode == "sockops")
         fresh = {bytes(k) for k in self.bpf[b"lat_fresh"].keys()} if self._adoption.write is not None else set()
         self._listing(False)
         # Everything that adopts in place first: a connection is observed from the first request after its entry.

@@ -176,9 +176,9 @@ def test_a_restart_under_load_times_every_request_that_began_after_the_new_agent
         marks: dict[str, float] = {}
         listing, adding = adopt.established, adopt.Adoption.add
 
-        def established(*args: Any) -> Any:
+        def established(*args: Any, **kwargs: Any) -> Any:
             marks.setdefault("listed", time.perf_counter())
-            return listing(*args)
+            return listing(*args, **kwargs)
 
         def add(self: adopt.Adoption, *args: Any) -> int:
             n = adding(self, *args)
@@ -267,8 +267,8 @@ def test_sock_diag_and_proc_net_tcp_find_the_same_connections() -> None:
     clients = [socket.create_connection(("127.0.0.1", port), source_address=(src, 0)) for src in (NET2, NET3)]
     accepted = [srv.accept()[0] for _ in clients]
     try:
-        diag = adopt.established(HostFS("/"), {port})
-        proc = adopt.parse_proc_net_tcp(HostFS("/").try_read("/proc/net/tcp") or "", False, {port})
+        diag = adopt.established(HostFS("/"), {port}, cgroups=True)
+        proc = adopt.established(HostFS("/"), {port})
         assert {c.key for c in diag} == {c.key for c in proc} and len(proc) == 2
         assert {c.remote for c in diag} == {adopt.mapped(NET2), adopt.mapped(NET3)}
         assert all(c.cgroup_id for c in diag)  # sock_diag names each socket's cgroup, for linking it
