@@ -31,6 +31,7 @@ from tests.integration.test_latency_streaming import close_to, prefills
 from tests.kernel_modes import latency_modes
 
 N = 20  # requests per connection
+KEEP_S = 600.0  # the server keeps idle connections this long, as for a gateway's pool (uvicorn's default is 5 s)
 NET2, NET3 = "127.0.0.2", "127.0.0.3"
 
 
@@ -96,7 +97,7 @@ def same_ttft(t: TenantLatency, timings: list[Timing]) -> None:
 def test_keepalive_connections_open_before_the_agent_are_timed_from_their_next_request_by_client_network(
         mode: str, connections: list[RawClient]) -> None:
     port = free_port()
-    with sse_server("uvicorn", port=port):
+    with sse_server("uvicorn", port=port, keep_alive_s=KEEP_S):
         # A gateway's pool: connections that have served before the agent starts, and one that stays idle.
         a, b, idle = (RawClient(port, source=src) for src in (NET2, NET3, NET2))
         connections += [a, b, idle]
@@ -147,7 +148,7 @@ def test_keepalive_connections_open_before_the_agent_are_timed_from_their_next_r
 def test_a_restart_under_load_times_every_request_that_began_after_the_new_agent_listed(
         mode: str, connections: list[RawClient], monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
-    with sse_server("uvicorn", port=port):
+    with sse_server("uvicorn", port=port, keep_alive_s=KEEP_S):
         pool = [RawClient(port, source=src) for src in (NET2, NET3)]  # open before the first agent
         connections += pool
         first = agent(mode, port)
@@ -215,7 +216,7 @@ def test_a_restart_under_load_times_every_request_that_began_after_the_new_agent
 def test_a_reload_that_watches_a_port_adopts_its_open_connections_by_port_and_network(
         mode: str, connections: list[RawClient]) -> None:
     port, later = free_port(), free_port()
-    with sse_server("uvicorn", port=port), sse_server("uvicorn", port=later):
+    with sse_server("uvicorn", port=port, keep_alive_s=KEEP_S), sse_server("uvicorn", port=later, keep_alive_s=KEEP_S):
         cap = agent(mode, port)
         cap.start()
         try:
