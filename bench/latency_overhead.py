@@ -189,10 +189,14 @@ class Toggled:
                 os.close(fd)
             for path in self.ingress_paths:
                 self.lat._ingress.attach(path)
+        self.lat._set_adopting()
         self.on.set()
 
     def detach(self) -> None:
         self.on.clear()
+        if self.lat._adopt_link is not None:  # tracepoint mode's adopter, linked while a connection awaits adoption
+            os.close(self.lat._adopt_link)
+            self.lat._adopt_link = None
         for tp in self.raw:
             self.bpf.detach_raw_tracepoint(tp)
         for tp in self.tps:
@@ -209,6 +213,27 @@ class Toggled:
         if not self.on.is_set():
             self.attach()  # the agent's stop detaches what it attached
         self.agent.stop()
+
+
+class IdleConnection:
+    """A keep-alive connection to nginx opened before an agent starts and idle while it runs: the agent finds it open
+    and waits for its next request to adopt it, so its adoption hooks stay on (--adopting)."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.sock: socket.socket | None = None
+
+    def refresh(self) -> None:
+        """One request, so that nginx keeps the connection (keepalive_timeout) through the next agent's life."""
+        if self.sock is None:
+            self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        self.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        if not self.sock.recv(4096).startswith(b"HTTP/1.1 200"):
+            raise RuntimeError("nginx did not answer on the idle connection")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
 
 
 def yaml_config(tmp: Path, watched: int, runq: bool, mport: int, mode: str) -> dict:
@@ -308,6 +333,9 @@ def main() -> None:
                          "of bpf/ with a return at the top of each probe, through QOSAGENT_BPF_DIR)")
     ap.add_argument("--mode", default="auto", choices=("auto", "sockops", "tracepoint"),
                     help="latency.mode of the agent (auto: sockops on kernels that have it)")
+    ap.add_argument("--adopting", action="store_true",
+                    help="keep a connection opened before each agent idle: its adoption hooks stay on (tracepoint "
+                         "mode: lat_adopt_ingress on the cgroup2 root)")
     ap.add_argument("--root-cgroup", action="store_true",
                     help="leave nginx in the bench's own cgroup (the root, on a host without systemd) instead of one "
                          "of its own as a systemd service would have: sockops mode then hooks wrk's arrivals too")
@@ -334,11 +362,14 @@ def main() -> None:
             # In place before nginx opens its sockets: a socket belongs to the cgroup that created it.
             nginx_argv = ["sh", "-c", f'echo $$ > {serving_cgroup}/cgroup.procs && exec "$@"', "sh"] + nginx_argv
     nginx = subprocess.Popen(nginx_argv)
+    idle = IdleConnection(port) if args.adopting else None
     stats_path = Path("/proc/sys/kernel/bpf_stats_enabled")
     stats_before = stats_path.read_text().strip()
     try:
         time.sleep(0.5)
         wrk(port, 1, args.threads, args.connections)  # warm up nginx and the page cache
+        if idle is not None:
+            idle.refresh()
         pairs, t_mode = throughput_windows(port, status_port, nginx.pid, tmp, serving_cgroup, args)
         ready, idle_cpu, load_cpu, rss_idle, rss_load = [], [], [], [], []
         per_event: dict[str, list[float]] = {}
@@ -346,6 +377,8 @@ def main() -> None:
         probe_ns_per_req: list[float] = []
         cpu_ns_per_req: list[float] = []
         for _ in range(args.restarts):
+            if idle is not None:
+                idle.refresh()
             agent = Agent(tmp, free_port() if args.unwatched else port, runq=not args.no_runqueue, mode=args.mode)
             try:
                 ready.append(agent.ready_s)
@@ -383,6 +416,8 @@ def main() -> None:
                 agent.stop()
     finally:
         stats_path.write_text(stats_before)
+        if idle is not None:
+            idle.close()
         nginx.terminate()
         nginx.wait(timeout=10)
         if serving_cgroup:
@@ -405,7 +440,8 @@ def main() -> None:
           f"{', nginx port not watched' if args.unwatched else ''}"
           f"{', every probe empty (returns at once)' if args.empty_programs else ''}"
           f"{', agent tick off (maps never read)' if args.no_tick else ''}"
-          f"{', no arrival hook (requests timed from their first read)' if args.no_arrival else ''}; "
+          f"{', no arrival hook (requests timed from their first read)' if args.no_arrival else ''}"
+          f"{', a connection awaiting adoption (its hooks on)' if args.adopting else ''}; "
           f"latency.mode {t_mode}, nginx in {serving_cgroup or 'the bench process cgroup'}.\n")
     base = [wo.rps for wo, _ in pairs]
     print(f"Without: median {statistics.median(base):,.0f} req/s (range {min(base):,.0f}-{max(base):,.0f}); "

@@ -78,6 +78,7 @@ static __always_inline int qos_port_watched(__u16 lport)
 #define LAT_C_NOTTFT_UNSEEN 14   /* the response's bytes were not seen leaving (no egress program on its way) */
 #define LAT_C_INTERIM 15         /* interim responses (1xx) passed over: not the response */
 #define LAT_C_FRAMED 16          /* responses ended at their last byte by their framing (not by what came next) */
+#define LAT_C_ADOPTED 17         /* of LAT_C_CONNS, connections open before their port was watched (lat_adopt) */
 
 #define MSG_PEEK_FLAG 2
 
@@ -114,7 +115,8 @@ struct lat_sock {
     __u16 scanned;   /* header block bytes scanned so far */
     __u8 snd_seen;
     __u8 tail[3];    /* the last 3 header bytes scanned: a "\r\n\r\n" may straddle two segments */
-    __u8 pad[3];
+    __u8 adopted;    /* open before its port was watched (lat_adopt): sockops mode has no state callback for it */
+    __u8 pad[2];
 #ifdef QOS_FLOWS_PIN
     struct qos_flow_key flow; /* set while the tenant is unresolved: a header rule may still claim the connection */
 #endif
@@ -128,13 +130,13 @@ struct lat_sock {
  * lat_slots, 0 being unmatched traffic): an array lookup is inlined, a hash lookup is a call chain that costs
  * ~100-200 ns on machines with retpolines and return thunks, and each request made three of them.
  * The histograms are shared by all CPUs and updated with atomic adds, so neither their size nor the agent's read of
- * them (4.8 KB a row, every tick) grows with the number of CPUs. The counters, 136 bytes a slot and one of them bumped
+ * them (4.8 KB a row, every tick) grows with the number of CPUs. The counters, 144 bytes a slot and one of them bumped
  * by every request, are per CPU: no cache line moves between CPUs for them. Their adds stay atomic, because a softirq
  * (the ingress program) can interrupt a program in process context (the sendmsg callback) on the same CPU. */
 #ifndef LAT_SLOTS /* from the number of tenants, with room for reloads (qosagent/latency/capability.py) */
 #define LAT_SLOTS 64
 #endif
-#define LAT_NCOUNTERS 17
+#define LAT_NCOUNTERS 18
 #define LAT_RUNQ_ROW (LAT_SLOTS * LAT_KINDS) /* the rows of the slots' kinds; one more row, run-queue waits */
 
 struct lat_row {
@@ -379,8 +381,8 @@ struct lat_tcp_head {
 };
 
 /* The TCP header of a cgroup_skb packet, read in place (TCP has pulled it into the linear area before socket
- * filters run, and on the way out it was built there), and where its payload is; 0 when it carries none: an ACK
- * or a window update, most of what a busy connection's other direction sends. */
+ * filters run, and on the way out it was built there), and where its payload is; *len is 0 when it carries none:
+ * an ACK or a window update, most of what a busy connection's other direction sends. */
 static __always_inline struct lat_tcp_head *lat_tcp(struct __sk_buff *skb, __u32 *off, __u32 *len)
 {
     void *data = (void *)(long)skb->data;
@@ -400,11 +402,112 @@ static __always_inline struct lat_tcp_head *lat_tcp(struct __sk_buff *skb, __u32
     if ((void *)(th + 1) > data_end)
         return 0;
     __u32 hl = iphl + (th->doff_res >> 4) * 4;
-    if (skb->len <= hl)
-        return 0;
     *off = hl;
-    *len = skb->len - hl;
+    *len = skb->len > hl ? skb->len - hl : 0;
     return th;
+}
+
+#define LAT_TCP_FIN 0x01
+#define LAT_TCP_RST 0x04
+
+/* ---- connections open before their port was watched ------------------------------------------------------------ */
+/* At start, and after a reload that adds watched ports, the agent lists the established connections on watched
+ * ports (sock_diag) and writes them here, by their addresses from the server's side. No hook saw them established,
+ * and no per-socket hook can be turned on for them from outside, so each is taken under observation when its next
+ * request's first segment arrives: by the ingress program in sockops mode (which then creates the socket's local
+ * storage), by lat_adopt_ingress on the cgroup2 root otherwise (which enters it in the socket table before the
+ * data-ready and read hooks run for that segment). */
+#ifndef LAT_ADOPT_MAX
+#define LAT_ADOPT_MAX 65536
+#endif
+
+struct lat_adopt_val {
+    __u8 on;
+};
+
+BPF_F_TABLE("hash", struct qos_flow_key, struct lat_adopt_val, lat_adopt, LAT_ADOPT_MAX, BPF_F_NO_PREALLOC);
+/* Connections established while the agent listed (lat_adopt_conf.listing): hooked already, so not to be adopted. */
+BPF_F_TABLE("hash", struct qos_flow_key, struct lat_adopt_val, lat_fresh, 8192, BPF_F_NO_PREALLOC);
+
+struct lat_adopt_cfg {
+    __u32 adopting; /* lat_adopt has entries: only then is a segment of an untracked socket looked up there */
+    __u32 listing;  /* the agent is listing open connections: note new ones in lat_fresh */
+};
+
+BPF_ARRAY(lat_adopt_conf, struct lat_adopt_cfg, 1);
+
+static __always_inline struct lat_adopt_cfg *lat_adopt_config(void)
+{
+    __u32 zero = 0;
+    return lat_adopt_conf.lookup(&zero);
+}
+
+static __always_inline int lat_adopting(void)
+{
+    struct lat_adopt_cfg *c = lat_adopt_config();
+    return c && c->adopting;
+}
+
+static __always_inline void lat_flow_key(struct qos_flow_key *k, const __u8 *client, const __u8 *local, __u16 rport,
+                                         __u16 lport)
+{
+    __builtin_memcpy(k->raddr, client, 16);
+    __builtin_memcpy(k->laddr, local, 16);
+    k->rport = rport;
+    k->lport = lport;
+}
+
+/* A connection established now: while the agent lists the open ones, it must learn that this one is hooked. */
+static __always_inline void lat_note_fresh(const __u8 *client, const __u8 *local, __u16 rport, __u16 lport)
+{
+    struct lat_adopt_cfg *c = lat_adopt_config();
+    if (!c || !c->listing)
+        return;
+    struct qos_flow_key k = {};
+    lat_flow_key(&k, client, local, rport, lport);
+    struct lat_adopt_val on = {.on = 1};
+    lat_fresh.update(&k, &on);
+}
+
+/* A TCP packet's connection from the server's side (remote: the client; IPv4 addresses mapped, ports in host order),
+ * the key of lat_adopt, lat_fresh and lat_flows: leaving, the server is the source; arriving, the destination.
+ * 0 when it is not TCP. */
+static __always_inline int lat_packet_flow(struct __sk_buff *skb, const struct lat_tcp_head *th, int arriving,
+                                           struct qos_flow_key *k)
+{
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    if (skb->protocol == bpf_htons(LAT_ETH_P_IP)) {
+        __u8 *ip = data;
+        if ((void *)(ip + 20) > data_end || ip[9] != IPPROTO_TCP)
+            return 0;
+        k->raddr[10] = k->raddr[11] = k->laddr[10] = k->laddr[11] = 0xff; /* IPv4-mapped, as the tracepoint has them */
+        __builtin_memcpy(&k->laddr[12], ip + (arriving ? 16 : 12), 4);
+        __builtin_memcpy(&k->raddr[12], ip + (arriving ? 12 : 16), 4);
+    } else {
+        __u8 *ip6 = data;
+        if ((void *)(ip6 + 40) > data_end || ip6[6] != IPPROTO_TCP)
+            return 0;
+        __builtin_memcpy(k->laddr, ip6 + (arriving ? 24 : 8), 16);
+        __builtin_memcpy(k->raddr, ip6 + (arriving ? 8 : 24), 16);
+    }
+    k->lport = bpf_ntohs(arriving ? th->dport : th->sport);
+    k->rport = bpf_ntohs(arriving ? th->sport : th->dport);
+    return 1;
+}
+
+/* Whether the connection of an arriving segment awaits adoption; it is then taken off the list (by one CPU only). */
+static __always_inline int lat_adopt_take(struct __sk_buff *skb, const struct lat_tcp_head *th, struct qos_flow_key *k)
+{
+    return lat_packet_flow(skb, th, 1, k) && lat_adopt.lookup(k) && lat_adopt.delete(k) == 0;
+}
+
+/* An adopted connection's counts: tracked (and adopted), or not for want of room. */
+static __always_inline void lat_count_adopted(const struct lat_sock *s, int tracked)
+{
+    lat_count_conn(s, tracked);
+    if (tracked)
+        lat_count(s->slot, LAT_C_ADOPTED);
 }
 
 /* b[0..2] hold the last bytes of the header block's previous segment, b[3..] this segment's scanned bytes; the
@@ -833,7 +936,9 @@ static __always_inline void lat_ops_established(struct bpf_sock_ops *skops)
     lat_ops_addr(local, family, lip4, l0, l1, l2, l3);
     struct lat_sock init = {};
     /* remote_port reads as the network-order port shifted into the upper half (a long-standing quirk). */
-    lat_init_sock(&init, lport, (__u16)bpf_ntohl(rport), client, local);
+    __u16 rport16 = (__u16)bpf_ntohl(rport);
+    lat_note_fresh(client, local, rport16, lport);
+    lat_init_sock(&init, lport, rport16, client, local);
     if (init.state == LAT_MUX) {
         lat_count_conn(&init, 1); /* counted, never timed: no per-socket hooks, no state */
         return;
@@ -912,18 +1017,54 @@ int lat_sockops(struct bpf_sock_ops *skops)
     return 1; /* sock_ops' verdict only matters for ops we never answer */
 }
 
-/* The state of the tracked socket a TCP segment with payload belongs to, with its header and where its payload is;
- * 0 for anything else. Headers first: most segments of a busy connection's other direction are pure ACKs, and
- * telling them apart is cheaper than the storage lookup. No bpf_sk_fullsock() before that: the lookup takes a
- * sock_common and answers NULL for request and time-wait sockets itself, and a helper call costs ~15 ns here. */
+/* The state of the tracked socket a TCP segment with payload (or with one of the `ends` flags: an adopted socket's
+ * close) belongs to, with its header and where its payload is; 0 for anything else. Headers first: most segments of
+ * a busy connection's other direction are pure ACKs, and telling them apart is cheaper than the storage lookup. No
+ * bpf_sk_fullsock() before that: the lookup takes a sock_common and answers NULL for request and time-wait sockets
+ * itself, and a helper call costs ~15 ns here. */
 static __always_inline struct lat_sock *lat_segment(struct __sk_buff *skb, struct lat_tcp_head **th,
-                                                    struct bpf_sock **sk, __u32 *off, __u32 *len)
+                                                    struct bpf_sock **sk, __u32 *off, __u32 *len, __u8 ends)
 {
     *th = lat_tcp(skb, off, len);
     *sk = skb->sk;
-    if (!*th || !*sk)
+    if (!*th || !*sk || (!*len && !((*th)->flags & ends)))
         return 0;
     return lat_sk.sk_storage_get(*sk, 0, 0);
+}
+
+/* The first request segment of a connection the agent found open (lat_adopt): its state, created here, as the
+ * sock_ops program would have at its establishment; 0 when it is none of those. The per-socket sendmsg and state
+ * callbacks cannot be turned on from here (bpf_setsockopt is for sock_ops): the egress program times its responses,
+ * and its close is seen as its FIN or RST go by (lat_adopted_closed). Its bytes from this segment on are new. */
+static __always_inline struct lat_sock *lat_adopt_sock(struct __sk_buff *skb, const struct lat_tcp_head *th,
+                                                       struct bpf_sock *sk)
+{
+    struct qos_flow_key k = {};
+    if (!lat_adopting() || !lat_adopt_take(skb, th, &k))
+        return 0;
+    struct lat_sock init = {};
+    lat_init_sock(&init, k.lport, k.rport, k.raddr, k.laddr);
+    init.adopted = 1;
+    if (init.state == LAT_MUX) {
+        lat_count_adopted(&init, 1); /* counted, never timed: no state, as at establishment */
+        return 0;
+    }
+    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    lat_count_adopted(&init, s != 0);
+    if (!s)
+        return 0;
+    *s = init;
+    s->rcv_end = bpf_ntohl(th->seq);
+    return s;
+}
+
+/* An adopted socket's FIN or RST went by: it closes as the state callback would have closed it. */
+static __always_inline void lat_adopted_closed(struct bpf_sock *sk, struct lat_sock *s)
+{
+    if (!s->adopted)
+        return;
+    lat_closed(s);
+    lat_sk.sk_storage_delete(sk);
 }
 
 /* Whether payload at off starts with an HTTP/1.x request line: evidence of a pipelined request when it comes while
@@ -947,11 +1088,16 @@ static __always_inline int lat_arrival(struct __sk_buff *skb, int learn)
     __u32 off, len;
     struct lat_tcp_head *th;
     struct bpf_sock *sk;
-    struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len);
-    if (!s)
+    /* A client's FIN is no close: the server may still answer a half-closed connection. Its RST is. */
+    struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len, LAT_TCP_RST);
+    if (!s && (!th || !sk || !len || !(s = lat_adopt_sock(skb, th, sk))))
         return 1;
     if (learn)
         lat_note_cgroup_id(bpf_sk_cgroup_id(sk), 0);
+    if (!len) {
+        lat_adopted_closed(sk, s);
+        return 1;
+    }
     __u32 seq = bpf_ntohl(th->seq), end = seq + len;
     if ((__s32)(end - s->rcv_end) <= 0)
         return 1; /* nothing new: a retransmission, a keepalive probe, or a segment both ingress programs see */
@@ -980,9 +1126,14 @@ static __always_inline int lat_departure(struct __sk_buff *skb)
     __u32 off, len;
     struct lat_tcp_head *th;
     struct bpf_sock *sk;
-    struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len);
-    if (s)
-        lat_leaving(skb, s, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
+    struct lat_sock *s = lat_segment(skb, &th, &sk, &off, &len, LAT_TCP_FIN | LAT_TCP_RST);
+    if (!s)
+        return 1;
+    if (!len) {
+        lat_adopted_closed(sk, s); /* the server's FIN or RST: it writes no more */
+        return 1;
+    }
+    lat_leaving(skb, s, bpf_ntohl(th->seq), th->flags & LAT_TCP_PSH, off, len);
     return 1;
 }
 
@@ -1151,41 +1302,14 @@ struct lat_flow_sk {
 
 BPF_F_TABLE("hash", struct qos_flow_key, struct lat_flow_sk, lat_flows, LAT_MAX_SOCKS, BPF_F_NO_PREALLOC);
 
-static __always_inline void lat_flow_key(struct qos_flow_key *k, const __u8 *client, const __u8 *local, __u16 rport,
-                                         __u16 lport)
-{
-    __builtin_memcpy(k->raddr, client, 16);
-    __builtin_memcpy(k->laddr, local, 16);
-    k->rport = rport;
-    k->lport = lport;
-}
-
 /* Response bytes leaving any socket, on the cgroup2 root: those of tracked connections go to the parser. */
 int lat_egress(struct __sk_buff *skb)
 {
     __u32 off, len;
     struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
-    if (!th)
-        return 1;
-    void *data = (void *)(long)skb->data;
-    void *data_end = (void *)(long)skb->data_end;
     struct qos_flow_key k = {};
-    if (skb->protocol == bpf_htons(LAT_ETH_P_IP)) {
-        __u8 *ip = data;
-        if ((void *)(ip + 20) > data_end || ip[9] != IPPROTO_TCP)
-            return 1;
-        k.raddr[10] = k.raddr[11] = k.laddr[10] = k.laddr[11] = 0xff; /* IPv4-mapped, as the tracepoint has them */
-        __builtin_memcpy(&k.laddr[12], ip + 12, 4);
-        __builtin_memcpy(&k.raddr[12], ip + 16, 4);
-    } else {
-        __u8 *ip6 = data;
-        if ((void *)(ip6 + 40) > data_end || ip6[6] != IPPROTO_TCP)
-            return 1;
-        __builtin_memcpy(k.laddr, ip6 + 8, 16);
-        __builtin_memcpy(k.raddr, ip6 + 24, 16);
-    }
-    k.lport = bpf_ntohs(th->sport);
-    k.rport = bpf_ntohs(th->dport);
+    if (!th || !len || !lat_packet_flow(skb, th, 0, &k))
+        return 1;
     __u32 seq = bpf_ntohl(th->seq);
     __u8 psh = th->flags & LAT_TCP_PSH;
     struct lat_flow_sk *f = lat_flows.lookup(&k);
@@ -1209,6 +1333,51 @@ int lat_egress_framing(struct __sk_buff *skb)
         lat_framing_and_body(skb, buf, s);
     return 1;
 }
+
+struct lat_sk_word {
+    __u64 sk;
+};
+
+BPF_PERCPU_ARRAY(lat_sk_words, struct lat_sk_word, 1);
+
+/* The socket table's key for a packet's socket: the address of the kernel's struct sock, as the tracepoints pass it.
+ * The verifier keeps a socket pointer a pointer (no arithmetic, no hashing) until it has been through memory; a
+ * privileged loader (the agent is root) may store it in a map and read it back as a number. Never dereferenced. */
+static __always_inline __u64 lat_sock_key(struct bpf_sock *sk)
+{
+    __u32 zero = 0;
+    struct lat_sk_word *w = lat_sk_words.lookup(&zero);
+    if (!w)
+        return 0;
+    w->sk = (__u64)sk;
+    return *(volatile __u64 *)&w->sk;
+}
+
+/* Linked on the cgroup2 root while connections the agent found open await their first request (lat_adopt): the
+ * first segment of that request enters the socket in the table, before the data-ready and read hooks run for it, so
+ * the request is timed from its arrival as on any tracked connection. */
+int lat_adopt_ingress(struct __sk_buff *skb)
+{
+    __u32 off, len;
+    struct lat_tcp_head *th = lat_tcp(skb, &off, &len);
+    struct bpf_sock *bsk = skb->sk;
+    struct qos_flow_key k = {};
+    if (!th || !len || !bsk || !lat_adopting() || !lat_adopt_take(skb, th, &k))
+        return 1;
+    __u64 sk = lat_sock_key(bsk);
+    if (!sk || lat_tracked(sk))
+        return 1; /* established while the agent listed: tracked since */
+    struct lat_sock init = {};
+    lat_init_sock(&init, k.lport, k.rport, k.raddr, k.laddr);
+    init.adopted = 1;
+    int tracked = lat_track(sk, &init);
+    lat_count_adopted(&init, tracked);
+    if (tracked && init.state != LAT_MUX) {
+        struct lat_flow_sk f = {.sk = sk};
+        lat_flows.update(&k, &f);
+    }
+    return 1;
+}
 #endif
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state)
@@ -1229,6 +1398,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
             local[i] = args->saddr_v6[i];
         }
         struct lat_sock s = {};
+#ifdef QOS_EGRESS
+        lat_note_fresh(client, local, args->dport, args->sport);
+#endif
         lat_init_sock(&s, args->sport, args->dport, client, local);
         int tracked = lat_track(sk, &s);
         lat_count_conn(&s, tracked);

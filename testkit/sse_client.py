@@ -161,16 +161,26 @@ def aiohttp_requests(base_url: str, bodies: Sequence[dict[str, Any]], concurrenc
 
 class RawClient:
     """One TCP connection with TCP_NODELAY, each sendall() one write and so (nodelay, loopback) one segment; h11
-    frames the requests and parses the responses."""
+    frames the requests and parses the responses. `source`: the client's address (127.0.0.2, ... on loopback)."""
 
-    def __init__(self, port: int, timeout: float = 30.0):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    def __init__(self, port: int, timeout: float = 30.0, source: str | None = None):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                             source_address=(source, 0) if source else None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.h11 = h11.Connection(h11.CLIENT)
         self.arrived = 0.0  # when the bytes h11 is parsing were received
 
     def close(self) -> None:
         self.sock.close()
+
+    def request(self, body: dict[str, Any], path: str = CHAT) -> Timing:
+        """One request on this connection, its head and body in one write; its Timing once the response is in."""
+        head, rest = request_bytes(self.h11, body, path)
+        t = Timing(time.perf_counter())
+        self.sock.sendall(head + rest)
+        self.read(t)
+        self.h11.start_next_cycle()
+        return t
 
     def read(self, t: Timing, until: type = h11.EndOfMessage) -> Timing:
         """Fill t from the response up to the first event of type `until` (the headers: h11.Response)."""

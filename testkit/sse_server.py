@@ -69,14 +69,17 @@ class Server:
 
 @contextlib.contextmanager
 def sse_server(kind: str = "uvicorn", *, port: int = 0, http: str = "httptools", prefill_ms: float = 45.0,
-               token_ms: float = 20.0, tokens: int = 8, timeout: float = 15.0) -> Iterator[Server]:
+               token_ms: float = 20.0, tokens: int = 8, timeout: float = 15.0,
+               keep_alive_s: float = 5.0) -> Iterator[Server]:
     """The server on 127.0.0.1:`port` (0: a free port, chosen by the server's own bind), ready to answer.
 
     The process is killed on exit, even when the test fails, and dies with the test process if that is killed
-    (PR_SET_PDEATHSIG). `http` is uvicorn's HTTP implementation ("httptools" or "h11")."""
+    (PR_SET_PDEATHSIG). `http` is uvicorn's HTTP implementation ("httptools" or "h11"); `keep_alive_s` how long it keeps
+    an idle kept-alive connection open (uvicorn's default, 5 s)."""
     assert kind in KINDS, kind
     argv = [sys.executable, os.path.abspath(__file__), "--kind", kind, "--port", str(port), "--http", http,
-            "--prefill-ms", str(prefill_ms), "--token-ms", str(token_ms), "--tokens", str(tokens)]
+            "--prefill-ms", str(prefill_ms), "--token-ms", str(token_ms), "--tokens", str(tokens),
+            "--keep-alive-s", str(keep_alive_s)]
     log = tempfile.TemporaryFile()
     parent = os.getpid()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, preexec_fn=lambda: _die_with(parent))
@@ -249,6 +252,8 @@ def main() -> None:
     p.add_argument("--prefill-ms", type=float, default=45.0)
     p.add_argument("--token-ms", type=float, default=20.0)
     p.add_argument("--tokens", type=int, default=8)
+    # uvicorn closes a kept-alive connection idle this long (its default, 5 s; vLLM's --timeout-keep-alive).
+    p.add_argument("--keep-alive-s", type=float, default=5.0)
     args = p.parse_args()
     sock = socket.create_server(("127.0.0.1", args.port), backlog=1024)
     port = sock.getsockname()[1]
@@ -264,7 +269,7 @@ def main() -> None:
                 print(port, flush=True)
 
         config = uvicorn.Config(app, http=args.http, loop="uvloop", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, timeout_keep_alive=args.keep_alive_s)
         Serving(config).run(sockets=[sock])
     else:
         async def serve() -> None:

@@ -36,6 +36,7 @@ C_NOTTFT_NO_BODY = 13
 C_NOTTFT_UNSEEN = 14
 C_INTERIM = 15
 C_FRAMED = 16
+C_ADOPTED = 17  # of C_CONNS, connections open before their port was watched (qosagent/latency/adopt.py)
 
 # Responses without a time to first token, by reason (the names status and the metrics' `reason` label use).
 NO_TTFT_REASONS = {
@@ -45,7 +46,7 @@ NO_TTFT_REASONS = {
     "unseen": C_NOTTFT_UNSEEN,
 }
 
-NCOUNTERS = 17  # LAT_NCOUNTERS
+NCOUNTERS = 18  # LAT_NCOUNTERS
 ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
 MIN_SLOTS = 64
 

@@ -46,6 +46,9 @@ CGROUP_EVENT_POLL_MS = 200  # how long the cgroup watcher blocks on the ring buf
 # How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
 # starts are found by their first request's arrival (and it is timed) rather than by their first response.
 LEARN_S = 30.0
+# How often, while connections found open are not observed, they are listed again to forget those that closed: a
+# listing reads every established socket of the host (sock_diag), which costs on hosts with many.
+ADOPT_RELIST_S = 5.0
 _EMPTY: dict[int, int] = {}
 
 
@@ -91,6 +94,11 @@ class Latency(Capability):
         self._cgroup_errors = 0  # serving cgroups not linked (not found, link refused) and failed polls: status
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
+        # Connections open before their port was watched (_adopt_open); tracepoint and kprobe modes link
+        # lat_adopt_ingress on the cgroup2 root while any waits for its first request.
+        self._adoption: Any = None
+        self._adopt_link: Any = None
+        self._adopt_relist_at = 0.0
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -187,6 +195,7 @@ class Latency(Capability):
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(counters.value)
         self._maps = None
+        self._listing(True)
         self._write_maps(self._plan_maps(self.ctx.config))
         if self.mode == "sockops":
             # Maps first, hooks last: a connection established before the tenant maps were written would be
@@ -194,6 +203,7 @@ class Latency(Capability):
             self._attach_sockops()
         elif self.egress:
             self._attach_egress_root()
+        self._adopt_open(set(bm.watched(self.ctx.config)))
         self.programs = self._program_ids()
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
@@ -399,10 +409,12 @@ class Latency(Capability):
                 if links is not None:
                     links.close()
             self._ingress = self._egress = None
-            for link in (self._sockops_link, self._learn_link, self._learn_egress_link, self._egress_root_link):
+            for link in (self._sockops_link, self._learn_link, self._learn_egress_link, self._egress_root_link,
+                         self._adopt_link):
                 if link is not None:
                     os.close(link)
             self._sockops_link = self._learn_link = self._learn_egress_link = self._egress_root_link = None
+            self._adopt_link = None
         if self.bpf is not None:
             self.bpf.cleanup()
             self.bpf = None
@@ -415,6 +427,7 @@ class Latency(Capability):
             n += 1 + (2 if self._ingress is not None and self._ingress.paths else 0)
             n += 2 if self._learn_link is not None else 0
         n += 1 if self._egress_root_link is not None else 0
+        n += 1 if self._adopt_link is not None else 0
         return n
 
     def cgroups(self) -> list[str]:
@@ -485,7 +498,19 @@ class Latency(Capability):
             return UNCHANGED
         new, old = self._plan_maps(config), self._maps
         assert old is not None
-        return rewrite(self._write_maps, new, old, "tenant maps")
+        return rewrite(self._write_maps_adopting, new, old, "tenant maps")
+
+    def _write_maps_adopting(self, m: "_Maps") -> None:
+        """_write_maps, then the connections already open on the ports m newly watches taken under observation."""
+        assert self._maps is not None
+        added = set(m.watched) - set(self._maps.watched)
+        try:
+            self._listing(bool(added))
+            self._write_maps(m)
+            if added:
+                self._adopt_open(added)
+        finally:
+            self._listing(False)
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:
@@ -515,6 +540,7 @@ class Latency(Capability):
             return
         if self.runq:
             self._refresh_runq_threads()
+        self._maintain_adoption()
         if self.mode == "sockops":
             self._prune_cgroups()
             if self._learn_link is not None and now >= self._learn_until:
@@ -542,6 +568,8 @@ class Latency(Capability):
             tenants=tenants,
             runqueue=runq,
             runqueue_window=Since(runq, self._hist(base, UNMATCHED_ID, bm.KIND_RUNQ)) if runq is not None else None,
+            found_open=self._adoption.found if self._adoption is not None else 0,
+            unobserved=self._unobserved(),
         )
 
     @staticmethod
@@ -589,7 +617,129 @@ class Latency(Capability):
             no_ttft={reason: n for reason, what in bm.NO_TTFT_REASONS.items() if (n := c(raw, what))},
             interim=c(raw, bm.C_INTERIM),
             framed=c(raw, bm.C_FRAMED),
+            adopted=c(raw, bm.C_ADOPTED),
         )
+
+    # ---- connections open before their port was watched --------------------------------------------------------
+    def _listing(self, on: bool) -> None:
+        """While on, the kernel notes connections established on watched ports in lat_fresh: those are hooked
+        already, whatever the listing that runs meanwhile finds. On before the hooks or the ports change."""
+        from qosagent.ebpf.maps import Map
+
+        try:
+            conf = Map.of(self.bpf, "lat_adopt_conf")
+        except KeyError:  # built without cgroup_skb programs (no cgroup v2): nothing adopts connections
+            return
+        cur = conf.lookup(0)
+        cur.listing = int(on)
+        conf.update(0, cur)
+        if not on:
+            Map.of(self.bpf, "lat_fresh").clear()
+
+    def _adopt_open(self, ports: set[int]) -> None:
+        """Take the established connections on `ports` under observation: the kernel adopts each at its next
+        request (bpf/latency.c, lat_adopt). In sockops mode their cgroups are linked, as the listeners' are."""
+        from qosagent.ebpf.maps import Map
+        from qosagent.latency import adopt
+
+        if self._adoption is None:
+            self._adoption = self._new_adoption()
+        # Sockops mode links each connection's cgroup, which only sock_diag names.
+        conns = adopt.established(self.ctx.hostfs, ports, cgroups=self.mode == "sockops")
+        fresh = ({bytes(k) for k in Map.of(self.bpf, "lat_fresh").keys()} if self._adoption.write is not None
+                 else set())
+        self._listing(False)
+        # Everything that adopts in place first: a connection is observed from the first request after its entry.
+        if self.mode == "sockops":
+            for cgid in sorted({c.cgroup_id for c in conns if c.cgroup_id}):
+                if cgid not in self._cgroup_ids:
+                    self._link_cgroup(cgid, 0)
+        if conns:
+            self._set_adopting(True)
+        n = self._adoption.add(conns, fresh)
+        self._set_adopting()
+        if n:
+            log.info("latency: %d connections were open on watched ports before the agent watched them: each is "
+                     "observed from its next request", n)
+
+    def _new_adoption(self) -> Any:
+        from qosagent.latency import adopt
+
+        if self.mode != "sockops" and not self.egress:
+            # No cgroup_skb program to see a request arrive: nothing can adopt a connection.
+            return adopt.Adoption(None, lambda k: False, lambda k: None)
+        from qosagent.ebpf.maps import Map
+
+        tbl = Map.of(self.bpf, "lat_adopt")
+
+        def write(k: bytes) -> bool:
+            try:
+                tbl.update(k, tbl.value(on=1))
+            except OSError:  # full (E2BIG): counted as no room by the caller
+                return False
+            return True
+
+        def waiting(k: bytes) -> bool:
+            return tbl.lookup(k) is not None
+
+        def drop(k: bytes) -> None:
+            tbl.delete(k)
+
+        return adopt.Adoption(write, waiting, drop)
+
+    def _set_adopting(self, pending: bool | None = None) -> None:
+        """Tell the kernel whether connections wait for adoption (default: whether any does); in tracepoint and
+        kprobe modes, link the program that adopts them on the cgroup2 root while any does, and only then (it sees
+        every packet arriving)."""
+        if self._adoption is None or self._adoption.write is None:
+            return
+        pending = self._adoption.pending if pending is None else pending
+        from qosagent.ebpf.maps import Map
+
+        conf = Map.of(self.bpf, "lat_adopt_conf")
+        cur = conf.lookup(0)
+        if bool(cur.adopting) != pending:
+            cur.adopting = int(pending)
+            conf.update(0, cur)
+        if self.mode == "sockops":
+            return
+        if pending and self._adopt_link is None:
+            from bcc import BPF
+
+            from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS
+
+            prog = self.bpf.load_func(b"lat_adopt_ingress", BPF.CGROUP_SKB)
+            self._adopt_link = self._link_root(self._cgroup_root(), prog.fd, ATTACH_CGROUP_INET_INGRESS)
+        elif not pending and self._adopt_link is not None:
+            with self._cgroup_lock:
+                os.close(self._adopt_link)
+                self._adopt_link = None
+
+    def _maintain_adoption(self) -> None:
+        """Once a second while any watched-port connection is not observed: forget those the kernel adopted, and
+        every ADOPT_RELIST_S those that closed."""
+        from qosagent.latency import adopt
+
+        if self._adoption is None or not self._adoption.ports():
+            return
+        still = None
+        now = self.ctx.clock()
+        if now >= self._adopt_relist_at:
+            self._adopt_relist_at = now + ADOPT_RELIST_S
+            still = {c.key for c in adopt.established(self.ctx.hostfs, self._adoption.ports())}
+        self._adoption.prune(still, set(bm.watched(self.ctx.config)))
+        self._set_adopting()
+
+    def _unobserved(self) -> dict[str, int]:
+        if self._adoption is None:
+            return {}
+        if self.mode != "sockops":
+            return self._adoption.unobserved(lambda c: self._adopt_link is not None)
+        # Sockops mode: a connection's segments reach the ingress program on its own cgroup, or on the root while
+        # the learner is linked; an unknown cgroup (no sock_diag) is taken to be its listener's, linked at start.
+        linked = set(self._cgroup_ids)
+        learning = self._learn_link is not None
+        return self._adoption.unobserved(lambda c: learning or not c.cgroup_id or c.cgroup_id in linked)
 
     def _refresh_runq_threads(self) -> None:
         """Expand the processes seen serving watched sockets into their threads (the sched tracepoints name threads);

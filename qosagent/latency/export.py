@@ -101,6 +101,9 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
     untracked = CounterMetricFamily("qosagent_connections_untracked", "Server-side connections on watched ports not "
                                     "tracked: no room for their state (tracepoint mode: socket table full)",
                                     labels=labels)
+    adopted = CounterMetricFamily("qosagent_connections_adopted", "Tracked connections that were open before their "
+                                  "port was watched (at start or a reload), observed from their next request",
+                                  labels=labels)
     mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
                               "(their requests overlap by protocol: counted, not timed)", labels=labels)
     overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
@@ -135,6 +138,7 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
         framed.add_metric(lv, t.framed)
         pipelined.add_metric(lv, t.pipelined)
         conns.add_metric(lv, t.connections)
+        adopted.add_metric(lv, t.adopted)
         mux.add_metric(lv, t.multiplexed_connections)
         untracked.add_metric(lv, t.untracked)
         overlapped.add_metric(lv, t.overlapped)
@@ -142,8 +146,17 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
         inflight.add_metric(lv, t.in_flight)
     yield from hists.values()
     yield from windows.values()
-    yield from (slo, requests, unpaired, no_ttft, interim, framed, pipelined, conns, mux, untracked, overlapped, lost,
-                inflight)
+    yield from (slo, requests, unpaired, no_ttft, interim, framed, pipelined, conns, adopted, mux, untracked,
+                overlapped, lost, inflight)
+    if part.unobserved:
+        unobserved = GaugeMetricFamily("qosagent_connections_unobserved", "Watched-port connections open now that are "
+                                       "not observed, by reason: awaiting_request (open before their port was watched, "
+                                       "observed from their next request), not_hooked (no program sees their "
+                                       "packets), no_room (the kernel's list of connections to adopt was full)",
+                                       labels=["reason"])
+        for reason, n in part.unobserved.items():
+            unobserved.add_metric([reason], n)
+        yield unobserved
     if part.runqueue is not None:
         rq = NativeHistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes "
                                          "serving watched ports waited runnable for a CPU, since start")
@@ -188,6 +201,7 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
             "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,
             "pipelined": t.pipelined, "connections": t.connections,
             "multiplexed_connections": t.multiplexed_connections, "untracked": t.untracked, "lost": t.lost,
+            "adopted": t.adopted,
             "no_ttft": dict(t.no_ttft), "interim": t.interim, "framed": t.framed,
         }
         for name in SIGNALS:
@@ -201,7 +215,8 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
         row.update({"slo_p99": bound or None, "slo_signal": signal, "slo_quantile": quantile,
                     "slo_latency": judged, "slo": slo_state(judged, bound)})
         tenants.append(row)
-    out: dict[str, Any] = {"window_s": part.window_s, "tenants": tenants}
+    out: dict[str, Any] = {"window_s": part.window_s, "tenants": tenants, "found_open": part.found_open,
+                           "unobserved": dict(part.unobserved)}
     if part.runqueue is not None and part.runqueue_window is not None:
         out["runqueue"] = _quantiles(part.runqueue_window)
         out["runqueue_total"] = _quantiles(part.runqueue)
@@ -239,6 +254,12 @@ def render(st: dict[str, Any]) -> str:
             notes.append(f"{t['multiplexed_connections']} multiplexed connections not timed")
         if notes:
             lines.append(f"{'':<16} ({', '.join(notes)})")
+    waiting = {r: n for r, n in (st.get("unobserved") or {}).items() if n}
+    if st.get("found_open") or waiting:
+        adopted = sum(t.get("adopted", 0) for t in st.get("tenants", []))
+        lines.append(f"connections open before their port was watched: {st.get('found_open', 0)} found, {adopted} "
+                     "observed since their next request; not observed now: "
+                     + (", ".join(f"{n} {r}" for r, n in sorted(waiting.items())) or "none"))
     rq = st.get("runqueue")
     if rq:
         lines.append(f"run-queue latency of serving processes: p50 {_ms(rq['p50'])}  p95 {_ms(rq['p95'])}  "

@@ -35,6 +35,7 @@ class TenantLatency:
     no_ttft: Mapping[str, int] = field(default_factory=dict)  # responses without a TTFT, by reason, since start
     interim: int = 0  # interim (1xx) responses passed over
     framed: int = 0  # responses ended at their last byte by their framing (Content-Length, chunked, 204/304)
+    adopted: int = 0  # of connections, those open before their port was watched, observed from their next request
 
     def window(self, signal: str) -> Histogram:
         """The window histogram of a latency signal (admission.signal, alert rules): ttft, headers or response."""
@@ -47,3 +48,7 @@ class LatencyPart:
     tenants: Mapping[str, TenantLatency] = field(default_factory=dict)
     runqueue: Histogram | None = None  # run-queue latency of watched processes, since start
     runqueue_window: Histogram | None = None
+    # Connections found open on a port when it became watched (at start or a reload), since start, and the watched-port
+    # connections not observed now, by reason (qosagent/latency/adopt.py REASONS).
+    found_open: int = 0
+    unobserved: Mapping[str, int] = field(default_factory=dict)

@@ -191,11 +191,14 @@ def test_kprobe_fallback_compiles_and_loads(bpf: None) -> None:
 
     from qosagent.ebpf.loader import compile_program
 
-    b = compile_program("latency", {"QOS_KPROBE": 1, "QOS_ARRIVAL": 1})
+    b = compile_program("latency", {"QOS_KPROBE": 1, "QOS_ARRIVAL": 1, "QOS_EGRESS": 1})
     try:
         for _event, prog in KPROBES:
             assert b.load_func(prog.encode(), BPF.KPROBE).fd >= 0
         assert b.load_func(KPROBE_ARRIVAL[1].encode(), BPF.KPROBE).fd >= 0
+        # Its cgroup_skb programs: responses read as they leave, and connections open before the agent adopted.
+        for prog in ("lat_egress", "lat_egress_framing", "lat_adopt_ingress"):
+            assert b.load_func(prog.encode(), BPF.CGROUP_SKB).fd >= 0
         # The kprobe build must not also attach the socket tracepoints (each event would be counted twice), nor
         # sk_data_ready, which kernels that need the kprobes do not have.
         assert not any(b"sock_recv_length" in tp or b"sock_send_length" in tp or b"sk_data_ready" in tp
