@@ -254,115 +254,139 @@ def _serves(t: TenantInput, ports: set[int]) -> bool:
 
 
 def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
-    now = inp.now
-    order = _tier_order(inp.tiers)
-    states = {name: prev.tenants.get(name, TenantState()) for name in inp.tenants}
-    changes: list[Change] = []
+    """One tick of the loop, in the order its signals are weighed: the tiers' latency, the servers' pressure, cuts
+    (latency first; a server cut only where no latency cut answered the same overload this tick), recovery, GPU
+    memory shedding; then the outcome."""
+    d = _Tick(inp, policy, prev)
+    d.cut_on_breach()
+    d.cut_on_server_pressure()
+    d.recover()
+    d.shed_on_gpu_memory()
+    return d.outcome()
 
-    # ---- per-tier latency evaluation ----
-    views: dict[str, TierView] = {}
-    streak: dict[str, int] = {}
-    all_healthy = True
-    for name in order:
-        tier = inp.tiers[name]
-        obs = tier.observed
-        over = obs is not None and obs > tier.slo
-        streak[name] = prev.breach_streak.get(name, 0) + 1 if over else 0
-        if obs is not None and obs > tier.slo * policy.healthy_below:
-            all_healthy = False
-        views[name] = TierView(obs, tier.slo, streak[name], streak[name] >= policy.breach_ticks,
-                               obs is not None and obs >= tier.slo * policy.near_slo)
-    breaching = [n for n in order if views[n].in_breach]
 
-    # ---- server pressure evaluation ----
-    servers = _servers(inp, policy, prev)
-    pressed = [srv for srv in inp.servers if servers[srv.port].pressed]
+class _Tick:
+    """The working state of one decide() call: built from its arguments, dropped when it returns (decide stays pure).
+    Each step reads and moves the clocks and streaks the LoopState carries from tick to tick."""
 
-    def note(tenant: str, extra: Mapping[str, Any]) -> dict[str, Any]:
-        t = inp.tenants[tenant]
+    def __init__(self, inp: TickInput, policy: AdmissionConfig, prev: LoopState):
+        self.inp, self.policy, self.prev, self.now = inp, policy, prev, inp.now
+        self.order = _tier_order(inp.tiers)
+        self.states = {name: prev.tenants.get(name, TenantState()) for name in inp.tenants}
+        self.changes: list[Change] = []
+        self.escalation, self.since_cut = prev.escalation, prev.ticks_since_cut + 1
+        self.last_cut, self.last_change, self.last_server_cut = prev.last_cut, prev.last_change, prev.last_server_cut
+        self.run_pre_cleanup = False
+        self._evaluate_tiers()
+        self.servers = _servers(inp, policy, prev)
+        self.pressed = [srv for srv in inp.servers if self.servers[srv.port].pressed]
+        if self.breaching or self.pressed or not self.all_healthy:
+            self.healthy_streak = 0
+        else:
+            self.healthy_streak = prev.healthy_streak + 1
+
+    def _evaluate_tiers(self) -> None:
+        """Each tier's quantile against its SLO: breach streaks, breach, near the SLO, and whether all are healthy."""
+        policy = self.policy
+        self.views: dict[str, TierView] = {}
+        self.streak: dict[str, int] = {}
+        self.all_healthy = True
+        for name in self.order:
+            tier = self.inp.tiers[name]
+            obs = tier.observed
+            over = obs is not None and obs > tier.slo
+            self.streak[name] = self.prev.breach_streak.get(name, 0) + 1 if over else 0
+            if obs is not None and obs > tier.slo * policy.healthy_below:
+                self.all_healthy = False
+            self.views[name] = TierView(obs, tier.slo, self.streak[name], self.streak[name] >= policy.breach_ticks,
+                                        obs is not None and obs >= tier.slo * policy.near_slo)
+        self.breaching = [n for n in self.order if self.views[n].in_breach]
+
+    def note(self, tenant: str, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """A change's inputs for the audit: the tenant's rates beside what the step saw."""
+        t = self.inp.tenants[tenant]
         out: dict[str, Any] = {"tier": t.tier, "admitted_rps": t.admitted_rps, "dropped_rps": t.dropped_rps,
                                "in_flight": t.in_flight}
-        if inp.runqueue_p99 is not None:
-            out["runqueue_p99_s"] = inp.runqueue_p99
+        if self.inp.runqueue_p99 is not None:
+            out["runqueue_p99_s"] = self.inp.runqueue_p99
         out.update(extra)
         return out
 
-    def cut_lowest(eligible_tiers: list[str], tenants: list[str], factor: float, reason: str, cause: str,
+    def cut_lowest(self, eligible_tiers: list[str], tenants: list[str], factor: float, reason: str, cause: str,
                    why: str, inputs: Mapping[str, Any]) -> bool:
         """Cut every tenant of the lowest eligible tier that has headroom above its floor; True when one was cut."""
         cuts: dict[str, TenantLimit] = {}
         for name in tenants:
-            t = inp.tenants[name]
-            if t.tier in eligible_tiers and not states[name].shed:
-                new = _cut_one(t, states[name], factor, policy)
+            t = self.inp.tenants[name]
+            if t.tier in eligible_tiers and not self.states[name].shed:
+                new = _cut_one(t, self.states[name], factor, self.policy)
                 if new is not None:
                     cuts[name] = new
         # The lowest tier with headroom takes the whole cut; the next tier up waits until this one is at its floor.
-        lowest = next((n for n in eligible_tiers if any(inp.tenants[c].tier == n for c in cuts)), None)
+        lowest = next((n for n in eligible_tiers if any(self.inp.tenants[c].tier == n for c in cuts)), None)
         for name, new in cuts.items():
-            t = inp.tenants[name]
+            t = self.inp.tenants[name]
             if t.tier != lowest:
                 continue
-            s = states[name]
+            s = self.states[name]
             cur = effective(t, s)
             origin = s.origin_rps if s.origin_rps is not None else (cur.rps if cur is not None else t.admitted_rps)
-            states[name] = replace(s, limit=new, origin_rps=origin, last_cut=now, cause=cause, rule=CUT, why=why)
-            changes.append(Change(name, CUT, cur, new, reason, note(name, inputs)))
+            self.states[name] = replace(s, limit=new, origin_rps=origin, last_cut=self.now, cause=cause, rule=CUT,
+                                        why=why)
+            self.changes.append(Change(name, CUT, cur, new, reason, self.note(name, inputs)))
         return lowest is not None
 
-    # ---- latency: cut while a tier is in breach ----
-    escalation = prev.escalation
-    healthy_streak = prev.healthy_streak
-    since_cut = prev.ticks_since_cut + 1
-    if breaching or pressed:
-        healthy_streak = 0
-    elif all_healthy:
-        healthy_streak += 1
-    else:
-        healthy_streak = 0
-    last_cut, last_change = prev.last_cut, prev.last_change
-    # After a cut, the next one waits breach_ticks ticks and a whole latency window, so each cut is seen working
-    # (or not) before another: cutting on a window that still holds pre-cut requests overshoots.
-    if breaching and since_cut >= policy.breach_ticks and now - last_cut >= inp.window_s:
-        driver = breaching[-1]  # the most important tier in breach decides how far up the cut may go
+    def cut_on_breach(self) -> None:
+        """While a tier is in breach. After a cut, the next one waits breach_ticks ticks and a whole latency
+        window, so each cut is seen working (or not) before another: cutting on a window that still holds pre-cut
+        requests overshoots."""
+        inp, policy, now = self.inp, self.policy, self.now
+        if not (self.breaching and self.since_cut >= policy.breach_ticks and now - self.last_cut >= inp.window_s):
+            return
+        driver = self.breaching[-1]  # the most important tier in breach decides how far up the cut may go
         d = inp.tiers[driver]
         factor = policy.cut_factor
         if policy.cut == "gradient":
             factor = min(1.0, max(0.5, d.slo / d.observed)) if d.observed else 1.0
-        eligible = [n for n in order if inp.tiers[n].weight <= d.weight]
+        eligible = [n for n in self.order if inp.tiers[n].weight <= d.weight]
         cause = {"breach_tier": driver, "observed_s": d.observed, "slo_s": d.slo, "quantile": policy.quantile,
-                 "factor": round(factor, 4), "escalation": escalation}
+                 "factor": round(factor, 4), "escalation": self.escalation}
         why = f"{driver} P{policy.quantile * 100:g} {d.observed or 0:.3f}s > SLO {d.slo:g}s"
-        if cut_lowest(eligible, list(inp.tenants), factor, SLO_BREACH, BY_SLO, why, cause):
-            escalation += 1
-            since_cut = 0
-            last_cut = last_change = now
+        if self.cut_lowest(eligible, list(inp.tenants), factor, SLO_BREACH, BY_SLO, why, cause):
+            self.escalation += 1
+            self.since_cut = 0
+            self.last_cut = self.last_change = now
 
-    # ---- server pressure: cut the lowest tier with headroom among the tenants a pressed server serves ----
-    sp = policy.server_pressure
-    last_server_cut = prev.last_server_cut
-    # One cut a tick at most: a latency cut this tick already answers the same overload.
-    if pressed and now - last_server_cut >= sp.cut_every and last_cut < now:
+    def cut_on_server_pressure(self) -> None:
+        """The lowest tier with headroom among the tenants a pressed server serves, once per cut_every; one cut a
+        tick at most: a latency cut this tick already answers the same overload."""
+        sp, now, pressed = self.policy.server_pressure, self.now, self.pressed
+        if not (pressed and now - self.last_server_cut >= sp.cut_every and self.last_cut < now):
+            return
         ports = {srv.port for srv in pressed}
         srv = max(pressed, key=lambda x: (x.kv_cache_usage or 0, x.requests_waiting or 0))
-        st = servers[srv.port]
+        st = self.servers[srv.port]
         rule = (f"kv_cache_usage {srv.kv_cache_usage:.2f} > {sp.kv_enter:g}" if st.kv else
                 f"requests_waiting {srv.requests_waiting:g} > {sp.queue_enter} for {sp.queue_ticks} ticks")
         cause = {"server": srv.port, "kind": srv.kind, "kv_cache_usage": srv.kv_cache_usage,
-                 "requests_waiting": srv.requests_waiting, "rule": rule, "factor": policy.cut_factor}
-        served = [n for n, t in inp.tenants.items() if _serves(t, ports)]
-        if cut_lowest(order, served, policy.cut_factor, SERVER_PRESSURE, BY_SERVER, f"server {srv.port}: {rule}",
-                      cause):
-            last_server_cut = last_cut = last_change = now
-            since_cut = 0
+                 "requests_waiting": srv.requests_waiting, "rule": rule, "factor": self.policy.cut_factor}
+        served = [n for n, t in self.inp.tenants.items() if _serves(t, ports)]
+        if self.cut_lowest(self.order, served, self.policy.cut_factor, SERVER_PRESSURE, BY_SERVER,
+                           f"server {srv.port}: {rule}", cause):
+            self.last_server_cut = self.last_cut = self.last_change = now
+            self.since_cut = 0
 
-    # ---- recovery after healthy_ticks, paced and after the cooldown ----
-    # A raise, like a cut, waits until the window no longer holds requests from before the last change.
-    if not breaching and not pressed and healthy_streak >= policy.healthy_ticks and now - last_change >= inp.window_s:
-        escalation = 0
+    def recover(self) -> None:
+        """After healthy_ticks, paced and after the cooldown. A raise, like a cut, waits until the window no longer
+        holds requests from before the last change."""
+        policy, now = self.policy, self.now
+        if (self.breaching or self.pressed or self.healthy_streak < policy.healthy_ticks
+                or now - self.last_change < self.inp.window_s):
+            return
+        self.escalation = 0
         raised = False
-        for name, t in inp.tenants.items():
-            s = states[name]
+        for name, t in self.inp.tenants.items():
+            s = self.states[name]
             if s.limit is None or s.shed or now - s.last_cut < policy.cooldown:
                 continue
             # A limit the tenant does not press against tells nothing about whether more would hurt.
@@ -370,87 +394,90 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
                 continue
             rps = _rate(s.limit.rps * (1.0 + policy.raise_step))
             target = t.baseline.rps if t.baseline is not None else s.origin_rps
-            why = {"healthy_ticks": healthy_streak, "step": policy.raise_step}
+            why = {"healthy_ticks": self.healthy_streak, "step": policy.raise_step}
             reason = SERVER_RELIEVED if s.cause == BY_SERVER else SLO_RECOVERED
             if target is None or rps >= target:
-                states[name] = TenantState(last_cut=s.last_cut)
-                changes.append(Change(name, RESTORE, s.limit, t.baseline, reason, note(name, why)))
+                self.states[name] = TenantState(last_cut=s.last_cut)
+                self.changes.append(Change(name, RESTORE, s.limit, t.baseline, reason, self.note(name, why)))
             else:
                 new = TenantLimit(rps, _scaled_burst(s.limit, rps, t.floor_burst))
-                states[name] = replace(s, limit=new, rule=RAISE, why=f"{reason}: +{policy.raise_step:g}")
-                changes.append(Change(name, RAISE, s.limit, new, reason, note(name, why)))
+                self.states[name] = replace(s, limit=new, rule=RAISE, why=f"{reason}: +{policy.raise_step:g}")
+                self.changes.append(Change(name, RAISE, s.limit, new, reason, self.note(name, why)))
             raised = True
         if raised:
-            healthy_streak = 0
-            last_change = now
+            self.healthy_streak = 0
+            self.last_change = now
 
-    # ---- GPU memory pressure: shed tier by tier, with hysteresis ----
-    g = inp.gpu
-    pressure, shed_tiers, last_shed = prev.gpu_pressure, prev.shed_tiers, prev.last_shed
-    run_pre_cleanup = False
-    release_reason = GPU_RELIEVED
-    if not g.known or g.ratio is None:
-        if pressure:
-            release_reason = GPU_UNKNOWN
-        pressure, shed_tiers = False, 0
-    elif not pressure and g.ratio > policy.gpu_pressure.enter:
-        pressure, shed_tiers, last_shed, run_pre_cleanup = True, 1, now, True
-    elif pressure and g.ratio < policy.gpu_pressure.exit:
-        pressure, shed_tiers = False, 0
-    elif (pressure and g.ratio > policy.gpu_pressure.enter and shed_tiers < len(order)
-          and now - last_shed >= policy.gpu_pressure.escalate_after):
-        shed_tiers, last_shed = shed_tiers + 1, now
-    shed_set = set(order[:shed_tiers])
-    gpu_note = {"gpu": g.gpu, "memory_used_ratio": g.ratio, "enter": policy.gpu_pressure.enter,
-                "exit": policy.gpu_pressure.exit, "shed_tiers": sorted(shed_set)}
-    if not g.known:
-        gpu_note["gpu_unknown"] = g.reason
-    for name, t in inp.tenants.items():
-        s = states[name]
-        want = t.tier in shed_set
-        if want == s.shed:
-            continue
-        before = effective(t, s)
-        if want:
-            why = f"GPU {g.gpu} memory {g.ratio or 0:.0%} > {policy.gpu_pressure.enter:g}"
-            states[name] = replace(s, shed=True, shed_to=shed_limit(t, policy), why=why)
-            changes.append(Change(name, SHED, before, states[name].shed_to, GPU_PRESSURE, note(name, gpu_note)))
-        else:
-            states[name] = replace(s, shed=False, shed_to=None)
-            changes.append(Change(name, UNSHED, before, effective(t, states[name]), release_reason,
-                                  note(name, gpu_note)))
+    def shed_on_gpu_memory(self) -> None:
+        """Tier by tier, with hysteresis; an unknown GPU state sheds nothing and releases what was shed."""
+        g, gp, now = self.inp.gpu, self.policy.gpu_pressure, self.now
+        pressure, shed_tiers, last_shed = self.prev.gpu_pressure, self.prev.shed_tiers, self.prev.last_shed
+        release_reason = GPU_RELIEVED
+        if not g.known or g.ratio is None:
+            if pressure:
+                release_reason = GPU_UNKNOWN
+            pressure, shed_tiers = False, 0
+        elif not pressure and g.ratio > gp.enter:
+            pressure, shed_tiers, last_shed, self.run_pre_cleanup = True, 1, now, True
+        elif pressure and g.ratio < gp.exit:
+            pressure, shed_tiers = False, 0
+        elif (pressure and g.ratio > gp.enter and shed_tiers < len(self.order)
+              and now - last_shed >= gp.escalate_after):
+            shed_tiers, last_shed = shed_tiers + 1, now
+        self.gpu_pressure, self.shed_tiers, self.last_shed = pressure, shed_tiers, last_shed
+        shed_set = set(self.order[:shed_tiers])
+        gpu_note = {"gpu": g.gpu, "memory_used_ratio": g.ratio, "enter": gp.enter, "exit": gp.exit,
+                    "shed_tiers": sorted(shed_set)}
+        if not g.known:
+            gpu_note["gpu_unknown"] = g.reason
+        for name, t in self.inp.tenants.items():
+            s = self.states[name]
+            want = t.tier in shed_set
+            if want == s.shed:
+                continue
+            before = effective(t, s)
+            if want:
+                why = f"GPU {g.gpu} memory {g.ratio or 0:.0%} > {gp.enter:g}"
+                self.states[name] = replace(s, shed=True, shed_to=shed_limit(t, self.policy), why=why)
+                self.changes.append(Change(name, SHED, before, self.states[name].shed_to, GPU_PRESSURE,
+                                           self.note(name, gpu_note)))
+            else:
+                self.states[name] = replace(s, shed=False, shed_to=None)
+                self.changes.append(Change(name, UNSHED, before, effective(t, self.states[name]), release_reason,
+                                           self.note(name, gpu_note)))
 
-    overrides = {}
-    set_by = {}
-    for name, t in inp.tenants.items():
-        s = states[name]
-        lim = effective(t, s)
-        if s.shed or s.limit is not None:
-            assert lim is not None
-            overrides[name] = lim
-        set_by[name] = _set_by(t, s, lim, policy)
-    state = LoopState(
-        tenants=MappingProxyType(states),
-        breach_streak=MappingProxyType(streak),
-        healthy_streak=healthy_streak,
-        escalation=escalation,
-        ticks_since_cut=since_cut,
-        last_cut=last_cut,
-        last_change=last_change,
-        gpu_pressure=pressure,
-        shed_tiers=shed_tiers,
-        last_shed=last_shed,
-        servers=MappingProxyType(servers),
-        last_server_cut=last_server_cut,
-    )
-    part = AdmissionPart(
-        near_slo=frozenset(n for n, v in views.items() if v.near_slo),
-        in_breach=frozenset(breaching),
-        gpu_pressure=pressure,
-        server_pressure=frozenset(srv.port for srv in pressed),
-    )
-    return Outcome(state, tuple(changes), MappingProxyType(overrides), part, MappingProxyType(views), g,
-                   run_pre_cleanup, MappingProxyType(servers), MappingProxyType(set_by))
+    def outcome(self) -> Outcome:
+        overrides = {}
+        set_by = {}
+        for name, t in self.inp.tenants.items():
+            s = self.states[name]
+            lim = effective(t, s)
+            if s.shed or s.limit is not None:
+                assert lim is not None
+                overrides[name] = lim
+            set_by[name] = _set_by(t, s, lim, self.policy)
+        state = LoopState(
+            tenants=MappingProxyType(self.states),
+            breach_streak=MappingProxyType(self.streak),
+            healthy_streak=self.healthy_streak,
+            escalation=self.escalation,
+            ticks_since_cut=self.since_cut,
+            last_cut=self.last_cut,
+            last_change=self.last_change,
+            gpu_pressure=self.gpu_pressure,
+            shed_tiers=self.shed_tiers,
+            last_shed=self.last_shed,
+            servers=MappingProxyType(self.servers),
+            last_server_cut=self.last_server_cut,
+        )
+        part = AdmissionPart(
+            near_slo=frozenset(n for n, v in self.views.items() if v.near_slo),
+            in_breach=frozenset(self.breaching),
+            gpu_pressure=self.gpu_pressure,
+            server_pressure=frozenset(srv.port for srv in self.pressed),
+        )
+        return Outcome(state, tuple(self.changes), MappingProxyType(overrides), part, MappingProxyType(self.views),
+                       self.inp.gpu, self.run_pre_cleanup, MappingProxyType(self.servers), MappingProxyType(set_by))
 
 
 def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: AdmissionConfig) -> SetBy:
