@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from qosagent.admission.config import AdmissionConfig
-from qosagent.configbase import RESTART, Duration, Port, Section
+from qosagent.configbase import RESTART, Duration, Port, Regex, Section
 from qosagent.dvfs.config import DvfsConfig
 from qosagent.gpu.config import GpuConfig
 from qosagent.latency.config import LatencyConfig
@@ -56,18 +56,8 @@ class TenantMatch(Section):
     header: HeaderMatch | None = None
     # Requests into the network namespace of a serving process whose command line this regex finds (a pod), on
     # `ports` (default: every watched port). Quota only: the latency probes do not attribute it yet.
-    process: str | None = None
+    process: Regex | None = None
     pods: Any = None  # refused below: named so that the refusal can say what to use instead
-
-    @field_validator("process")
-    @classmethod
-    def _process(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                re.compile(v)
-            except re.error as e:
-                raise ValueError(f"not a regular expression: {e}") from None
-        return v
 
     @field_validator("pods")
     @classmethod

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+import re
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from qosagent.units import parse_duration
 
@@ -15,6 +17,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _regex(v: str) -> str:
+    try:
+        re.compile(v)
+    except re.error as e:
+        raise ValueError(f"not a regular expression: {e}") from None
+    return v
+
+
+Regex = Annotated[str, AfterValidator(_regex)]
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description="duration such as 100ms or 10s")]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Mode = Literal["enforce", "dry-run"]

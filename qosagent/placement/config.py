@@ -1,33 +1,23 @@
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qosagent.configbase import RESTART, Duration, Mode, Section
+from qosagent.configbase import RESTART, Duration, Mode, Regex, Section
 from qosagent.cpulist import parse_cpulist
 
 
 class Selector(Section):
     """One way to name inference processes; a selector with several keys needs all of them to match."""
 
-    name: str | None = Field(default=None, description="regex on the process name (/proc/PID/comm)")
-    cmdline: str | None = Field(default=None, description="regex searched in the command line (args joined by spaces)")
+    name: Regex | None = Field(default=None, description="regex on the process name (/proc/PID/comm)")
+    cmdline: Regex | None = Field(default=None,
+                                  description="regex searched in the command line (args joined by spaces)")
     cgroup: str | None = Field(default=None, description="cgroup path prefix, e.g. /kubepods.slice/kubepods-pod...")
     unit: str | None = Field(default=None, description="systemd unit, e.g. vllm.service")
     node: int | None = Field(default=None, ge=0, description="NUMA node for a matching process that uses no GPU")
     tenant: str | None = Field(default=None, description="the tenant this process serves alone (tier CPU guarantees)")
-
-    @field_validator("name", "cmdline")
-    @classmethod
-    def _regex(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                re.compile(v)
-            except re.error as e:
-                raise ValueError(f"not a regular expression: {e}") from None
-        return v
 
     @field_validator("cgroup")
     @classmethod
