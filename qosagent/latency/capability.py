@@ -12,17 +12,17 @@ import logging
 import os
 import posixpath
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
-from qosagent.latency import selftest
+from qosagent.latency import selftest, slots
 from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.schedule import Every
-from qosagent.tenants import UNMATCHED_ID, TenantInfo, tenant_entries, tenant_table
+from qosagent.tenants import UNMATCHED_ID, TenantInfo
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -67,7 +67,7 @@ class Latency(Capability):
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
-        self._maps: _Maps | None = None  # what the tenant and port maps say (the last start or reload)
+        self._maps: MapsPlan | None = None  # what the tenant and port maps say (the last start or reload)
         self._window: Window[bm.Raw] | None = None
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
@@ -447,17 +447,14 @@ class Latency(Capability):
         return out
 
     # ---- maps from config --------------------------------------------------------------------------------
-    def _plan_maps(self, cfg: "Config") -> "_Maps":
+    def _plan_maps(self, cfg: "Config") -> MapsPlan:
         """What cfg makes of the tenant and port maps; writes nothing."""
         try:
-            table = tenant_table(cfg)
+            return slots.plan(cfg, self._slots, self._nslots)
         except ValueError as e:
             raise CapabilityError(str(e)) from None
-        ports, cidrs = tenant_entries(cfg)
-        return _Maps(table, self._assign_slots(table), {p: tid for p, tid in ports.items()}, tuple(cidrs),
-                     tuple(bm.watched(cfg)), tuple(cfg.latency.multiplexed_ports), cfg.latency.window)
 
-    def _write_maps(self, m: "_Maps") -> None:
+    def _write_maps(self, m: MapsPlan) -> None:
         """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
         from qosagent.ebpf.maps import Map, sync
         from qosagent.ebpf.tenant_ports import sync_cidrs
@@ -478,21 +475,6 @@ class Latency(Capability):
             self._window = Window(m.window)
         self._maps = m
 
-    def _assign_slots(self, table: dict[int, TenantInfo]) -> dict[int, int]:
-        """Slots for table's tenants: those already numbered keep theirs (their counts since start go on), new ones
-        take free ones; a tenant a reload removed keeps its slot, and its counts stay reported, until restart."""
-        slots = dict(self._slots)
-        slots[UNMATCHED_ID] = 0
-        free = sorted(set(range(self._nslots)) - set(slots.values()))
-        for tid in table:
-            if tid not in slots:
-                if not free:
-                    raise CapabilityError(
-                        f"the latency arrays have {self._nslots} tenant slots, all taken by tenants configured since "
-                        "the agent started; restart it to time the new ones")
-                slots[tid] = free.pop(0)
-        return slots
-
     def prepare(self, config: "Config") -> Change:
         if self.bpf is None:
             return UNCHANGED
@@ -500,7 +482,7 @@ class Latency(Capability):
         assert old is not None
         return rewrite(self._write_maps_adopting, new, old, "tenant maps")
 
-    def _write_maps_adopting(self, m: "_Maps") -> None:
+    def _write_maps_adopting(self, m: MapsPlan) -> None:
         """_write_maps, then the connections already open on the ports m newly watches taken under observation."""
         assert self._maps is not None
         added = set(m.watched) - set(self._maps.watched)
@@ -802,7 +784,6 @@ class Latency(Capability):
         return export.render(status)
 
 
-
 class _CgroupEvent(ctypes.Structure):
     """struct lat_cgroup_event of bpf/latency.c."""
 
@@ -816,16 +797,3 @@ def _flows_defines(cfg: "Config") -> dict[str, object]:
     from qosagent.quota.datapath import pin_dir
 
     return {"QOS_FLOWS_PIN": f'"{pin_dir(cfg)}/tenant_flows"', "QOS_FLOWS": cfg.quota.flow_entries}
-
-
-@dataclass(frozen=True)
-class _Maps:
-    """What a config makes of the tenant and port maps: kept for the one in force, so a reload can be undone."""
-
-    tenants: dict[int, TenantInfo]
-    slots: dict[int, int]  # tenant id -> its slot (row) in the kernel's arrays
-    ports: dict[int, int]  # port -> the tenant that claims it alone
-    cidrs: tuple[Any, ...]
-    watched: tuple[int, ...]
-    mux: tuple[int, ...]
-    window: float

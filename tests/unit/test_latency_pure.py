@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import struct
 
@@ -228,3 +230,17 @@ def test_probe_degrades_without_sched_tracepoints_only_when_runqueue_is_wanted()
     state, reason, _ = _probe(sock_only)
     assert state == "degraded" and "run-queue" in reason
     assert _probe(sock_only, runqueue=False)[0] == "active"
+
+
+def test_slots_are_kept_across_reloads_and_refused_when_none_is_free() -> None:
+    from qosagent.latency.slots import assign_slots
+    from qosagent.tenants import UNMATCHED_ID
+
+    a, b, c = 11, 22, 33
+    first = assign_slots({}, {a: None, b: None}, 4)  # type: ignore[dict-item]
+    assert first == {UNMATCHED_ID: 0, a: 1, b: 2}
+    # b removed, c added: b keeps its slot (its counts since start stay reported), c takes a free one.
+    again = assign_slots(first, {a: None, c: None}, 4)  # type: ignore[dict-item]
+    assert again == {UNMATCHED_ID: 0, a: 1, b: 2, c: 3}
+    with pytest.raises(ValueError, match="4 tenant slots"):
+        assign_slots(again, {44: None}, 4)  # type: ignore[dict-item]
