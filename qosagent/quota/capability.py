@@ -107,11 +107,10 @@ class Quota(Capability):
         self.overrides: dict[str, TenantLimit] = {}
         self.attached: list[str] = []
         self.others: list[str] = []
-        # Serving network namespaces followed (inode -> what was found), the host-side veths into them (egress) and
-        # the tenants their processes give each port.
-        self.namespaces: dict[int, netns.ServingNs] = {}
+        # Serving network namespaces followed: the host-side veths into each (inode -> (ifindex, name)), where the
+        # classifier is on egress, and what status shows of them.
         self.egress: dict[int, list[tuple[int, str]]] = {}
-        self.ns_tenants: dict[int, dict[int, int]] = {}
+        self.followed: tuple[dict[str, Any], ...] = ()
         self._follow_every = Every(NETNS_EVERY)
         self._listeners = netns.ListenCache()
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
@@ -224,15 +223,7 @@ class Quota(Capability):
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
                          unmatched_counts=r.counts.get(UNMATCHED_ID, (0, 0, 0, 0)), passed=dict(r.stats),
                          interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others),
-                         namespaces=self._namespaces_seen())
-
-    def _namespaces_seen(self) -> tuple[dict[str, Any], ...]:
-        names = {tid: info.name for tid, info in self.table.items()}
-        return tuple({
-            "netns": ino, "pid": ns.pid, "ports": sorted(ns.ports),
-            "egress": [n for _, n in self.egress.get(ino, [])],
-            "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in self.ns_tenants.get(ino, {}).items()},
-        } for ino, ns in sorted(self.namespaces.items()))
+                         namespaces=self.followed)
 
     def _follow(self) -> None:
         d = self.datapath
@@ -262,8 +253,13 @@ class Quota(Capability):
                      "".join(f"; port {p or 'any'}: tenant {names.get(t, t)}" for p, t in tenants[ino].items()))
         for ino in self.egress.keys() - veths.keys():
             log.info("network namespace %d no longer serves here (gone, or its veth is): its rules removed", ino)
-        self.namespaces = {ino: found[ino] for ino in veths}
-        self.egress, self.ns_tenants = veths, tenants
+        self.egress = veths
+        # As status shows them: worked out here, when they change, not in every tick's collect.
+        self.followed = tuple({
+            "netns": ino, "pid": found[ino].pid, "ports": sorted(found[ino].ports),
+            "egress": [n for _, n in vs],
+            "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in tenants[ino].items()},
+        } for ino, vs in sorted(veths.items()))
 
     def prepare(self, config: Config) -> Change:
         d = self.datapath
