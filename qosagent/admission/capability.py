@@ -43,6 +43,7 @@ class Admission(Capability):
         self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.pre_cleanup = PreCleanup()
         self._written = False  # overrides were written and must be withdrawn when we stop writing
+        self._published: AdmissionPart | None = None  # the last part settled: the next tick's collected one
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:
@@ -91,12 +92,15 @@ class Admission(Capability):
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def collect(self) -> AdmissionPart:
-        # The tick's parts are collected before any decision, so this is what the previous tick decided (DVFS
-        # reads it); the published snapshot has this tick's (settled).
-        return self._report()
+        # The tick's parts are collected before any decision, so this is what the previous tick decided and
+        # published (DVFS reads it); the published snapshot has this tick's (settled).
+        if self._published is None:
+            self._published = self._report()
+        return self._published
 
     def settled(self, part: AdmissionPart) -> AdmissionPart:
-        return self._report()
+        self._published = self._report()
+        return self._published
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         cfg = self.ctx.config
