@@ -104,8 +104,8 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
     finally:
         sd_notify("STOPPING=1")
         agent.stop()
-        log.info("stopped; %s", "everything attached has been detached" if detach_on_exit else
-                 "rolled back; a quota classifier stays enforcing for the next agent")
+        # Quota says itself when it hands its classifier over; an agent without quota has nothing to hand over.
+        log.info("stopped; %s", "everything attached has been detached" if detach_on_exit else "rolled back")
 
 
 @main.command()
