@@ -149,8 +149,8 @@ class Toggled:
         if lat.mode == "sockops" and serving_cgroup:
             # nginx listened before the agent started: its cgroup would be learned at its first response. Linked
             # now, so that no window starts before it is (and so that empty programs, which learn nothing, work).
-            lat._ingress.attach(serving_cgroup)
-            lat.stop_learning()  # the root-wide learner would time the first windows' arrivals twice over
+            lat.watch._ingress.attach(serving_cgroup)
+            lat.watch.stop_learning()  # the root-wide learner would time the first windows' arrivals twice over
         if not arrival and b"sk_data_ready" in self.bpf.raw_tracepoint_fds:
             # Without the arrival hook no request is ever stamped on arrival: each is timed from its first read.
             self.bpf.detach_raw_tracepoint(b"sk_data_ready")
@@ -180,32 +180,29 @@ class Toggled:
         if self.lat.mode == "sockops":
             # The capability's own links, closed and made again: what an agent start and stop do to the hooks.
             # The sockets keep the callbacks they were given, so with the links back they are timed again.
-            from qosagent.ebpf.libbpf import ATTACH_CGROUP_SOCK_OPS, link_create
+            from qosagent.ebpf.libbpf import ATTACH_CGROUP_SOCK_OPS
+            from qosagent.latency.links import link_root
 
-            fd = os.open(self.lat.ctx.hostfs.path(self.lat._cgroup_root()), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                self.lat._sockops_link = link_create(self.bpf.funcs[b"lat_sockops"].fd, fd, ATTACH_CGROUP_SOCK_OPS)
-            finally:
-                os.close(fd)
+            watch = self.lat.watch
+            watch._sockops_link = link_root(watch.fs, watch.root, self.bpf.funcs[b"lat_sockops"].fd,
+                                            ATTACH_CGROUP_SOCK_OPS)
             for path in self.ingress_paths:
-                self.lat._ingress.attach(path)
-        self.lat._set_adopting()
+                self.lat.watch._ingress.attach(path)
+        self.lat.adopter.set_adopting()
         self.on.set()
 
     def detach(self) -> None:
         self.on.clear()
-        if self.lat._adopt_link is not None:  # tracepoint mode's adopter, linked while a connection awaits adoption
-            os.close(self.lat._adopt_link)
-            self.lat._adopt_link = None
+        self.lat.adopter.close()  # tracepoint mode's adopter, linked while a connection awaits adoption
         for tp in self.raw:
             self.bpf.detach_raw_tracepoint(tp)
         for tp in self.tps:
             self.bpf.detach_tracepoint(tp)
         if self.lat.mode == "sockops":
-            os.close(self.lat._sockops_link)
-            self.ingress_paths = self.lat.cgroups()
+            os.close(self.lat.watch._sockops_link)
+            self.ingress_paths = self.lat.watch.cgroups()
             for path in self.ingress_paths:
-                self.lat._ingress.detach(path)
+                self.lat.watch._ingress.detach(path)
 
     def close(self) -> None:
         self._done.set()

@@ -2,21 +2,23 @@
 ports), handed to the kernel by their addresses (bpf/latency.c, `lat_adopt`), and taken under observation there at
 their next request. What cannot be is reported, by reason, for as long as the connection stays open.
 
-Finding them reads the host (sock_diag, else /proc/net/tcp); the bookkeeping after that is pure, over callables that
-the capability binds to the kernel's maps, so it is tested without BPF.
+Finding them reads the host (sock_diag, else /proc/net/tcp); the bookkeeping after that (Adoption) is pure, over
+callables that Adopter binds to the kernel's maps, so it is tested without BPF.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
+    from qosagent.latency.cgroupwatch import CgroupWatch
 
 log = logging.getLogger("qosagent.latency")
 
@@ -25,6 +27,10 @@ AWAITING = "awaiting_request"  # open and idle since it was found: taken under o
 NOT_HOOKED = "not_hooked"  # no program of ours sees its packets (its cgroup could not be linked, no cgroup v2)
 NO_ROOM = "no_room"  # the kernel's list of connections to adopt (lat_adopt) was full
 REASONS = (AWAITING, NOT_HOOKED, NO_ROOM)
+
+# How often, while connections found open are not observed, they are listed again to forget those that closed: a
+# listing reads every established socket of the host (sock_diag), which costs on hosts with many.
+RELIST_S = 5.0
 
 _V4_MAPPED = bytes(10) + b"\xff\xff"
 _TCP_ESTABLISHED = 1  # the kernel's TCP_ESTABLISHED, in sock_diag and as "01" in /proc/net/tcp
@@ -169,3 +175,146 @@ class Adoption:
         for _, why in self._left.values():
             out[why] += 1
         return out
+
+
+def set_listing(bpf: Any, on: bool) -> None:
+    """While on, the kernel notes connections established on watched ports in lat_fresh: those are hooked
+    already, whatever the listing that runs meanwhile finds. On before the hooks or the ports change."""
+    from qosagent.ebpf.maps import Map
+
+    try:
+        conf = Map.of(bpf, "lat_adopt_conf")
+    except KeyError:  # built without cgroup_skb programs (no cgroup v2): nothing adopts connections
+        return
+    cur = conf.lookup(0)
+    cur.listing = int(on)
+    conf.update(0, cur)
+    if not on:
+        Map.of(bpf, "lat_fresh").clear()
+
+
+class Adopter:
+    """The connections found open, handed to the kernel's lat_adopt and followed there until adopted or closed. In
+    sockops mode their cgroups are linked through the cgroup watcher, as the listeners' are; in tracepoint and
+    kprobe modes lat_adopt_ingress is linked on the cgroup2 root (`root`) while any waits, and only then (it sees
+    every packet arriving). `root` None outside sockops mode: no cgroup_skb program runs, nothing can adopt."""
+
+    def __init__(self, bpf: Any, fs: "HostFS", clock: Callable[[], float], watch: "CgroupWatch | None",
+                 root: str | None):
+        self.bpf = bpf
+        self.fs = fs
+        self.clock = clock
+        self.watch = watch
+        self.root = root
+        self._link: int | None = None  # lat_adopt_ingress on the root (tracepoint and kprobe modes)
+        self._relist_at = 0.0
+        self.adoption = self._adoption()
+
+    def _adoption(self) -> Adoption:
+        if self.watch is None and self.root is None:
+            # No cgroup_skb program to see a request arrive: nothing can adopt a connection.
+            return Adoption(None, lambda k: False, lambda k: None)
+        from qosagent.ebpf.maps import Map
+
+        tbl = Map.of(self.bpf, "lat_adopt")
+
+        def write(k: bytes) -> bool:
+            try:
+                tbl.update(k, tbl.value(on=1))
+            except OSError:  # full (E2BIG): counted as no room by the caller
+                return False
+            return True
+
+        def waiting(k: bytes) -> bool:
+            return tbl.lookup(k) is not None
+
+        def drop(k: bytes) -> None:
+            tbl.delete(k)
+
+        return Adoption(write, waiting, drop)
+
+    @property
+    def found(self) -> int:
+        return self.adoption.found
+
+    def open(self, ports: set[int]) -> None:
+        """Take the established connections on `ports` under observation: the kernel adopts each at its next
+        request (bpf/latency.c, lat_adopt)."""
+        from qosagent.ebpf.maps import Map
+
+        # Sockops mode links each connection's cgroup, which only sock_diag names.
+        conns = established(self.fs, ports, cgroups=self.watch is not None)
+        fresh = ({bytes(k) for k in Map.of(self.bpf, "lat_fresh").keys()} if self.adoption.write is not None
+                 else set())
+        set_listing(self.bpf, False)
+        # Everything that adopts in place first: a connection is observed from the first request after its entry.
+        if self.watch is not None:
+            linked = self.watch.linked()
+            for cgid in sorted({c.cgroup_id for c in conns if c.cgroup_id}):
+                if cgid not in linked:
+                    self.watch.link(cgid, 0)
+        if conns:
+            self.set_adopting(True)
+        n = self.adoption.add(conns, fresh)
+        self.set_adopting()
+        if n:
+            log.info("latency: %d connections were open on watched ports before the agent watched them: each is "
+                     "observed from its next request", n)
+
+    def set_adopting(self, pending: bool | None = None) -> None:
+        """Tell the kernel whether connections wait for adoption (default: whether any does); outside sockops mode,
+        link the program that adopts them on the cgroup2 root while any does."""
+        if self.adoption.write is None:
+            return
+        pending = self.adoption.pending if pending is None else pending
+        from qosagent.ebpf.maps import Map
+
+        conf = Map.of(self.bpf, "lat_adopt_conf")
+        cur = conf.lookup(0)
+        if bool(cur.adopting) != pending:
+            cur.adopting = int(pending)
+            conf.update(0, cur)
+        if self.watch is not None:
+            return
+        if pending and self._link is None:
+            from bcc import BPF
+
+            from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS
+            from qosagent.latency import links
+
+            assert self.root is not None
+            prog = self.bpf.load_func(b"lat_adopt_ingress", BPF.CGROUP_SKB)
+            self._link = links.link_root(self.fs, self.root, prog.fd, ATTACH_CGROUP_INET_INGRESS)
+        elif not pending:
+            self.close()
+
+    def maintain(self, watched: set[int]) -> None:
+        """While any watched-port connection is not observed: forget those the kernel adopted, and every RELIST_S
+        those that closed."""
+        if not self.adoption.ports():
+            return
+        still = None
+        now = self.clock()
+        if now >= self._relist_at:
+            self._relist_at = now + RELIST_S
+            still = {c.key for c in established(self.fs, self.adoption.ports())}
+        self.adoption.prune(still, watched)
+        self.set_adopting()
+
+    def unobserved(self) -> dict[str, int]:
+        if self.watch is None:
+            return self.adoption.unobserved(lambda c: self._link is not None)
+        # Sockops mode: a connection's segments reach the ingress program on its own cgroup, or on the root while
+        # the learner is linked; an unknown cgroup (no sock_diag) is taken to be its listener's, linked at start.
+        linked = self.watch.linked()
+        learning = self.watch.learning
+        return self.adoption.unobserved(lambda c: learning or not c.cgroup_id or c.cgroup_id in linked)
+
+    def attached(self) -> int:
+        return 1 if self._link is not None else 0
+
+    def close(self) -> None:
+        """Unlink lat_adopt_ingress; set_adopting() links it again while a connection waits."""
+        if self._link is not None:
+            os.close(self._link)
+            self._link = None

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import posixpath
-import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.hist import Histogram, Since
+from qosagent.latency import adopt, links, selftest, slots
 from qosagent.latency import bpfmaps as bm
-from qosagent.latency import selftest, slots
+from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
@@ -42,13 +40,6 @@ KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"
 # tracepoint was put in, TCP's data-ready callback.
 KPROBE_ARRIVAL = ("sock_def_readable", "kp_data_ready")
 RUNQ_REFRESH_S = 1.0  # how often the threads of the serving processes are re-listed
-CGROUP_EVENT_POLL_MS = 200  # how long the cgroup watcher blocks on the ring buffer before checking for stop
-# How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
-# starts are found by their first request's arrival (and it is timed) rather than by their first response.
-LEARN_S = 30.0
-# How often, while connections found open are not observed, they are listed again to forget those that closed: a
-# listing reads every established socket of the host (sock_diag), which costs on hosts with many.
-ADOPT_RELIST_S = 5.0
 _EMPTY: dict[int, int] = {}
 
 
@@ -79,26 +70,9 @@ class Latency(Capability):
         self._counters_size = 0  # lat_counters' value: struct lat_counts per possible CPU
         self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the ranges each tick reads (_plan_reads)
         self._reads: tuple[Any, Any, Any] | None = None
-        # sockops mode: the sock_ops program's link on the cgroup2 root, the ingress program's links on the serving
-        # cgroups, and the thread that attaches the latter as the kernel reports them.
-        self._sockops_link: Any = None
-        self._learn_link: Any = None
-        self._learn_egress_link: Any = None
-        self._learn_until = 0.0
-        self._ingress: Any = None
-        self._egress: Any = None  # sockops mode: lat_egress on the serving cgroups, beside lat_ingress
-        self._egress_root_link: Any = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
-        self._cgroup_index: Any = None
-        self._cgroup_ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
-        self._cgroup_lock = threading.Lock()
-        self._cgroup_errors = 0  # serving cgroups not linked (not found, link refused) and failed polls: status
-        self._watcher: threading.Thread | None = None
-        self._stopping = threading.Event()
-        # Connections open before their port was watched (_adopt_open); tracepoint and kprobe modes link
-        # lat_adopt_ingress on the cgroup2 root while any waits for its first request.
-        self._adoption: Any = None
-        self._adopt_link: Any = None
-        self._adopt_relist_at = 0.0
+        self.watch: CgroupWatch | None = None  # sockops mode: the hooks on the cgroup2 root and serving cgroups
+        self._egress_root_link: int | None = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
+        self.adopter: adopt.Adopter | None = None  # connections open before their port was watched
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -195,15 +169,23 @@ class Latency(Capability):
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(counters.value)
         self._maps = None
-        self._listing(True)
+        adopt.set_listing(self.bpf, True)
         self._write_maps(self._plan_maps(self.ctx.config))
+        watched = set(bm.watched(self.ctx.config))
+        root = None
+        # Maps first, hooks last: a connection established before the tenant maps were written would be resolved
+        # against empty ones.
         if self.mode == "sockops":
-            # Maps first, hooks last: a connection established before the tenant maps were written would be
-            # resolved against empty ones.
-            self._attach_sockops()
+            self.watch = CgroupWatch(self.bpf, self.ctx.hostfs, links.cgroup_root(self.ctx.hostfs), self.ctx.clock)
+            try:
+                self.watch.start(watched)
+            except CapabilityError:
+                self._release()
+                raise
         elif self.egress:
-            self._attach_egress_root()
-        self._adopt_open(set(bm.watched(self.ctx.config)))
+            root = self._attach_egress_root()
+        self.adopter = adopt.Adopter(self.bpf, self.ctx.hostfs, self.ctx.clock, self.watch, root)
+        self.adopter.open(watched)
         self.programs = self._program_ids()
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
@@ -214,12 +196,12 @@ class Latency(Capability):
             why = f"time to first token and inter-token latency unavailable: {self._egress_error}"
             verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, why) if r))
         # Active only once the hooks were seen running (qosagent/latency/selftest.py): those on every socket's path.
-        rooted = (("lat_sockops", self._sockops_link), ("lat_ingress_learn", self._learn_link),
-                  ("lat_egress_learn", self._learn_egress_link), ("lat_egress", self._egress_root_link))
+        rooted = self.watch.rooted() if self.watch is not None else []
+        rooted += ["lat_egress"] if self._egress_root_link is not None else []
         # The run-queue probes are left out: a wakeup of a new task needs a fork, which one connection does not make.
         traced = [k.decode() for k in self.bpf.funcs if k.startswith((b"tracepoint__", b"raw_tracepoint__", b"kp_"))
                   and not k.startswith(b"tracepoint__sched__")]
-        names = [n for n, link in rooted if link is not None] + traced
+        names = rooted + traced
         try:
             silent = selftest.check({n: self.bpf.funcs[n.encode()].fd for n in names},
                                     set(bm.watched(self.ctx.config)))
@@ -233,195 +215,36 @@ class Latency(Capability):
             verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, silent) if r))
         return verdict
 
-    def _attach_sockops(self) -> None:
-        """The sock_ops program on the cgroup2 root (it sees every TCP socket's connection events, and picks the
-        server sockets of watched ports), and a thread that links the ingress program to each cgroup the kernel
-        reports serving them. Links, so that a killed agent leaves nothing attached."""
-        from bcc import BPF
-
-        from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
-        from qosagent.ebpf.libbpf import (
-            ATTACH_CGROUP_INET_EGRESS,
-            ATTACH_CGROUP_INET_INGRESS,
-            ATTACH_CGROUP_SOCK_OPS,
-        )
-
-        root = self._cgroup_root()
-        try:
-            sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
-            ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
-            learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
-            egress = self._load_egress()
-            egress_learn = self.bpf.load_func(b"lat_egress_learn", BPF.CGROUP_SKB)
-            self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.ctx.hostfs)
-            self._egress = CgroupLinks(egress.fd, ATTACH_CGROUP_INET_EGRESS, self.ctx.hostfs)
-            self._cgroup_index = CgroupIndex(self.ctx.hostfs, root)
-            self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_cgroup_event)
-            # The learners first: no socket the sock_ops program tracks may have bytes nobody sees.
-            self._learn_link = self._link_root(root, learn.fd, ATTACH_CGROUP_INET_INGRESS)
-            self._learn_egress_link = self._link_root(root, egress_learn.fd, ATTACH_CGROUP_INET_EGRESS)
-            self._learn_until = self.ctx.clock() + LEARN_S
-            self._sockops_link = self._link_root(root, sockops.fd, ATTACH_CGROUP_SOCK_OPS)
-        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
-            self._release()
-            raise CapabilityError(f"attaching the sock_ops latency hooks at {root} failed: {e}") from None
-        # From here on the kernel reports serving cgroups on the ring buffer; this thread links each as it comes.
-        self._stopping.clear()
-        self._watcher = threading.Thread(target=self._watch_cgroups, name="latency-cgroups", daemon=True)
-        self._watcher.start()
-        self._link_listeners(root)
-
-    def _link_listeners(self, root: str) -> None:
-        """Link the cgroups of servers already listening on watched ports in this network namespace: they called
-        listen() before the agent, so nothing reports them until their first request reaches the learner or their
-        first write, and the requests of connections opened before that would go unseen. Servers in other network
-        namespaces (pods) are left to the learner and to their first write."""
-        import psutil
-
-        from qosagent.placement.discovery import cgroup_paths
-
-        ports = set(bm.watched(self.ctx.config))
-        try:
-            pids = {c.pid for c in psutil.net_connections("tcp")
-                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
-        except (psutil.Error, OSError) as e:
-            log.warning("latency: listing the listening sockets failed (%s): serving cgroups are learnt from "
-                        "traffic only", e)
-            return
-        for pid in sorted(pids):
-            v2 = cgroup_paths(self.ctx.hostfs.try_read(f"/proc/{pid}/cgroup") or "")[0]
-            if not v2:
-                continue
-            path = posixpath.join(root, v2.lstrip("/"))
-            try:
-                cgid = os.stat(self.ctx.hostfs.path(path)).st_ino  # the id, as the kernel would report it
-            except OSError:
-                continue  # the process or its cgroup went meanwhile
-            self._link_cgroup(cgid, pid, path)
-
-    def _link_root(self, root: str, prog_fd: int, attach_type: int) -> int:
-        """A link of the program on the cgroup2 root (its fd): a killed agent leaves nothing attached."""
-        from qosagent.ebpf.libbpf import link_create
-
-        fd = os.open(self.ctx.hostfs.path(root), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            return link_create(prog_fd, fd, attach_type)
-        finally:
-            os.close(fd)
-
-    def _load_egress(self) -> Any:
-        """lat_egress, with lat_egress_framing in its tail-call slot: the framing reader is verified as a program of
-        its own (bpf/latency.c, lat_response_segment)."""
-        from bcc import BPF
-
-        from qosagent.ebpf.maps import Map
-
-        egress = self.bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
-        framing = self.bpf.load_func(b"lat_egress_framing", BPF.CGROUP_SKB)
-        Map.of(self.bpf, "lat_tail").update(0, framing.fd)
-        return egress
-
-    def _attach_egress_root(self) -> None:
+    def _attach_egress_root(self) -> str | None:
         """lat_egress on the cgroup2 root, for the whole run: in tracepoint and kprobe modes it finds a response's
-        socket by the packet's addresses, whichever cgroup sends it. A link, so a killed agent leaves nothing.
+        socket by the packet's addresses, whichever cgroup sends it; the root, or None where it could not be linked.
         Where it cannot be (a verifier of another kernel refusing the parser, say), the send hooks still time the
         headers and responses: TTFT and inter-token latency are unavailable, with the reason, and nothing else."""
         from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS
 
         try:
-            root = self._cgroup_root()
-            self._egress_root_link = self._link_root(root, self._load_egress().fd, ATTACH_CGROUP_INET_EGRESS)
+            root = links.cgroup_root(self.ctx.hostfs)
+            self._egress_root_link = links.link_root(self.ctx.hostfs, root, links.load_egress(self.bpf).fd,
+                                                     ATTACH_CGROUP_INET_EGRESS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
             self.egress = False
             self._egress_lost = True
             self._egress_error = f"the egress program could not be attached: {e}"
             log.warning("latency: %s; time to first token and inter-token latency unavailable", self._egress_error)
-
-    def _cgroup_root(self) -> str:
-        from qosagent.ebpf.cgroups import cgroup2_mount
-
-        root = cgroup2_mount(self.ctx.hostfs)
-        if not root:
-            raise CapabilityError("latency in sockops mode needs a cgroup v2 hierarchy, and none is mounted")
+            return None
         return root
 
-    def _watch_cgroups(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self.bpf.ring_buffer_poll(CGROUP_EVENT_POLL_MS)
-            except Exception as e:  # noqa: BLE001 - a failed poll must not end the watcher silently
-                self._cgroup_errors += 1
-                log.warning("latency: polling the cgroup events failed: %s", e)
-                self._stopping.wait(1.0)
-
-    def _on_cgroup_event(self, _ctx: Any, data: Any, _size: int) -> None:
-        ev = ctypes.cast(data, ctypes.POINTER(_CgroupEvent)).contents
-        self._link_cgroup(int(ev.id), int(ev.tgid))
-
-    def _link_cgroup(self, cgid: int, tgid: int, path: str | None = None) -> None:
-        """Attach the ingress and egress programs to a cgroup a watched port is served from: its id as the kernel
-        reports it (its path then found under the hierarchy), or its path when the agent found it itself."""
-        with self._cgroup_lock:
-            if self._ingress is None:
-                return
-            path = path or self._cgroup_index.path_of(cgid)
-            if path is None:
-                self._cgroup_errors += 1
-                log.warning("latency: cgroup id %d (where %s serves a watched port) not found under %s: request "
-                            "arrivals there are not seen, and those requests count as responses without request",
-                            cgid, f"process {tgid}" if tgid else "a tracked socket", self._cgroup_index.root)
-                return
-            try:
-                self._cgroup_ids[cgid] = path
-                self._egress.attach(path)
-                if self._ingress.attach(path):
-                    log.info("latency: request arrivals hooked on cgroup %s (%s serves a watched port there)",
-                             path, f"process {tgid}" if tgid else "a tracked socket")
-            except OSError as e:
-                self._cgroup_errors += 1
-                log.warning("latency: %s; requests served from there are not timed", e)
-
-    def stop_learning(self) -> None:
-        """Unlink the learners from the cgroup2 root: from now on only the serving cgroups' programs see requests."""
-        with self._cgroup_lock:
-            for link in (self._learn_link, self._learn_egress_link):
-                if link is not None:
-                    os.close(link)
-            self._learn_link = self._learn_egress_link = None
-
-    def _prune_cgroups(self) -> None:
-        """Drop the links of cgroups that were removed (the kernel has detached them already)."""
-        with self._cgroup_lock:
-            if self._ingress is None:
-                return
-            for cgid, path in list(self._cgroup_ids.items()):
-                if self.ctx.hostfs.is_dir(path):
-                    continue
-                self._ingress.detach(path)
-                self._egress.detach(path)
-                del self._cgroup_ids[cgid]
-                # Room in the kernel's set for new cgroups (ids are never reused).
-                from qosagent.ebpf.maps import Map
-
-                Map.of(self.bpf, "lat_cgroups").delete(cgid)
-
     def _release(self) -> None:
-        """Undo what start() did, in reverse: the cgroup watcher, the links, the programs and maps."""
-        self._stopping.set()
-        if self._watcher is not None:
-            self._watcher.join()
-            self._watcher = None
-        with self._cgroup_lock:
-            for links in (self._ingress, self._egress):
-                if links is not None:
-                    links.close()
-            self._ingress = self._egress = None
-            for link in (self._sockops_link, self._learn_link, self._learn_egress_link, self._egress_root_link,
-                         self._adopt_link):
-                if link is not None:
-                    os.close(link)
-            self._sockops_link = self._learn_link = self._learn_egress_link = self._egress_root_link = None
-            self._adopt_link = None
+        """Undo what start() did, in reverse: the adopter's link, the cgroup watcher and its links, the egress link
+        on the root, the programs and maps."""
+        if self.adopter is not None:
+            self.adopter.close()
+            self.adopter = None
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        links.close(self._egress_root_link)
+        self._egress_root_link = None
         if self.bpf is not None:
             self.bpf.cleanup()
             self.bpf = None
@@ -430,17 +253,9 @@ class Latency(Capability):
         if self.bpf is None:
             return 0
         n = len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
-        if self._sockops_link is not None:
-            n += 1 + (2 if self._ingress is not None and self._ingress.paths else 0)
-            n += 2 if self._learn_link is not None else 0
+        n += self.watch.attached() if self.watch is not None else 0
         n += 1 if self._egress_root_link is not None else 0
-        n += 1 if self._adopt_link is not None else 0
-        return n
-
-    def cgroups(self) -> list[str]:
-        """The cgroups whose request arrivals are hooked (sockops mode)."""
-        with self._cgroup_lock:
-            return self._ingress.paths if self._ingress is not None else []
+        return n + (self.adopter.attached() if self.adopter is not None else 0)
 
     def _program_ids(self) -> list[dict[str, Any]]:
         """Kernel ids of our loaded programs (what `bpftool prog show id N` finds), for status and the stop test."""
@@ -493,13 +308,14 @@ class Latency(Capability):
         """_write_maps, then the connections already open on the ports m newly watches taken under observation."""
         assert self._maps is not None
         added = set(m.watched) - set(self._maps.watched)
+        assert self.adopter is not None
         try:
-            self._listing(bool(added))
+            adopt.set_listing(self.bpf, bool(added))
             self._write_maps(m)
             if added:
-                self._adopt_open(added)
+                self.adopter.open(added)
         finally:
-            self._listing(False)
+            adopt.set_listing(self.bpf, False)
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read_raw(self) -> bm.Raw:
@@ -529,13 +345,10 @@ class Latency(Capability):
             return
         if self.runq:
             self._refresh_runq_threads()
-        self._maintain_adoption()
-        if self.mode == "sockops":
-            self._prune_cgroups()
-            if self._learn_link is not None and now >= self._learn_until:
-                self.stop_learning()
-                log.info("latency: arrivals now hooked on the serving cgroups only: %s",
-                         ", ".join(self.cgroups()) or "none yet")
+        assert self.adopter is not None
+        self.adopter.maintain(set(bm.watched(self.ctx.config)))
+        if self.watch is not None:
+            self.watch.maintain()
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
@@ -557,8 +370,8 @@ class Latency(Capability):
             tenants=tenants,
             runqueue=runq,
             runqueue_window=Since(runq, self._hist(base, UNMATCHED_ID, bm.KIND_RUNQ)) if runq is not None else None,
-            found_open=self._adoption.found if self._adoption is not None else 0,
-            unobserved=self._unobserved(),
+            found_open=self.adopter.found if self.adopter is not None else 0,
+            unobserved=self.adopter.unobserved() if self.adopter is not None else {},
         )
 
     @staticmethod
@@ -609,127 +422,6 @@ class Latency(Capability):
             adopted=c(raw, bm.C_ADOPTED),
         )
 
-    # ---- connections open before their port was watched --------------------------------------------------------
-    def _listing(self, on: bool) -> None:
-        """While on, the kernel notes connections established on watched ports in lat_fresh: those are hooked
-        already, whatever the listing that runs meanwhile finds. On before the hooks or the ports change."""
-        from qosagent.ebpf.maps import Map
-
-        try:
-            conf = Map.of(self.bpf, "lat_adopt_conf")
-        except KeyError:  # built without cgroup_skb programs (no cgroup v2): nothing adopts connections
-            return
-        cur = conf.lookup(0)
-        cur.listing = int(on)
-        conf.update(0, cur)
-        if not on:
-            Map.of(self.bpf, "lat_fresh").clear()
-
-    def _adopt_open(self, ports: set[int]) -> None:
-        """Take the established connections on `ports` under observation: the kernel adopts each at its next
-        request (bpf/latency.c, lat_adopt). In sockops mode their cgroups are linked, as the listeners' are."""
-        from qosagent.ebpf.maps import Map
-        from qosagent.latency import adopt
-
-        if self._adoption is None:
-            self._adoption = self._new_adoption()
-        # Sockops mode links each connection's cgroup, which only sock_diag names.
-        conns = adopt.established(self.ctx.hostfs, ports, cgroups=self.mode == "sockops")
-        fresh = ({bytes(k) for k in Map.of(self.bpf, "lat_fresh").keys()} if self._adoption.write is not None
-                 else set())
-        self._listing(False)
-        # Everything that adopts in place first: a connection is observed from the first request after its entry.
-        if self.mode == "sockops":
-            for cgid in sorted({c.cgroup_id for c in conns if c.cgroup_id}):
-                if cgid not in self._cgroup_ids:
-                    self._link_cgroup(cgid, 0)
-        if conns:
-            self._set_adopting(True)
-        n = self._adoption.add(conns, fresh)
-        self._set_adopting()
-        if n:
-            log.info("latency: %d connections were open on watched ports before the agent watched them: each is "
-                     "observed from its next request", n)
-
-    def _new_adoption(self) -> Any:
-        from qosagent.latency import adopt
-
-        if self.mode != "sockops" and not self.egress:
-            # No cgroup_skb program to see a request arrive: nothing can adopt a connection.
-            return adopt.Adoption(None, lambda k: False, lambda k: None)
-        from qosagent.ebpf.maps import Map
-
-        tbl = Map.of(self.bpf, "lat_adopt")
-
-        def write(k: bytes) -> bool:
-            try:
-                tbl.update(k, tbl.value(on=1))
-            except OSError:  # full (E2BIG): counted as no room by the caller
-                return False
-            return True
-
-        def waiting(k: bytes) -> bool:
-            return tbl.lookup(k) is not None
-
-        def drop(k: bytes) -> None:
-            tbl.delete(k)
-
-        return adopt.Adoption(write, waiting, drop)
-
-    def _set_adopting(self, pending: bool | None = None) -> None:
-        """Tell the kernel whether connections wait for adoption (default: whether any does); in tracepoint and
-        kprobe modes, link the program that adopts them on the cgroup2 root while any does, and only then (it sees
-        every packet arriving)."""
-        if self._adoption is None or self._adoption.write is None:
-            return
-        pending = self._adoption.pending if pending is None else pending
-        from qosagent.ebpf.maps import Map
-
-        conf = Map.of(self.bpf, "lat_adopt_conf")
-        cur = conf.lookup(0)
-        if bool(cur.adopting) != pending:
-            cur.adopting = int(pending)
-            conf.update(0, cur)
-        if self.mode == "sockops":
-            return
-        if pending and self._adopt_link is None:
-            from bcc import BPF
-
-            from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS
-
-            prog = self.bpf.load_func(b"lat_adopt_ingress", BPF.CGROUP_SKB)
-            self._adopt_link = self._link_root(self._cgroup_root(), prog.fd, ATTACH_CGROUP_INET_INGRESS)
-        elif not pending and self._adopt_link is not None:
-            with self._cgroup_lock:
-                os.close(self._adopt_link)
-                self._adopt_link = None
-
-    def _maintain_adoption(self) -> None:
-        """Once a second while any watched-port connection is not observed: forget those the kernel adopted, and
-        every ADOPT_RELIST_S those that closed."""
-        from qosagent.latency import adopt
-
-        if self._adoption is None or not self._adoption.ports():
-            return
-        still = None
-        now = self.ctx.clock()
-        if now >= self._adopt_relist_at:
-            self._adopt_relist_at = now + ADOPT_RELIST_S
-            still = {c.key for c in adopt.established(self.ctx.hostfs, self._adoption.ports())}
-        self._adoption.prune(still, set(bm.watched(self.ctx.config)))
-        self._set_adopting()
-
-    def _unobserved(self) -> dict[str, int]:
-        if self._adoption is None:
-            return {}
-        if self.mode != "sockops":
-            return self._adoption.unobserved(lambda c: self._adopt_link is not None)
-        # Sockops mode: a connection's segments reach the ingress program on its own cgroup, or on the root while
-        # the learner is linked; an unknown cgroup (no sock_diag) is taken to be its listener's, linked at start.
-        linked = set(self._cgroup_ids)
-        learning = self._learn_link is not None
-        return self._adoption.unobserved(lambda c: learning or not c.cgroup_id or c.cgroup_id in linked)
-
     def _refresh_runq_threads(self) -> None:
         """Expand the processes seen serving watched sockets into their threads (the sched tracepoints name threads);
         forget processes that are gone and threads that ended."""
@@ -778,10 +470,10 @@ class Latency(Capability):
         out["ttft"] = ("measured: responses read as they leave" if self.egress else
                        f"unavailable: {self._egress_error}")
         out["programs"] = self.programs
-        if self.mode == "sockops":
-            out["cgroups"] = self.cgroups()
-            out["learning"] = self._learn_link is not None
-            out["cgroup_errors"] = self._cgroup_errors
+        if self.watch is not None:
+            out["cgroups"] = self.watch.cgroups()
+            out["learning"] = self.watch.learning
+            out["cgroup_errors"] = self.watch.errors
         return out
 
     @staticmethod
@@ -789,12 +481,6 @@ class Latency(Capability):
         from qosagent.latency import export
 
         return export.render(status)
-
-
-class _CgroupEvent(ctypes.Structure):
-    """struct lat_cgroup_event of bpf/latency.c."""
-
-    _fields_ = [("id", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
 
 def _flows_defines(cfg: "Config") -> dict[str, object]:

@@ -22,7 +22,8 @@ from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency import adopt
-from qosagent.latency.capability import ADOPT_RELIST_S, Latency
+from qosagent.latency.adopt import RELIST_S
+from qosagent.latency.capability import Latency
 from qosagent.latency.model import LatencyPart, TenantLatency
 from tests.integration.latency_helpers import free_port, until
 from testkit.sse_client import RawClient, Timing, percentile
@@ -137,7 +138,7 @@ def test_keepalive_connections_open_before_the_agent_are_timed_from_their_next_r
             # The idle one closes before it asks anything: it is forgotten, not adopted.
             idle.close()
             part = until(lambda: tick(cap), lambda p: not p.unobserved[adopt.AWAITING],
-                         timeout=2 * ADOPT_RELIST_S)
+                         timeout=2 * RELIST_S)
             assert part.unobserved[adopt.AWAITING] == 0 and part.found_open == 3
             assert part.tenants["net2"].adopted == 1
             st = cap.status(_snapshot(part))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from qosagent.capability import State, Verdict
-from qosagent.latency.capability import Latency
+from qosagent.latency import links
 from tests.integration.test_latency_probes import started
 from tests.kernel_modes import latency_modes
 
@@ -28,10 +28,10 @@ def test_hooks_that_never_run_are_named_and_degrade(bpf: None, cgroup: str, mode
     # The programs the agent links on the cgroup2 root go on an empty cgroup instead: attached, accepted by the
     # kernel, and never run for any socket (no process lives there). As on a host whose sockets are in another
     # hierarchy than the one the agent found.
-    def empty_root(_self: Any) -> str:
+    def empty_root(_fs: Any) -> str:
         return cgroup
 
-    monkeypatch.setattr(Latency, "_cgroup_root", empty_root)
+    monkeypatch.setattr(links, "cgroup_root", empty_root)
     with started(mode) as cap:
         v = cap.started(Verdict(State.ACTIVE, ""))
     assert v.state is State.DEGRADED

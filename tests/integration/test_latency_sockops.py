@@ -19,6 +19,7 @@ from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
+from qosagent.latency.links import cgroup_root
 from tests.conftest import require
 from tests.integration.latency_helpers import free_port, until
 
@@ -82,16 +83,16 @@ def ours(cap: Latency) -> set[str]:
 def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgroup: str) -> None:
     port = free_port()
     cap = latency(port)
-    root = cap._cgroup_root()
+    root = cgroup_root(cap.ctx.hostfs)
     cap.start()
     server = None
     try:
-        cap.stop_learning()  # what the agent does LEARN_S after start: from here on, only serving cgroups
+        cap.watch.stop_learning()  # what the agent does LEARN_S after start: from here on, only serving cgroups
         server = start_server(cgroup, port)
         # listen() reported the server's cgroup: linked before any request is sent.
-        assert until(lambda: cap.cgroups() == [cgroup]), cap.cgroups()
+        assert until(lambda: cap.watch.cgroups() == [cgroup]), cap.watch.cgroups()
         assert "lat_ingress" in programs_on(cgroup)
-        assert cap._cgroup_errors == 0
+        assert cap.watch.errors == 0
         assert programs_on(root) & ours(cap) == {"lat_sockops"}  # the client's cgroup (the root) has no ingress
         for _ in range(3):
             get(port)
@@ -115,8 +116,8 @@ def test_a_server_running_before_the_agent_is_timed_by_the_learner_from_its_firs
     cap.start()
     try:
         get(port)  # its arrival reaches the root learner: timed, and the cgroup reported
-        assert until(lambda: cgroup in cap.cgroups()), cap.cgroups()
-        cap.stop_learning()
+        assert until(lambda: cgroup in cap.watch.cgroups()), cap.watch.cgroups()
+        cap.watch.stop_learning()
         get(port)  # now through the server's own cgroup only
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 2)
         assert (t.requests, t.connections, t.unpaired, t.headers.count) == (2, 2, 0, 2)
@@ -136,8 +137,8 @@ def test_a_server_listening_before_the_agent_is_hooked_at_start_and_its_first_re
     cap = latency(port)
     cap.start()
     try:
-        cap.stop_learning()
-        assert cap.cgroups() == [cgroup]
+        cap.watch.stop_learning()
+        assert cap.watch.cgroups() == [cgroup]
         get(port)
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 1)
         assert (t.requests, t.unpaired, t.headers.count) == (1, 0, 1), t

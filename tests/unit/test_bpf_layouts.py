@@ -10,7 +10,7 @@ import pytest
 from qosagent import hist, tenants
 from qosagent.ebpf import tenant_ports
 from qosagent.latency import bpfmaps as bm
-from qosagent.latency.capability import _CgroupEvent
+from qosagent.latency.cgroupwatch import CgroupEvent
 from qosagent.quota import layout, rules
 from tests.bpf_headers import Headers, Struct
 
@@ -33,7 +33,7 @@ MIRRORS = [
     (layout.AttachVal, "qos_attach_val"),
     (layout.FlowKey, "qos_flow_key"),
     (layout.FlowVal, "qos_flow_val"),
-    (_CgroupEvent, "lat_cgroup_event"),
+    (CgroupEvent, "lat_cgroup_event"),
 ]
 
 

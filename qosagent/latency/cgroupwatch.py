@@ -1,0 +1,226 @@
+"""Sockops mode's hooks on cgroups: the sock_ops program on the cgroup2 root (it sees every TCP socket's connection
+events and picks the server sockets of watched ports), the learners beside it for the first LEARN_S, and the ingress
+and egress programs on each cgroup that serves a watched port, linked as the kernel reports it on a ring buffer
+(read by a thread of its own), as the agent finds it listening at start, or as an open connection names it."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import posixpath
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from qosagent.capability import CapabilityError
+from qosagent.latency import links
+
+if TYPE_CHECKING:
+    from qosagent.hostfs import HostFS
+
+log = logging.getLogger("qosagent.latency")
+
+CGROUP_EVENT_POLL_MS = 200  # how long the watcher blocks on the ring buffer before checking for stop
+# How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
+# starts are found by their first request's arrival (and it is timed) rather than by their first response.
+LEARN_S = 30.0
+
+
+class CgroupEvent(ctypes.Structure):
+    """struct lat_cgroup_event of bpf/latency.c."""
+
+    _fields_ = [("id", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+class CgroupWatch:
+    """The links sockops mode makes on cgroups, and the thread that makes those of serving cgroups as the kernel
+    reports them. The lock orders that thread's linking against pruning, the learners' end and close."""
+
+    def __init__(self, bpf: Any, fs: "HostFS", root: str, clock: Callable[[], float]):
+        self.bpf = bpf
+        self.fs = fs
+        self.root = root
+        self.clock = clock
+        self.errors = 0  # serving cgroups not linked (not found, link refused) and failed polls: status
+        self._lock = threading.Lock()
+        self._sockops_link: int | None = None
+        self._learn_link: int | None = None
+        self._learn_egress_link: int | None = None
+        self._learn_until = 0.0
+        self._ingress: Any = None
+        self._egress: Any = None  # lat_egress on the serving cgroups, beside lat_ingress
+        self._index: Any = None
+        self._ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self, ports: set[int]) -> None:
+        """Link the learners, then the sock_ops program, on the root; start the thread; link the cgroups of the
+        servers listening on `ports`. Raises CapabilityError; close() undoes what was done."""
+        from bcc import BPF
+
+        from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
+        from qosagent.ebpf.libbpf import (
+            ATTACH_CGROUP_INET_EGRESS,
+            ATTACH_CGROUP_INET_INGRESS,
+            ATTACH_CGROUP_SOCK_OPS,
+        )
+
+        try:
+            sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
+            ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
+            learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
+            egress = links.load_egress(self.bpf)
+            egress_learn = self.bpf.load_func(b"lat_egress_learn", BPF.CGROUP_SKB)
+            self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.fs)
+            self._egress = CgroupLinks(egress.fd, ATTACH_CGROUP_INET_EGRESS, self.fs)
+            self._index = CgroupIndex(self.fs, self.root)
+            self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_event)
+            # The learners first: no socket the sock_ops program tracks may have bytes nobody sees.
+            self._learn_link = links.link_root(self.fs, self.root, learn.fd, ATTACH_CGROUP_INET_INGRESS)
+            self._learn_egress_link = links.link_root(self.fs, self.root, egress_learn.fd, ATTACH_CGROUP_INET_EGRESS)
+            self._learn_until = self.clock() + LEARN_S
+            self._sockops_link = links.link_root(self.fs, self.root, sockops.fd, ATTACH_CGROUP_SOCK_OPS)
+        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
+            raise CapabilityError(f"attaching the sock_ops latency hooks at {self.root} failed: {e}") from None
+        # From here on the kernel reports serving cgroups on the ring buffer; this thread links each as it comes.
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._watch, name="latency-cgroups", daemon=True)
+        self._thread.start()
+        self._link_listeners(ports)
+
+    def _link_listeners(self, ports: set[int]) -> None:
+        """Link the cgroups of servers already listening on watched ports in this network namespace: they called
+        listen() before the agent, so nothing reports them until their first request reaches the learner or their
+        first write, and the requests of connections opened before that would go unseen. Servers in other network
+        namespaces (pods) are left to the learner and to their first write."""
+        import psutil
+
+        from qosagent.placement.discovery import cgroup_paths
+
+        try:
+            pids = {c.pid for c in psutil.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
+        except (psutil.Error, OSError) as e:
+            log.warning("latency: listing the listening sockets failed (%s): serving cgroups are learnt from "
+                        "traffic only", e)
+            return
+        for pid in sorted(pids):
+            v2 = cgroup_paths(self.fs.try_read(f"/proc/{pid}/cgroup") or "")[0]
+            if not v2:
+                continue
+            path = posixpath.join(self.root, v2.lstrip("/"))
+            try:
+                cgid = os.stat(self.fs.path(path)).st_ino  # the id, as the kernel would report it
+            except OSError:
+                continue  # the process or its cgroup went meanwhile
+            self.link(cgid, pid, path)
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.bpf.ring_buffer_poll(CGROUP_EVENT_POLL_MS)
+            except Exception as e:  # noqa: BLE001 - a failed poll must not end the watcher silently
+                self.errors += 1
+                log.warning("latency: polling the cgroup events failed: %s", e)
+                self._stopping.wait(1.0)
+
+    def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
+        ev = ctypes.cast(data, ctypes.POINTER(CgroupEvent)).contents
+        self.link(int(ev.id), int(ev.tgid))
+
+    def link(self, cgid: int, tgid: int, path: str | None = None) -> None:
+        """Attach the ingress and egress programs to a cgroup a watched port is served from: its id as the kernel
+        reports it (its path then found under the hierarchy), or its path when the agent found it itself."""
+        with self._lock:
+            if self._ingress is None:
+                return
+            path = path or self._index.path_of(cgid)
+            if path is None:
+                self.errors += 1
+                log.warning("latency: cgroup id %d (where %s serves a watched port) not found under %s: request "
+                            "arrivals there are not seen, and those requests count as responses without request",
+                            cgid, f"process {tgid}" if tgid else "a tracked socket", self._index.root)
+                return
+            try:
+                self._ids[cgid] = path
+                self._egress.attach(path)
+                if self._ingress.attach(path):
+                    log.info("latency: request arrivals hooked on cgroup %s (%s serves a watched port there)",
+                             path, f"process {tgid}" if tgid else "a tracked socket")
+            except OSError as e:
+                self.errors += 1
+                log.warning("latency: %s; requests served from there are not timed", e)
+
+    def maintain(self) -> None:
+        """Drop the links of cgroups gone; unlink the learners LEARN_S after start."""
+        self._prune()
+        if self._learn_link is not None and self.clock() >= self._learn_until:
+            self.stop_learning()
+            log.info("latency: arrivals now hooked on the serving cgroups only: %s",
+                     ", ".join(self.cgroups()) or "none yet")
+
+    def _prune(self) -> None:
+        """Drop the links of cgroups that were removed (the kernel has detached them already)."""
+        from qosagent.ebpf.maps import Map
+
+        with self._lock:
+            if self._ingress is None:
+                return
+            for cgid, path in list(self._ids.items()):
+                if self.fs.is_dir(path):
+                    continue
+                self._ingress.detach(path)
+                self._egress.detach(path)
+                del self._ids[cgid]
+                # Room in the kernel's set for new cgroups (ids are never reused).
+                Map.of(self.bpf, "lat_cgroups").delete(cgid)
+
+    def stop_learning(self) -> None:
+        """Unlink the learners from the cgroup2 root: from now on only the serving cgroups' programs see requests."""
+        with self._lock:
+            links.close(self._learn_link)
+            links.close(self._learn_egress_link)
+            self._learn_link = self._learn_egress_link = None
+
+    @property
+    def learning(self) -> bool:
+        """Whether the learners are linked on the root (they see every socket's segments)."""
+        return self._learn_link is not None
+
+    def cgroups(self) -> list[str]:
+        """The cgroups whose request arrivals are hooked."""
+        with self._lock:
+            return self._ingress.paths if self._ingress is not None else []
+
+    def linked(self) -> set[int]:
+        """The ids of the cgroups the ingress program is linked to."""
+        with self._lock:
+            return set(self._ids)
+
+    def rooted(self) -> list[str]:
+        """The programs linked on the cgroup2 root, which see every socket's path: the self-test's to check."""
+        return [n for n, link in (("lat_sockops", self._sockops_link), ("lat_ingress_learn", self._learn_link),
+                                  ("lat_egress_learn", self._learn_egress_link)) if link is not None]
+
+    def attached(self) -> int:
+        """How many programs are attached: sock_ops, ingress and egress while any cgroup is, the learners."""
+        if self._sockops_link is None:
+            return 0
+        n = 1 + (2 if self._ingress is not None and self._ingress.paths else 0)
+        return n + (2 if self._learn_link is not None else 0)
+
+    def close(self) -> None:
+        """Stop the thread, then unlink everything; safe to call twice."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            for cg_links in (self._ingress, self._egress):
+                if cg_links is not None:
+                    cg_links.close()
+            self._ingress = self._egress = None
+            for link in (self._sockops_link, self._learn_link, self._learn_egress_link):
+                links.close(link)
+            self._sockops_link = self._learn_link = self._learn_egress_link = None

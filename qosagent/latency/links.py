@@ -1,0 +1,52 @@
+"""The latency programs' links on the cgroup2 root, which every mode with a cgroup2 hierarchy makes: the cgroup
+watcher's sock_ops and learners (sockops mode), lat_egress (tracepoint and kprobe modes) and the adopter
+(lat_adopt_ingress). BPF links, so that a killed agent leaves nothing attached."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from qosagent.capability import CapabilityError
+
+if TYPE_CHECKING:
+    from qosagent.hostfs import HostFS
+
+
+def cgroup_root(fs: "HostFS") -> str:
+    """The host path of the cgroup2 hierarchy the programs are linked on."""
+    from qosagent.ebpf.cgroups import cgroup2_mount
+
+    root = cgroup2_mount(fs)
+    if not root:
+        raise CapabilityError("latency in sockops mode needs a cgroup v2 hierarchy, and none is mounted")
+    return root
+
+
+def link_root(fs: "HostFS", root: str, prog_fd: int, attach_type: int) -> int:
+    """A link of the program on the cgroup2 root (its fd)."""
+    from qosagent.ebpf.libbpf import link_create
+
+    fd = os.open(fs.path(root), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return link_create(prog_fd, fd, attach_type)
+    finally:
+        os.close(fd)
+
+
+def load_egress(bpf: Any) -> Any:
+    """lat_egress, with lat_egress_framing in its tail-call slot: the framing reader is verified as a program of
+    its own (bpf/latency.c, lat_response_segment)."""
+    from bcc import BPF
+
+    from qosagent.ebpf.maps import Map
+
+    egress = bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
+    framing = bpf.load_func(b"lat_egress_framing", BPF.CGROUP_SKB)
+    Map.of(bpf, "lat_tail").update(0, framing.fd)
+    return egress
+
+
+def close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
