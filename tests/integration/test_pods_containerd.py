@@ -164,6 +164,11 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     assert by_pod["qa/chat-0"]["tenants"] == {"any": "chat"}
     assert by_pod["qa/batch-0"]["tenants"] == {"8000": "batch"}
     assert q["pods"]["known"] and q["pods"]["ready"] == 2 and q["pods"]["runtime"].startswith("containerd 1.6")
+    from qosagent.quota.capability import Quota
+
+    shown = Quota.render(q)  # what `qosagent status` prints
+    assert "pods from containerd 1.6.20" in shown and "2 READY" in shown, shown
+    assert "pod qa/chat-0) egress of veth" in shown and ": port any: chat" in shown, shown
 
     loads = [node.lab.load(node.netns, chat_ip, 8000, NODE, threads=8, duration=8, timeout=15),
              node.lab.load(node.netns, batch_ip, 8000, NODE, threads=16, duration=8, timeout=15)]
