@@ -97,7 +97,7 @@ def parse_ready_pods(buf: bytes) -> list[Pod]:
 
 
 # ---- the client --------------------------------------------------------------------------------------------
-def _grpc() -> Any:
+def grpc_module() -> Any:
     try:
         import grpc
     except ImportError:
@@ -110,7 +110,7 @@ class CriClient:
     """One runtime socket. Every call has a deadline; every failure is a CriError."""
 
     def __init__(self, socket: str, timeout: float, shown: str | None = None):
-        grpc = _grpc()
+        grpc = grpc_module()
         self._rpc_error = grpc.RpcError
         self.socket = socket
         self.shown = shown or socket  # the path as the host names it (socket may be under --host-root)

@@ -186,12 +186,18 @@ class Quota(Capability):
             return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
         self.others = notes
         reason = f"ingress of {', '.join(names)}"
-        runtime: list[str] = []
-        problem = pods_problem(self.ctx.config, self.ctx.hostfs, runtime)
-        if problem is not None:
-            return Verdict(State.UNAVAILABLE, problem)
-        if runtime:
-            reason += f"; pods from {runtime[0]}"
+        if any(t.match.pods for t in self.ctx.config.tenants):
+            from qosagent.pods.cri import CriError, grpc_module
+
+            try:
+                grpc_module()
+            except CriError as e:
+                return Verdict(State.UNAVAILABLE, str(e))
+            # A runtime not answering now (restarting with the node) is no reason to leave every tenant
+            # unenforced: quota runs, and the pods' namespaces get their tenants once it answers (check fails).
+            runtime: list[str] = []
+            problem = pods_problem(self.ctx.config, self.ctx.hostfs, runtime)
+            reason += f"; pods from {runtime[0]}" if runtime else f"; {problem}: no pods tenant until one answers"
         if q.namespaces:
             reason += "; serving network namespaces followed (egress of their host-side veths)"
         if notes:
@@ -359,6 +365,8 @@ class Quota(Capability):
     def _write(self, w: "_Written") -> None:
         d = self.datapath
         assert d is not None
+        if self.pods is not None and self.pods.cfg != w.config.pods:
+            self._stop_pods()  # listed again under the new pods settings at the next follow
         d.write_config(w.config, _baseline_buckets(w.config))
         d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in w.overrides.items()})
         for line in d.attach(w.interfaces, [n for vs in self.egress.values() for _, n in vs]):
