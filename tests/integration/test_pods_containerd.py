@@ -197,3 +197,61 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     text = log.read_text()
     assert "pods: cannot list pods" in text and "answers again" in text
     assert agent.stop() == 0, text
+
+
+def test_a_runtime_that_answers_only_after_the_agent_started_systemd_driver(root, bpf, tmp_path) -> None:
+    """No runtime at start: quota runs and says so, the pod's namespace is followed without a tenant; then a runtime
+    (the test's own CRI server) answers and the namespace gets its pods tenant. The pod's cgroup is named the
+    systemd driver's way (kubepods-besteffort-pod<uid with _>.slice), in the cgroup2 hierarchy."""
+    pytest.importorskip("grpc")
+    from testkit.cri import FakePod, FakeRuntime
+
+    require(all(shutil.which(t) for t in ("ip", "nsenter")), "ip or nsenter missing")
+    uid = str(uuid.uuid4())
+    v2 = "/sys/fs/cgroup/unified" if os.path.exists("/sys/fs/cgroup/unified/cgroup.procs") else "/sys/fs/cgroup"
+    lab = Lab("podlate")
+    top = Path(v2) / f"qa-{lab.tag}"
+    cg = top / "kubepods.slice/kubepods-besteffort.slice" / f"kubepods-besteffort-pod{uid.replace('-', '_')}.slice"
+    socket, log, conf = str(tmp_path / "status.sock"), tmp_path / "agent.log", tmp_path / "qosagent.yaml"
+    cri_socket = tmp_path / "cri.sock"
+    try:
+        node, pod = lab.netns("node"), lab.netns("pod")
+        lab.veth((node, "pa", "198.18.9.254/24"), (pod, "eth0", "198.18.9.1/24"))
+        server = lab.serve(pod, "198.18.9.1", 8000)
+        cg.mkdir(parents=True)
+        (cg / "cgroup.procs").write_text(str(server.pid))
+        conf.write_text(yaml.safe_dump({
+            "interval": "100ms", "state_dir": str(tmp_path), "status": {"socket": socket},
+            "metrics": {"enabled": False}, "bpf": {"pin_root": f"/sys/fs/bpf/qosagent-test-{lab.tag}"},
+            "latency": {"enabled": False, "ports": [8000]}, "quota": {"enabled": True, "interfaces": ["lo"]},
+            "pods": {"runtime_socket": str(cri_socket), "refresh": "500ms", "timeout": "300ms"},
+            "tenants": [{"name": "chat", "tier": "silver", "match": {"pods": {"labels": {"app": "chat"}}},
+                         "quota": {"rps": 10, "burst": 5}}],
+        }))
+        agent = start_quota_agent(node, conf, socket, log, ("--detach-on-exit",))
+        lab.agents.append(agent)
+        st = request(socket, {"cmd": "status"})
+        assert "no container runtime answers" in st["capabilities"]["quota"]["reason"], st["capabilities"]
+        deadline = time.monotonic() + 10
+        while not (q := st["quota"])["namespaces"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            st = request(socket, {"cmd": "status"})
+        (n,) = q["namespaces"]
+        assert n["pod"] is None and n["tenants"] == {} and not q["pods"]["known"], q
+        with FakeRuntime(str(cri_socket), [FakePod(uid, "qa", "chat-0", {"app": "chat"})]):
+            while time.monotonic() < deadline + 10:
+                (n,) = request(socket, {"cmd": "status"})["quota"]["namespaces"]
+                if n["tenants"]:
+                    break
+                time.sleep(0.1)
+            assert n["pod"] == "qa/chat-0" and n["tenants"] == {"any": "chat"}, (n, log.read_text()[-2000:])
+            assert "tenants now port any: chat" in log.read_text()
+        assert agent.stop() == 0, log.read_text()
+    finally:
+        for a in lab.agents:
+            a.kill()
+        lab.close()
+        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+            if d.exists():
+                d.rmdir()
+        shutil.rmtree(f"/sys/fs/bpf/qosagent-test-{lab.tag}", ignore_errors=True)
