@@ -180,3 +180,58 @@ def test_check_fails_with_pods_tenants_and_no_runtime(tmp_path: Path) -> None:
     assert r.exit_code == 1, r.output
     assert ("tenants[0] match pods, which the agent learns from the container runtime's CRI socket: no container "
             "runtime answers: /run/nothing.sock: absent") in r.output
+
+
+PODS = {"runtime": "containerd 1.6.20 (CRI v1) at /run/containerd/containerd.sock", "known": True, "ready": 2,
+        "age_s": 0.5, "errors": 3, "reason": ""}
+
+
+def test_status_shows_the_runtime_and_each_namespace_pod() -> None:
+    from qosagent.quota.capability import Quota
+
+    st = {"interfaces": ["lo"], "pins": "/p", "unmatched_packets": 0, "tenants": [], "pods": PODS,
+          "namespaces": [{"netns": 4026532, "pid": 7, "ports": [8000], "egress": ["veth1"], "pod": "ml/vllm-0",
+                          "tenants": {"any": "chat"}},
+                         {"netns": 4026533, "pid": 8, "ports": [8000], "egress": ["veth2"], "pod": None,
+                          "tenants": {}}]}
+    text = Quota.render(st)
+    assert ("  pods from containerd 1.6.20 (CRI v1) at /run/containerd/containerd.sock: 2 READY, listed 0.5s ago; "
+            "3 failed listings") in text
+    assert "  netns 4026532 (pid 7, ports 8000, pod ml/vllm-0) egress of veth1: port any: chat" in text
+    assert "  netns 4026533 (pid 8, ports 8000) egress of veth2: tenants by port and CIDR" in text
+    st["pods"] = {**PODS, "known": False, "ready": None, "reason": "the last list is 31s old"}
+    assert "unknown (the last list is 31s old); 3 failed listings" in Quota.render(st)
+
+
+def test_pods_metrics_pass_promtool() -> None:
+    import shutil
+    import subprocess
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from qosagent import config
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.quota.capability import Quota
+    from qosagent.quota.model import QuotaPart
+    from qosagent.snapshot import Snapshot
+
+    q = Quota(AgentContext(config=config.parse({}, "test"), hostfs=HostFS("/"), gpu=NoGpu()))
+
+    def scrape(part: QuotaPart) -> str:
+        class C:
+            def collect(self):
+                return q.metrics(Snapshot.build(1, 0.0, 0.0, {"quota": part}))
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(C())  # type: ignore[arg-type]
+        return generate_latest(reg).decode()
+
+    text = scrape(QuotaPart(pods=PODS))
+    assert "qosagent_quota_pods_list_errors_total 3.0" in text
+    assert "qosagent_quota_pods_list_age_seconds 0.5" in text
+    assert "pods_list" not in scrape(QuotaPart())  # no pods tenant: no pods metrics
+    assert "pods_list_age" not in scrape(QuotaPart(pods={**PODS, "age_s": None}))  # never listed
+    if shutil.which("promtool"):
+        out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
