@@ -8,6 +8,7 @@ for pods.stale_after, then unknown), and a host left as it was."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -203,7 +204,7 @@ def test_a_runtime_that_answers_only_after_the_agent_started_systemd_driver(root
     """No runtime at start: quota runs and says so, the pod's namespace is followed without a tenant; then a runtime
     (the test's own CRI server) answers and the namespace gets its pods tenant. The pod's cgroup is named the
     systemd driver's way (kubepods-besteffort-pod<uid with _>.slice), in the cgroup2 hierarchy."""
-    pytest.importorskip("grpc")
+    require(importlib.util.find_spec("grpc") is not None, "grpcio missing (make setup-test)")
     from testkit.cri import FakePod, FakeRuntime
 
     require(all(shutil.which(t) for t in ("ip", "nsenter")), "ip or nsenter missing")

@@ -5,6 +5,7 @@ protobuf, a socket that is gone."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from qosagent.pods import cri, wire
 from qosagent.pods.config import PodsConfig
 from qosagent.pods.model import Pod, by_cgroup_token, pod_of_cgroup
 from qosagent.pods.source import PodSource, pod_of_pid
+from tests.conftest import require
 
 UID = "6f1c2a9e-0b7d-4c3e-9a51-2d8e7f40b1aa"
 
@@ -100,7 +102,7 @@ class Clock:
 
 @pytest.fixture
 def runtime(tmp_path: Path):
-    pytest.importorskip("grpc")
+    require(importlib.util.find_spec("grpc") is not None, "grpcio missing (make setup-test)")
     from testkit.cri import FakePod, FakeRuntime
 
     with FakeRuntime(str(tmp_path / "cri.sock"), [FakePod(UID, "ml", "vllm-0", {"app": "vllm"}),
@@ -158,7 +160,7 @@ def test_the_thread_lists_on_its_own_and_stops(runtime, tmp_path: Path) -> None:
 
 
 def test_no_runtime_names_every_socket_tried(tmp_path: Path) -> None:
-    pytest.importorskip("grpc")
+    require(importlib.util.find_spec("grpc") is not None, "grpcio missing (make setup-test)")
     (tmp_path / "run/crio").mkdir(parents=True)
     (tmp_path / "run/crio/crio.sock").write_text("")  # a file where the socket should be
     runtime, why = cri.find_runtime(HostFS(tmp_path), None, 0.2)
