@@ -285,7 +285,8 @@ class Quota(Capability):
                                              any(not r.by_pod for r in rules), self._listeners, self.ctx.clock())
             with tc.IPRoute() as ipr:
                 veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
-        pods = {ino: self._pod_of(found[ino], view) for ino in veths}
+        tokens = by_cgroup_token(view.pods.values()) if view is not None and view.pods is not None else None
+        pods = {ino: self._pod_of(found[ino], tokens) for ino in veths}
         tenants = {ino: netns.namespace_tenants(rules, found[ino], pods[ino]) for ino in veths}
         entries = {(idx, port): tid for ino, vs in veths.items() for idx, _ in vs
                    for port, tid in tenants[ino].items()}
@@ -332,13 +333,14 @@ class Quota(Capability):
         self.pods_view = view = self.pods.view()
         return view
 
-    def _pod_of(self, ns: netns.ServingNs, view: PodsView | None) -> Pod | None:
-        if view is None or view.pods is None or self._cgroups is None:
+    def _pod_of(self, ns: netns.ServingNs, tokens: Mapping[str, Pod] | None) -> Pod | None:
+        """ns's pod among the known ones (tokens: by_cgroup_token; None while they are unknown)."""
+        if tokens is None or self._cgroups is None:
             return None
         from qosagent.pods.source import pod_of_pid
 
         # Every process of a pod shares its network namespace and lies in its cgroup: one is enough.
-        return pod_of_pid(self.ctx.hostfs, self._cgroups, ns.pid, by_cgroup_token(view.pods.values()))
+        return pod_of_pid(self.ctx.hostfs, self._cgroups, ns.pid, tokens)
 
     def _stop_pods(self) -> None:
         src, self.pods, self.pods_view = self.pods, None, None
