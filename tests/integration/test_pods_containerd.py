@@ -247,6 +247,18 @@ def test_a_runtime_that_answers_only_after_the_agent_started_systemd_driver(root
                 time.sleep(0.1)
             assert n["pod"] == "qa/chat-0" and n["tenants"] == {"any": "chat"}, (n, log.read_text()[-2000:])
             assert "tenants now port any: chat" in log.read_text()
+            # A reload: new pods settings (listed again under them) and a label the pod lacks: no tenant.
+            doc = yaml.safe_load(conf.read_text())
+            doc["pods"]["refresh"] = "1s"
+            doc["tenants"][0]["match"]["pods"]["labels"] = {"app": "other"}
+            conf.write_text(yaml.safe_dump(doc))
+            assert agent.reload().get("ok"), log.read_text()[-2000:]
+            deadline = time.monotonic() + 10
+            while (n := request(socket, {"cmd": "status"})["quota"]["namespaces"][0])["tenants"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert n["tenants"] == {} and n["pod"] == "qa/chat-0", n
+            assert "every 1s" in log.read_text()  # the source was started again with the new refresh
         assert agent.stop() == 0, log.read_text()
     finally:
         for a in lab.agents:
