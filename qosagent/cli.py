@@ -146,6 +146,14 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
             click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
     if strict and failed:
         sys.exit(1)
+    if cfg.quota.enabled:
+        from qosagent.quota.capability import pods_problem
+
+        # Tenants that match pods are what the config asks for: without a runtime to learn them from, an error.
+        problem = pods_problem(cfg, fs)
+        if problem is not None:
+            click.echo(f"{config_path or config_mod.DEFAULT_SOURCE}: {problem}", err=True)
+            sys.exit(1)
 
 
 def _render_features(f: Any) -> str:

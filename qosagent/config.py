@@ -19,6 +19,7 @@ from qosagent.configbase import RESTART, Duration, Port, Regex, Section
 from qosagent.dvfs.config import DvfsConfig
 from qosagent.gpu.config import GpuConfig
 from qosagent.latency.config import LatencyConfig
+from qosagent.pods.config import PodMatch, PodsConfig
 from qosagent.placement.config import PlacementConfig
 from qosagent.quota.config import QuotaConfig
 from qosagent.servers.config import ServerConfig
@@ -57,21 +58,19 @@ class TenantMatch(Section):
     # Requests into the network namespace of a serving process whose command line this regex finds (a pod), on
     # `ports` (default: every watched port). Quota only: the latency probes do not attribute it yet.
     process: Regex | None = None
-    pods: Any = None  # refused below: named so that the refusal can say what to use instead
+    # Requests into the network namespace of a pod the container runtime lists (namespace, labels), on `ports`
+    # (default: every watched port). Quota only, like process.
+    pods: PodMatch | None = None
 
-    @field_validator("pods")
-    @classmethod
-    def _pods(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("matching by pod (namespace, labels) is not supported: it needs the container runtime's "
-                             "socket or the kubelet, which the agent does not read; match.process names a pod by "
-                             "its serving process's command line")
-        return v
+    @property
+    def per_namespace(self) -> bool:
+        """Matched per serving network namespace (process, pods): quota's quota_netns, not the shared maps."""
+        return self.process is not None or self.pods is not None
 
     @property
     def claims_ports(self) -> bool:
         """Ports alone claim every connection on them, in every network namespace."""
-        return bool(self.ports) and not self.cidrs and not self.header and self.process is None
+        return bool(self.ports) and not self.cidrs and not self.header and not self.per_namespace
 
     @field_validator("cidrs")
     @classmethod
@@ -164,6 +163,7 @@ class Config(Section):
     gpu: Annotated[GpuConfig, RESTART] = GpuConfig()
     tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
     tenants: list[TenantConfig] = Field(default_factory=list)
+    pods: PodsConfig = PodsConfig()  # where tenants that match pods learn them (docs/configuration.md)
     # The inference servers admission reads (KV cache, queue). None: those found listening on the watched ports;
     # an empty list: none (docs/servers.md).
     servers: Annotated[list[ServerConfig] | None, RESTART] = None
@@ -241,10 +241,12 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
         if t.tier not in cfg.tiers:
             problems.append((f"{here}.tier", f"unknown tier {t.tier!r}; expected one of {sorted(cfg.tiers)}"))
         m = t.match
-        if not (m.ports or m.cidrs or m.header or m.process):
-            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header, process"))
+        if not (m.ports or m.cidrs or m.header or m.per_namespace):
+            problems.append((f"{here}.match", "expected at least one of ports, cidrs, header, process, pods"))
         if m.process is not None and (m.cidrs or m.header):
             problems.append((f"{here}.match.process", "cannot be combined with cidrs or header"))
+        if m.pods is not None and (m.cidrs or m.header or m.process is not None):
+            problems.append((f"{here}.match.pods", "cannot be combined with cidrs, header or process"))
         # A port alone claims every connection on it; two tenants cannot both claim one.
         if m.claims_ports:
             for p in m.ports:
@@ -257,10 +259,11 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
             problems.append((f"servers[{i}].port", f"port {srv.port} is already servers[{server_ports[srv.port]}]"))
         server_ports.setdefault(srv.port, i)
     for i, t in enumerate(cfg.tenants):
-        for p in t.match.ports if t.match.process is not None else []:
+        for p in t.match.ports if t.match.per_namespace else []:
             if p in port_owner:
                 problems.append((f"tenants[{i}].match.ports", f"port {p} is claimed by {port_owner[p]!r} in every "
-                                 "network namespace; a process tenant cannot share it"))
+                                 f"network namespace; a {'pods' if t.match.pods else 'process'} tenant cannot "
+                                 "share it"))
     tenants = {t.name for t in cfg.tenants}
     for i, sel in enumerate(cfg.placement.selectors):
         if sel.tenant is not None and sel.tenant not in tenants:

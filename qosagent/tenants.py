@@ -69,14 +69,14 @@ def tenant_entries(cfg: Config) -> tuple[dict[int, int], list[CidrEntry]]:
     so that a tenant's latency and its quota describe the same traffic).
 
     A tenant matching ports alone claims those ports (tenant_ports). One matching CIDRs claims those client
-    addresses on each of its ports, or on every watched port (port 0) when it names none. Header and process rules
-    are the quota classifier's own maps (only TC sees payload; only quota follows serving namespaces)."""
+    addresses on each of its ports, or on every watched port (port 0) when it names none. Header, process and pods
+    rules are the quota classifier's own maps (only TC sees payload; only quota follows serving namespaces)."""
     ports: dict[int, int] = {}
     cidrs: list[CidrEntry] = []
     for t in cfg.tenants:
         tid = tenant_id(t.name)
         m = t.match
-        if m.process is not None:
+        if m.per_namespace:
             continue  # the quota classifier's own rule (quota_netns), per serving network namespace
         if m.claims_ports:
             for p in m.ports:

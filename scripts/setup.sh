@@ -13,6 +13,10 @@ for p in python3-bpfcc python3-venv iproute2 bpftool; do need "$p"; done
 # Test and benchmark tools: real servers, load generators and Prometheus' own tools.
 if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ]; then
   for p in nginx wrk prometheus; do need "$p"; done
+  # Pods tenants against a real container runtime (tests/integration/test_pods_containerd.py): containerd's CRI,
+  # runc, the CNI bridge plugin, and busybox for the test's own sandbox image. Installing does not start it here:
+  # the test runs its own, with its own socket, root and state.
+  for p in containerd runc containernetworking-plugins busybox-static; do need "$p"; done
 fi
 
 kver=$(uname -r)

@@ -296,9 +296,9 @@ class Datapath:
 
     @staticmethod
     def _flags(cfg: Config, header_rules: bool) -> int:
-        process_rules = any(t.match.process is not None for t in cfg.tenants)
+        netns_rules = any(t.match.per_namespace for t in cfg.tenants)
         return (layout.QOS_CONF_HEADER_RULES if header_rules else 0) | \
-            (layout.QOS_CONF_NETNS_RULES if process_rules else 0)
+            (layout.QOS_CONF_NETNS_RULES if netns_rules else 0)
 
     def set_netns(self, entries: Mapping[tuple[int, int], int]) -> bool:
         """quota_netns from (host-side veth ifindex, port or 0) -> tenant id. A change empties the flow cache and

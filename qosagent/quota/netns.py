@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 from qosagent.hostfs import HostFS
+from qosagent.pods.model import selects
+from qosagent.tenants import tenant_id
 
 if TYPE_CHECKING:
     from pyroute2 import IPRoute
+
+    from qosagent.config import TenantConfig
+    from qosagent.pods.model import Pod
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
@@ -138,13 +143,46 @@ def host_veths(ipr: "IPRoute", fs: HostFS, ns: ServingNs) -> list[tuple[int, str
                   if link.get_attr("IFLA_LINK_NETNSID") == nsid)
 
 
-def process_tenants(rules: Iterable[tuple[str, tuple[int, ...], int]], ns: ServingNs) -> dict[int, int]:
-    """port (0: any watched port) -> tenant id in ns, for the process rules (regex, ports, tenant) its processes
-    match; the first rule wins a port."""
+@dataclass(frozen=True)
+class NsRule:
+    """A tenant matched per serving network namespace, on ports (none: every watched port): by a command line of a
+    process in it (process), or by the pod it belongs to (pod_namespace, pod_labels)."""
+
+    tenant: int
+    ports: tuple[int, ...]
+    process: str | None = None
+    pod_namespace: str | None = None
+    pod_labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def by_pod(self) -> bool:
+        return self.process is None
+
+
+def ns_rules(tenants: Iterable["TenantConfig"]) -> list[NsRule]:
+    """The per-namespace rules of the tenants, in config order (the first rule wins a port)."""
+    out = []
+    for t in tenants:
+        m = t.match
+        if m.process is not None:
+            out.append(NsRule(tenant_id(t.name), tuple(m.ports), process=m.process))
+        elif m.pods is not None:
+            out.append(NsRule(tenant_id(t.name), tuple(m.ports), pod_namespace=m.pods.namespace,
+                              pod_labels=tuple(sorted(m.pods.labels.items()))))
+    return out
+
+
+def namespace_tenants(rules: Iterable[NsRule], ns: ServingNs, pod: "Pod | None") -> dict[int, int]:
+    """port (0: any watched port) -> tenant id in ns, for the rules it matches: by its processes' command lines,
+    or by its pod (None: not known, which no pods rule matches); the first rule wins a port."""
     out: dict[int, int] = {}
-    for regex, ports, tid in rules:
-        r = re.compile(regex)
-        if any(r.search(c) for c in ns.cmdlines):
-            for p in ports or (0,):
-                out.setdefault(p, tid)
+    for rule in rules:
+        if rule.process is not None:
+            r = re.compile(rule.process)
+            hit = any(r.search(c) for c in ns.cmdlines)
+        else:
+            hit = pod is not None and selects(pod, rule.pod_namespace, dict(rule.pod_labels))
+        if hit:
+            for p in rule.ports or (0,):
+                out.setdefault(p, rule.tenant)
     return out

@@ -1,12 +1,13 @@
 """Serving network namespaces, the pure parts: listening ports from /proc/net/tcp text, which process rules a
-namespace's processes match, and what the config accepts for match.process and match.pods."""
+namespace's processes or its pod match, and what the config accepts for match.process and match.pods."""
 
 from __future__ import annotations
 
 import pytest
 
 from qosagent import config
-from qosagent.quota.netns import ServingNs, listening_ports, process_tenants
+from qosagent.pods.model import Pod
+from qosagent.quota.netns import NsRule, ServingNs, listening_ports, namespace_tenants, ns_rules
 from qosagent.tenants import tenant_entries
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -35,9 +36,28 @@ def test_the_first_row_of_another_state_ends_the_listeners() -> None:
 
 def test_process_rules_first_match_wins_a_port() -> None:
     ns = ServingNs(1, 10, frozenset({8000}), ("python -m vllm serve --served-model-name llama", "sleep 1"))
-    rules = [(r"--served-model-name llama\b", (8000,), 7), (r"vllm", (), 8), (r"nomatch", (), 9)]
-    assert process_tenants(rules, ns) == {8000: 7, 0: 8}
-    assert process_tenants([(r"nomatch", (), 9)], ns) == {}
+    rules = [NsRule(7, (8000,), r"--served-model-name llama\b"), NsRule(8, (), r"vllm"), NsRule(9, (), r"nomatch")]
+    assert namespace_tenants(rules, ns, None) == {8000: 7, 0: 8}
+    assert namespace_tenants([NsRule(9, (), r"nomatch")], ns, None) == {}
+
+
+def test_pods_and_process_rules_feed_one_resolution_in_config_order() -> None:
+    c = cfg({"name": "chat", "tier": "gold", "match": {"pods": {"namespace": "ml", "labels": {"app": "vllm"}},
+                                                        "ports": [8000]}},
+            {"name": "batch", "tier": "bronze", "match": {"process": "vllm"}},
+            {"name": "rest", "tier": "silver", "match": {"pods": {"labels": {"team": "x"}}}})
+    rules = ns_rules(c.tenants)
+    assert [r.by_pod for r in rules] == [True, False, True]
+    ns = ServingNs(1, 10, frozenset({8000}), ("python -m vllm serve",))
+    chat, batch, rest = (rules[i].tenant for i in range(3))
+    pod = Pod("u1", "ml", "vllm-0", {"app": "vllm", "team": "x", "extra": "y"})
+    assert namespace_tenants(rules, ns, pod) == {8000: chat, 0: batch}
+    # Labels must all be equal, the namespace exactly; an unknown pod matches no pods rule.
+    assert namespace_tenants(rules, ns, Pod("u1", "ml-dev", "v", {"app": "vllm", "team": "x"})) == {0: batch}
+    assert namespace_tenants(rules[2:], ns, Pod("u1", "a", "v", {"team": "x"})) == {0: rest}
+    assert namespace_tenants(rules[2:], ns, Pod("u1", "a", "v", {"team": "y"})) == {}
+    assert namespace_tenants([rules[0], rules[2]], ns, None) == {}
+    assert tenant_entries(c) == ({}, [])  # per namespace: nothing in the maps every namespace shares
 
 
 def cfg(*tenants: dict) -> config.Config:
@@ -52,7 +72,11 @@ def test_a_process_tenants_ports_are_not_claimed_everywhere() -> None:
 
 
 @pytest.mark.parametrize(("match", "why"), [
-    ({"pods": {"namespace": "ml", "labels": {"app": "vllm"}}}, "match.pods: matching by pod"),
+    ({"pods": {}}, "match.pods: expected namespace, labels or both"),
+    ({"pods": {"namespace": "ML"}}, "match.pods.namespace: String should match"),
+    ({"pods": {"labels": {"app": "a b"}}}, "match.pods.labels.app: String should match"),
+    ({"pods": {"namespace": "ml"}, "cidrs": ["10.0.0.0/8"]}, "match.pods: cannot be combined"),
+    ({"pods": {"namespace": "ml"}, "process": "x"}, "match.pods: cannot be combined"),
     ({"process": "("}, "match.process: not a regular expression"),
     ({"process": "x", "cidrs": ["10.0.0.0/8"]}, "match.process: cannot be combined"),
 ])
@@ -61,10 +85,11 @@ def test_refused_matches_say_why(match: dict, why: str) -> None:
         cfg({"name": "a", "tier": "gold", "match": match})
 
 
-def test_a_process_tenant_cannot_share_a_port_claimed_everywhere() -> None:
+@pytest.mark.parametrize("match", [{"process": "x"}, {"pods": {"namespace": "ml"}}])
+def test_a_per_namespace_tenant_cannot_share_a_port_claimed_everywhere(match: dict) -> None:
     with pytest.raises(config.ConfigError, match=r"tenants\[1\].match.ports: port 8000 is claimed by 'a'"):
         cfg({"name": "a", "tier": "gold", "match": {"ports": [8000]}},
-            {"name": "b", "tier": "gold", "match": {"process": "x", "ports": [8000]}})
+            {"name": "b", "tier": "gold", "match": {**match, "ports": [8000]}})
 
 
 def test_namespaces_by_inode_and_their_listeners_read_again_only_when_due(tmp_path) -> None:

@@ -1,0 +1,96 @@
+"""The node's pods, listed from the container runtime on a thread of its own, so that a slow or dead runtime never
+delays a tick: the tick takes the latest list (PodSource.view), which holds for pods.stale_after and is then
+unknown. Failures are logged once per streak and counted, never raised."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from qosagent.placement.cgroupns import KINDS
+from qosagent.placement.discovery import cgroup_paths
+from qosagent.pods.cri import CriClient, CriError, connect
+from qosagent.pods.model import Pod, PodsView, pod_of_cgroup
+
+if TYPE_CHECKING:
+    from qosagent.hostfs import HostFS
+    from qosagent.placement.cgroupns import HostCgroups
+    from qosagent.pods.config import PodsConfig
+
+log = logging.getLogger("qosagent.pods")
+
+
+class PodSource:
+    def __init__(self, cfg: "PodsConfig", fs: "HostFS", clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.fs, self.clock = cfg, fs, clock
+        self._lock = threading.Lock()
+        self._pods: dict[str, Pod] | None = None
+        self._at: float | None = None
+        self._runtime = ""
+        self._errors = 0
+        self._failing = ""  # the last error while a streak of them lasts
+        self._client: CriClient | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="qosagent-pods", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.cfg.timeout * 2 + 1)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            self._stop.wait(self.cfg.refresh)
+
+    def refresh(self) -> None:
+        """One listing: the thread's step (tests call it directly)."""
+        try:
+            if self._client is None:
+                self._client, version = connect(self.fs, self.cfg.runtime_socket, self.cfg.timeout)
+                self._runtime = f"{version} at {self._client.shown}"
+                log.info("pods: listing READY pod sandboxes from %s every %gs", self._runtime, self.cfg.refresh)
+            pods = self._client.ready_pods()
+        except CriError as e:
+            with self._lock:
+                self._errors += 1
+                first, self._failing = not self._failing, str(e)
+            if first:
+                log.warning("pods: cannot list pods (%s); the last list holds for %gs, then pods are unknown",
+                            e, self.cfg.stale_after)
+            if self._client is not None:  # the runtime may come back elsewhere (a restart, another default)
+                self._client.close()
+                self._client = None
+            return
+        with self._lock:
+            self._pods, self._at = {p.uid: p for p in pods}, self.clock()
+            if self._failing:
+                log.info("pods: %s answers again (%d pods READY)", self._runtime, len(pods))
+            self._failing = ""
+
+    def view(self) -> PodsView:
+        with self._lock:
+            pods, at, errors, failing = self._pods, self._at, self._errors, self._failing
+        age = None if at is None else self.clock() - at
+        if pods is None or age is None:
+            return PodsView(None, self._runtime, None, errors, failing or "not listed yet")
+        if age > self.cfg.stale_after:
+            return PodsView(None, self._runtime, age, errors,
+                            f"the last list is {age:.0f}s old (pods.stale_after {self.cfg.stale_after:g}s): "
+                            f"{failing or 'no answer since'}")
+        return PodsView(pods, self._runtime, age, errors, failing)
+
+
+def pod_of_pid(fs: "HostFS", cgroups: "HostCgroups", pid: int, tokens: Mapping[str, Pod]) -> Pod | None:
+    """The pod a process belongs to, by its cgroup paths as the host names them (tokens: by_cgroup_token)."""
+    text = fs.try_read(f"/proc/{pid}/cgroup") or ""
+    return pod_of_cgroup((cgroups.host(kind, path) for kind, path in zip(KINDS, cgroup_paths(text)) if path), tokens)

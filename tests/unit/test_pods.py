@@ -1,0 +1,239 @@
+"""Pods tenants' sources, without a real runtime: the wire format, the CRI messages, which pod a cgroup path
+belongs to (cgroupfs and systemd drivers), and the pod source against a CRI runtime of the test's own (gRPC on a
+unix socket) that fails in each way a real one can: an error status, a hang past the deadline, a reply that is not
+protobuf, a socket that is gone."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from qosagent.hostfs import HostFS
+from qosagent.placement.cgroupns import HostCgroups
+from qosagent.pods import cri, wire
+from qosagent.pods.config import PodsConfig
+from qosagent.pods.model import Pod, by_cgroup_token, pod_of_cgroup
+from qosagent.pods.source import PodSource, pod_of_pid
+from tests.conftest import require
+
+UID = "6f1c2a9e-0b7d-4c3e-9a51-2d8e7f40b1aa"
+
+
+@pytest.mark.parametrize(("n", "enc"), [(0, "00"), (1, "01"), (127, "7f"), (128, "8001"), (300, "ac02"),
+                                        (2**63, "80808080808080808001"), (-1, "ffffffffffffffffff01")])
+def test_varints_as_protobuf_writes_them(n: int, enc: str) -> None:
+    assert wire.varint(n).hex() == enc
+    if n >= 0:
+        assert list(wire.fields(wire.varint(1 << 3) + wire.varint(n))) == [(1, n)]
+
+
+def test_fields_skip_fixed_width_and_refuse_what_is_not_protobuf() -> None:
+    buf = (wire.varint(2 << 3 | wire.I64) + bytes(8) + wire.varint(3 << 3 | wire.I32) + bytes(4) +
+           wire.field_str(4, "x"))
+    assert list(wire.fields(buf)) == [(4, b"x")]
+    for bad, why in [(b"\x0a\x05ab", "5 bytes announced"), (b"\x08\x80", "truncated varint"),
+                     (b"\x0b", "wire type 3"), (b"\x11\x00", "truncated fixed-width"),
+                     (b"\x08" + b"\xff" * 11, "longer than ten bytes")]:
+        with pytest.raises(wire.WireError, match=why):
+            list(wire.fields(bad))
+
+
+def test_the_ready_filter_and_the_version_request_on_the_wire() -> None:
+    # filter (1) { state (2) { state (1) = SANDBOX_READY = 0, left out } }: the empty state message is the filter.
+    assert cri.list_ready_request() == bytes.fromhex("0a021200")
+    assert cri.version_request() == bytes.fromhex("0a027631")  # version (1) = "v1"
+
+
+def test_ready_pods_parsed_not_ready_and_uidless_ones_left_out() -> None:
+    from testkit.cri import FakePod, pod_sandbox
+
+    pods = [FakePod(UID, "ml", "vllm-0", {"app": "vllm", "pod-template-hash": "abc"}),
+            FakePod("u2", "ml", "old", ready=False), FakePod("", "ml", "nouid")]
+    buf = b"".join(wire.field_bytes(1, pod_sandbox(p)) for p in pods) + wire.field_str(2, "next-page-token")
+    got = cri.parse_ready_pods(buf)
+    assert got == [Pod(UID, "ml", "vllm-0", sandbox=f"sb-{UID}")]
+    assert dict(got[0].labels) == {"app": "vllm", "pod-template-hash": "abc"}
+
+
+CGROUPFS = f"/kubepods/burstable/pod{UID}/0123456789abcdef"
+SYSTEMD = (f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID.replace('-', '_')}.slice/"
+           "cri-containerd-0123456789abcdef.scope")
+GUARANTEED = f"/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/crio-0123.scope"
+
+
+@pytest.mark.parametrize("path", [CGROUPFS, SYSTEMD, GUARANTEED])
+def test_a_pod_is_found_by_its_cgroup_under_either_driver(path: str) -> None:
+    pod, other = Pod(UID, "ml", "vllm-0"), Pod("11111111-2222-3333-4444-555555555555", "ml", "other")
+    tokens = by_cgroup_token([other, pod])
+    assert pod_of_cgroup(["", path], tokens) is pod
+    assert pod_of_cgroup([path.replace(UID[:8], "deadbeef").replace(UID.replace("-", "_")[:8], "deadbeef")],
+                         tokens) is None
+    assert pod_of_cgroup(["/system.slice/containerd.service", "/user.slice/pod.slice"], tokens) is None
+
+
+def test_a_process_pod_from_its_host_view_cgroup(tmp_path: Path) -> None:
+    """The agent in a cgroup namespace of its own reads the pod's path with leading `..`s; HostCgroups rebases it
+    on where the agent's namespace root lies in the host's tree, and the pod is still found by its uid."""
+    agent_root = "/kubepods/besteffort/podagent/ctr"
+    (tmp_path / "sys/fs/cgroup/unified").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/unified/cgroup.controllers").write_text("")
+    (tmp_path / f"sys/fs/cgroup/unified{agent_root}").mkdir(parents=True)
+    (tmp_path / f"sys/fs/cgroup/unified{agent_root}/cgroup.procs").write_text("42\n")
+    for pid, path in [(1, "/../../../../init.scope"), (42, "/"), (77, f"/../../../..{CGROUPFS}")]:
+        (tmp_path / f"proc/{pid}").mkdir(parents=True)
+        (tmp_path / f"proc/{pid}/cgroup").write_text(f"0::{path}\n")
+    fs = HostFS(tmp_path)
+    cg = HostCgroups(fs, pid=42)
+    pod = Pod(UID, "ml", "vllm-0")
+    assert pod_of_pid(fs, cg, 77, by_cgroup_token([pod])) is pod
+    assert pod_of_pid(fs, cg, 1, by_cgroup_token([pod])) is None
+    assert pod_of_pid(fs, cg, 99, by_cgroup_token([pod])) is None  # exited
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def runtime(tmp_path: Path):
+    require(importlib.util.find_spec("grpc") is not None, "grpcio missing (make setup-test)")
+    from testkit.cri import FakePod, FakeRuntime
+
+    with FakeRuntime(str(tmp_path / "cri.sock"), [FakePod(UID, "ml", "vllm-0", {"app": "vllm"}),
+                                                  FakePod("u2", "ml", "gone", ready=False)]) as rt:
+        yield rt
+
+
+def source(tmp_path: Path, clock: Clock, **kw: object) -> PodSource:
+    cfg = PodsConfig(runtime_socket="/cri.sock", refresh="1s", timeout="200ms", stale_after="10s", **kw)
+    return PodSource(cfg, HostFS(tmp_path), clock)
+
+
+def test_pods_listed_kept_while_the_runtime_fails_then_unknown(runtime, tmp_path: Path, caplog) -> None:
+    caplog.set_level("INFO", "qosagent.pods")
+    clock = Clock()
+    src = source(tmp_path, clock)
+    assert src.view().pods is None and src.view().reason == "not listed yet"
+    src.refresh()
+    v = src.view()
+    assert list(v.pods or {}) == [UID] and v.runtime == "fakeruntime 9.9 (CRI v1) at /cri.sock" and v.errors == 0
+    assert [n for n, _ in runtime.requests] == ["Version", "ListPodSandbox"]
+    assert runtime.requests[1][1] == cri.list_ready_request()
+
+    for mode in ("error", "hang", "garbage"):
+        runtime.mode = mode
+        clock.t += 3
+        src.refresh()  # never raises: counted, and the last list still holds
+        assert src.view().pods is not None, mode
+    v = src.view()
+    assert v.errors == 3 and v.age == 9
+    assert "UNAVAILABLE: runtime restarting" in caplog.text  # the first of the streak is logged
+    assert "DEADLINE_EXCEEDED" in v.reason or "not a CRI answer" in v.reason
+    assert caplog.text.count("cannot list pods") == 1
+    clock.t += 2
+    v = src.view()
+    assert v.pods is None and "11s old" in v.reason  # past stale_after: unknown, never a wrong pod
+
+    runtime.mode = "ok"
+    src.refresh()
+    assert src.view().pods is not None and "answers again" in caplog.text
+    src.stop()
+
+
+def test_the_thread_lists_on_its_own_and_stops(runtime, tmp_path: Path) -> None:
+    import time
+
+    src = source(tmp_path, Clock())
+    src.start()
+    deadline = time.monotonic() + 5
+    while src.view().pods is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert src.view().pods is not None
+    src.stop()
+    assert src._thread is not None and not src._thread.is_alive()
+
+
+def test_no_runtime_names_every_socket_tried(tmp_path: Path) -> None:
+    require(importlib.util.find_spec("grpc") is not None, "grpcio missing (make setup-test)")
+    (tmp_path / "run/crio").mkdir(parents=True)
+    (tmp_path / "run/crio/crio.sock").write_text("")  # a file where the socket should be
+    runtime, why = cri.find_runtime(HostFS(tmp_path), None, 0.2)
+    assert runtime is None
+    assert why.startswith("no container runtime answers: /run/containerd/containerd.sock: absent; Version on "
+                          "/run/crio/crio.sock: UNAVAILABLE"), why
+
+
+def test_check_fails_with_pods_tenants_and_no_runtime(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from qosagent.cli import main
+
+    conf = tmp_path / "c.yaml"
+    conf.write_text("quota: {enabled: true, interfaces: [lo]}\nlatency: {enabled: false, ports: [8000]}\n"
+                    "tenants:\n- {name: a, tier: gold, match: {pods: {namespace: ml}}, quota: {rps: 5}}\n"
+                    "pods: {runtime_socket: /run/nothing.sock}\n")
+    r = CliRunner().invoke(main, ["check", "--config", str(conf), "--host-root", str(tmp_path)])
+    assert r.exit_code == 1, r.output
+    assert ("tenants[0] match pods, which the agent learns from the container runtime's CRI socket: no container "
+            "runtime answers: /run/nothing.sock: absent") in r.output
+
+
+PODS = {"runtime": "containerd 1.6.20 (CRI v1) at /run/containerd/containerd.sock", "known": True, "ready": 2,
+        "age_s": 0.5, "errors": 3, "reason": ""}
+
+
+def test_status_shows_the_runtime_and_each_namespace_pod() -> None:
+    from qosagent.quota.capability import Quota
+
+    st = {"interfaces": ["lo"], "pins": "/p", "unmatched_packets": 0, "tenants": [], "pods": PODS,
+          "namespaces": [{"netns": 4026532, "pid": 7, "ports": [8000], "egress": ["veth1"], "pod": "ml/vllm-0",
+                          "tenants": {"any": "chat"}},
+                         {"netns": 4026533, "pid": 8, "ports": [8000], "egress": ["veth2"], "pod": None,
+                          "tenants": {}}]}
+    text = Quota.render(st)
+    assert ("  pods from containerd 1.6.20 (CRI v1) at /run/containerd/containerd.sock: 2 READY, listed 0.5s ago; "
+            "3 failed listings") in text
+    assert "  netns 4026532 (pid 7, ports 8000, pod ml/vllm-0) egress of veth1: port any: chat" in text
+    assert "  netns 4026533 (pid 8, ports 8000) egress of veth2: tenants by port and CIDR" in text
+    st["pods"] = {**PODS, "known": False, "ready": None, "reason": "the last list is 31s old"}
+    assert "unknown (the last list is 31s old); 3 failed listings" in Quota.render(st)
+
+
+def test_pods_metrics_pass_promtool() -> None:
+    import shutil
+    import subprocess
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from qosagent import config
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.quota.capability import Quota
+    from qosagent.quota.model import QuotaPart
+    from qosagent.snapshot import Snapshot
+
+    q = Quota(AgentContext(config=config.parse({}, "test"), hostfs=HostFS("/"), gpu=NoGpu()))
+
+    def scrape(part: QuotaPart) -> str:
+        class C:
+            def collect(self):
+                return q.metrics(Snapshot.build(1, 0.0, 0.0, {"quota": part}))
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(C())  # type: ignore[arg-type]
+        return generate_latest(reg).decode()
+
+    text = scrape(QuotaPart(pods=PODS))
+    assert "qosagent_quota_pods_list_errors_total 3.0" in text
+    assert "qosagent_quota_pods_list_age_seconds 0.5" in text
+    assert "pods_list" not in scrape(QuotaPart())  # no pods tenant: no pods metrics
+    assert "pods_list_age" not in scrape(QuotaPart(pods={**PODS, "age_s": None}))  # never listed
+    if shutil.which("promtool"):
+        out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
