@@ -32,10 +32,13 @@ class State(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Verdict:
-    """What probing found: whether the capability can run here, and why not or why only partly."""
+    """What probing found: whether the capability can run here, and why not or why only partly; and the plan,
+    what start() is to do with what was found (the capability's own type). Probe leaves nothing on the object, so
+    `qosagent check` and the agent probe alike and start acts on what the verdict said."""
 
     state: State
     reason: str = ""
+    plan: Any = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, str]:
         return {"state": self.state.value, "reason": self.reason}
@@ -116,11 +119,12 @@ class Capability:
         return bool(getattr(config, cls.name).enabled)
 
     def probe(self, features: "Features") -> Verdict:
-        """Whether this host supports the capability; must not change the host."""
+        """Whether this host supports the capability, and its plan for start; changes neither the host nor self."""
         raise NotImplementedError
 
-    def start(self) -> None:
-        """Load, attach, save originals. Raise CapabilityError with an operator-facing message."""
+    def start(self, plan: Any = None) -> None:
+        """Load, attach, save originals, as the probe's verdict planned (`plan`). Raise CapabilityError with an
+        operator-facing message."""
 
     def started(self, verdict: Verdict) -> Verdict:
         """The verdict once started: start() may have found less than probe() promised (a program the kernel's

@@ -98,7 +98,7 @@ class Agent:
                 self.verdicts[cls.name] = verdict
                 continue
             try:
-                cap.start()
+                cap.start(verdict.plan)
             except CapabilityError as e:
                 log.error("%s could not start: %s", cls.name, e)
                 self.verdicts[cls.name] = Verdict(State.UNAVAILABLE, str(e))

@@ -100,7 +100,7 @@ class Dvfs(Capability):
             return []
         return gpu.devices()
 
-    def start(self) -> None:
+    def start(self, plan: None = None) -> None:
         fs = self.ctx.hostfs
         if self.enforce:
             self._recover()

@@ -16,7 +16,7 @@ from qosagent.hist import Histogram, Since
 from qosagent.latency import adopt, links, selftest, slots
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
-from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.latency.model import LatencyPart, Plan, TenantLatency
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.schedule import Every
@@ -82,18 +82,19 @@ class Latency(Capability):
         set_state = features.has_tracepoint("sock/inet_sock_set_state")
         kprobe_fns = all(features.kprobe_functions.get(fn, False) for fn, _ in KPROBES)
         notes = []
+        arrival = egress = False
         if cfg.mode == "sockops" or (cfg.mode == "auto" and sockops_ok):
             if not sockops_ok:
                 return Verdict(State.UNAVAILABLE, "latency.mode is sockops, but " + (
                     "the kernel's sock_ops has no per-socket sendmsg callback (kernel < 6.15)"
                     if not features.sockops_sendmsg else "no cgroup v2 hierarchy is mounted"))
-            self.mode = "sockops"
-            self.arrival = True  # the ingress program sees request bytes arrive
-            self.egress = True  # and the egress program response bytes leave
+            mode = "sockops"
+            arrival = True  # the ingress program sees request bytes arrive
+            egress = True  # and the egress program response bytes leave
         elif cfg.mode in ("auto", "tracepoint") and set_state and tracepoints_ok:
-            self.mode = "tracepoint"
+            mode = "tracepoint"
         elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes and kprobe_fns:
-            self.mode = "kprobe"
+            mode = "kprobe"
             notes.append("kprobe fallback on " + "/".join(fn for fn, _ in KPROBES))
         else:
             kp_why = "no kprobes" if not features.kprobes else "no " + "/".join(
@@ -105,30 +106,32 @@ class Latency(Capability):
                 missing += f", {kp_why} for the kprobe fallback" if set_state else ""
                 missing += ", and no per-socket sock_ops hooks (kernel < 6.15 or no cgroup v2)"
             return Verdict(State.UNAVAILABLE, f"latency.mode {cfg.mode}: {missing}")
-        if self.mode != "sockops":
-            self.egress = bool(features.cgroup2)
-            if not self.egress:
+        if mode != "sockops":
+            egress = bool(features.cgroup2)
+            if not egress:
                 notes.append("no cgroup v2 hierarchy: time to first token and inter-token latency unavailable")
-        if self.mode == "kprobe":
-            self.arrival = features.kprobe_functions.get(KPROBE_ARRIVAL[0], False)
-            if self.arrival:
+        if mode == "kprobe":
+            arrival = features.kprobe_functions.get(KPROBE_ARRIVAL[0], False)
+            if arrival:
                 notes.append(f"request arrival from a kprobe on {KPROBE_ARRIVAL[0]}")
             else:
                 notes.append(f"no {KPROBE_ARRIVAL[0]} to probe: requests timed from their first read, not arrival")
-        elif self.mode != "sockops":
-            self.arrival = features.has_tracepoint("sock/sk_data_ready")
-            if not self.arrival:
+        elif mode != "sockops":
+            arrival = features.has_tracepoint("sock/sk_data_ready")
+            if not arrival:
                 notes.append("no sock:sk_data_ready (kernel < 6.6): requests timed from their first read, not arrival")
-        self.runq = cfg.runqueue.enabled and all(features.has_tracepoint(tp) for tp in RUNQ_TRACEPOINTS)
-        if cfg.runqueue.enabled and not self.runq:
+        runq = cfg.runqueue.enabled and all(features.has_tracepoint(tp) for tp in RUNQ_TRACEPOINTS)
+        if cfg.runqueue.enabled and not runq:
             notes.append("run-queue latency off: sched tracepoints missing")
         # Without TTFT (the default SLO signal) or run-queue latency the capability is short of what it promises.
-        degraded = not self.egress or (cfg.runqueue.enabled and not self.runq)
-        return Verdict(State.DEGRADED if degraded else State.ACTIVE, "; ".join(notes))
+        degraded = not egress or (cfg.runqueue.enabled and not runq)
+        return Verdict(State.DEGRADED if degraded else State.ACTIVE, "; ".join(notes),
+                       Plan(mode=mode, arrival=arrival, egress=egress, runq=runq))
 
-    def start(self) -> None:
+    def start(self, plan: Plan) -> None:
         from qosagent.ebpf.loader import BpfError, compile_program
 
+        self.mode, self.arrival, self.egress, self.runq = plan.mode, plan.arrival, plan.egress, plan.runq
         defines: dict[str, object] = {}
         if self.runq:
             defines["QOS_RUNQ"] = 1

@@ -9,6 +9,16 @@ from qosagent.hist import Histogram
 
 
 @dataclass(frozen=True)
+class Plan:
+    """What probing chose for this kernel, which start() compiles and attaches."""
+
+    mode: str  # "sockops", "tracepoint" or "kprobe"
+    arrival: bool  # request clocks start at arrival (sock:sk_data_ready, a kprobe, the ingress program)
+    egress: bool  # responses are read as they leave (TTFT, inter-token): a cgroup_skb egress program
+    runq: bool  # run-queue latency: the sched tracepoints
+
+
+@dataclass(frozen=True)
 class TenantLatency:
     tenant: str
     tier: str

@@ -88,7 +88,7 @@ class Placement(Capability):
             self.log.warning("GPU devices unknown: %s", e)
             return []
 
-    def start(self) -> None:
+    def start(self, plan: None = None) -> None:
         self.topology = read_topology(self.ctx.hostfs, self._gpu_devices())
         for w in self.topology.warnings:
             self.log.warning("topology: %s", w)

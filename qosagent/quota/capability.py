@@ -184,7 +184,6 @@ class Quota(Capability):
                     notes += [f"runs before ours: {p}" for p in tc.tcx_programs(n)]
         except OSError as e:
             return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
-        self.others = notes
         reason = f"ingress of {', '.join(names)}"
         if any(t.match.pods for t in self.ctx.config.tenants):
             from qosagent.pods.cri import CriError, grpc_module
@@ -202,10 +201,12 @@ class Quota(Capability):
             reason += "; serving network namespaces followed (egress of their host-side veths)"
         if notes:
             reason += "; " + "; ".join(notes)
-        return Verdict(State.ACTIVE, reason)
+        return Verdict(State.ACTIVE, reason, tuple(notes))
 
-    def start(self) -> None:
+    def start(self, plan: tuple[str, ...]) -> None:
+        """plan: the other filters and programs probe found on the hooks, which status names."""
         cfg = self.ctx.config
+        self.others = list(plan)
         self.specs, self.table = self._derive(cfg)
         try:
             self.datapath = dp.Datapath(cfg)

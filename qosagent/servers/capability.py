@@ -55,7 +55,7 @@ class Servers(Capability):
         how = "configured" if cfg.servers else "found on the watched ports"
         return Verdict(State.ACTIVE, f"reads the inference servers' metrics ({how})")
 
-    def start(self) -> None:
+    def start(self, plan: None = None) -> None:
         self.scraper.start()
 
     def stop(self) -> None:

@@ -24,7 +24,7 @@ from qosagent.hostfs import HostFS
 from qosagent.latency import adopt
 from qosagent.latency.adopt import RELIST_S
 from qosagent.latency.capability import Latency
-from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.latency.model import LatencyPart, Plan, TenantLatency
 from tests.integration.latency_helpers import free_port, until
 from testkit.sse_client import RawClient, Timing, percentile
 from testkit.sse_server import sse_server
@@ -44,15 +44,15 @@ def tenants(port: int, extra_port: int | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def agent(mode: str, port: int, extra_port: int | None = None) -> Latency:
+def agent(mode: str, port: int, extra_port: int | None = None) -> tuple[Latency, Plan]:
     fs = HostFS("/")
     ensure_mounted(fs)
     cfg = parse({"tenants": tenants(port, extra_port),
                  "latency": {"mode": mode, "ports": [port], "runqueue": {"enabled": False}}}, "test")
     cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
     verdict = cap.probe(probe(fs))
-    assert verdict.state is State.ACTIVE and cap.egress, verdict.reason
-    return cap
+    assert verdict.state is State.ACTIVE and verdict.plan.egress, verdict.reason
+    return cap, verdict.plan
 
 
 @pytest.fixture(params=latency_modes())
@@ -110,8 +110,8 @@ def test_keepalive_connections_open_before_the_agent_are_timed_from_their_next_r
         connections += [a, b, idle]
         for c in (a, b):
             c.request(stream(10.0))
-        cap = agent(mode, port)
-        cap.start()
+        cap, plan = agent(mode, port)
+        cap.start(plan)
         try:
             part = cap.collect()
             assert (part.found_open, part.unobserved[adopt.AWAITING]) == (3, 3), part
@@ -159,8 +159,8 @@ def test_a_restart_under_load_times_every_request_that_began_after_the_new_agent
     with sse_server("uvicorn", port=port, keep_alive_s=KEEP_S):
         pool = [RawClient(port, source=src) for src in (NET2, NET3)]  # open before the first agent
         connections += pool
-        first = agent(mode, port)
-        first.start()
+        first, plan = agent(mode, port)
+        first.start(plan)
         try:
             pool.append(RawClient(port, source=NET2))  # established under the first agent, hooked by it
             connections.append(pool[-1])
@@ -196,8 +196,8 @@ def test_a_restart_under_load_times_every_request_that_began_after_the_new_agent
 
         monkeypatch.setattr(adopt, "established", established)
         monkeypatch.setattr(adopt.Adoption, "add", add)
-        second = agent(mode, port)
-        second.start()
+        second, plan = agent(mode, port)
+        second.start(plan)
         try:
             time.sleep(3.0)
             stop.set()
@@ -225,8 +225,8 @@ def test_a_reload_that_watches_a_port_adopts_its_open_connections_by_port_and_ne
         mode: str, connections: list[RawClient]) -> None:
     port, later = free_port(), free_port()
     with sse_server("uvicorn", port=port, keep_alive_s=KEEP_S), sse_server("uvicorn", port=later, keep_alive_s=KEEP_S):
-        cap = agent(mode, port)
-        cap.start()
+        cap, plan = agent(mode, port)
+        cap.start(plan)
         try:
             c2, c3 = RawClient(later, source=NET2), RawClient(later, source=NET3)
             connections += [c2, c3]

@@ -75,12 +75,13 @@ def started(mode: str) -> Iterator[Latency]:
     features.ensure_mounted(fs)
     cap = Latency(AgentContext(config=config("127.0.0.2/32", mode=mode), hostfs=fs, gpu=NoGpu("test")))
     feats = probe(fs)
-    assert cap.probe(feats).state is State.ACTIVE
-    assert cap.mode == mode  # only modes this kernel offers are asked for (tests/kernel_modes.py)
-    assert cap.arrival == (mode == "sockops" or feats.has_tracepoint("sock/sk_data_ready") or (
+    verdict = cap.probe(feats)
+    assert verdict.state is State.ACTIVE
+    assert verdict.plan.mode == mode  # only modes this kernel offers are asked for (tests/kernel_modes.py)
+    assert verdict.plan.arrival == (mode == "sockops" or feats.has_tracepoint("sock/sk_data_ready") or (
         mode == "kprobe" and feats.kprobe_functions[KPROBE_ARRIVAL[0]])), \
         "the arrival clock must be in use wherever the kernel has a hook for it"
-    cap.start()
+    cap.start(verdict.plan)
     try:
         yield cap
     finally:

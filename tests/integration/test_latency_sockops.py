@@ -20,6 +20,7 @@ from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
 from qosagent.latency.links import cgroup_root
+from qosagent.latency.model import Plan
 from tests.conftest import require
 from tests.integration.latency_helpers import free_port, until
 
@@ -52,14 +53,15 @@ def start_server(cgroup: str, port: int) -> subprocess.Popen:
     raise AssertionError("the test server did not listen")
 
 
-def latency(port: int) -> Latency:
+def latency(port: int) -> tuple[Latency, Plan]:
     fs = HostFS("/")
     ensure_mounted(fs)
     cfg = parse({"tenants": [{"name": "svc", "tier": "gold", "match": {"ports": [port]}}],
                  "latency": {"mode": "sockops", "ports": [port], "runqueue": {"enabled": False}}}, "test")
     cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
-    assert cap.probe(probe(fs)).state is State.ACTIVE and cap.mode == "sockops"
-    return cap
+    verdict = cap.probe(probe(fs))
+    assert verdict.state is State.ACTIVE and verdict.plan.mode == "sockops"
+    return cap, verdict.plan
 
 
 def get(port: int) -> None:
@@ -82,9 +84,9 @@ def ours(cap: Latency) -> set[str]:
 @pytest.mark.privileged
 def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgroup: str) -> None:
     port = free_port()
-    cap = latency(port)
+    cap, plan = latency(port)
     root = cgroup_root(cap.ctx.hostfs)
-    cap.start()
+    cap.start(plan)
     server = None
     try:
         cap.watch.stop_learning()  # what the agent does LEARN_S after start: from here on, only serving cgroups
@@ -112,8 +114,8 @@ def test_a_server_running_before_the_agent_is_timed_by_the_learner_from_its_firs
                                                                                     cgroup: str) -> None:
     port = free_port()
     server = start_server(cgroup, port)
-    cap = latency(port)
-    cap.start()
+    cap, plan = latency(port)
+    cap.start(plan)
     try:
         get(port)  # its arrival reaches the root learner: timed, and the cgroup reported
         assert until(lambda: cgroup in cap.watch.cgroups()), cap.watch.cgroups()
@@ -134,8 +136,8 @@ def test_a_server_listening_before_the_agent_is_hooked_at_start_and_its_first_re
     """No listen() to report it, no request while the learner runs: its listening socket names its cgroup."""
     port = free_port()
     server = start_server(cgroup, port)
-    cap = latency(port)
-    cap.start()
+    cap, plan = latency(port)
+    cap.start(plan)
     try:
         cap.watch.stop_learning()
         assert cap.watch.cgroups() == [cgroup]

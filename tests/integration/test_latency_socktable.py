@@ -33,8 +33,9 @@ def latency(bpf: None, port: int) -> Iterator[Latency]:
                  "latency": {"mode": "tracepoint", "ports": [port], "socket_slots": 4,
                              "runqueue": {"enabled": False}}}, "test")
     cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
-    assert cap.probe(probe(fs)).state is State.ACTIVE
-    cap.start()
+    verdict = cap.probe(probe(fs))
+    assert verdict.state is State.ACTIVE
+    cap.start(verdict.plan)
     try:
         yield cap
     finally:

@@ -51,8 +51,8 @@ def agent(request: pytest.FixtureRequest, bpf: None) -> Iterator[tuple[Latency, 
                  "latency": {"mode": request.param, "ports": [port], "runqueue": {"enabled": False}}}, "test")
     cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
     verdict = cap.probe(probe(fs))
-    assert verdict.state is State.ACTIVE and cap.egress, verdict.reason
-    cap.start()
+    assert verdict.state is State.ACTIVE and verdict.plan.egress, verdict.reason
+    cap.start(verdict.plan)
     try:
         yield cap, port
     finally:

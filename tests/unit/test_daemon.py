@@ -39,9 +39,10 @@ def make_cap(name: str, *, fail_start: bool = False, fail_collect: bool = False,
             return Change(commit, lambda: EVENTS.append(f"undo {name}"))
 
         def probe(self, features: Any) -> Verdict:
-            return Verdict(State.ACTIVE)
+            return Verdict(State.ACTIVE, plan=("planned", name))
 
-        def start(self) -> None:
+        def start(self, plan: Any) -> None:
+            assert plan == ("planned", name), "start gets what its probe planned"
             EVENTS.append(f"start {name}")
             if fail_start:
                 raise CapabilityError("no luck")

@@ -187,8 +187,10 @@ def _probe(tracepoints: set[str], kprobes: bool = False, runqueue: bool = True, 
     f = Features(tracepoints={tp: tp in tracepoints for tp in TRACEPOINTS}, kprobes=kprobes,
                  kprobe_functions={fn: fn not in absent_fns for fn in KPROBE_FUNCTIONS},
                  sockops_sendmsg=sockops, cgroup2=cgroup2)
+    before = dict(vars(cap))
     v = cap.probe(f)
-    return v.state.value, v.reason, cap.mode
+    assert vars(cap) == before, "probe plans; it leaves nothing on the capability"
+    return v.state.value, v.reason, v.plan.mode if v.plan else ""
 
 
 ALL_TP = {"sock/inet_sock_set_state", "sock/sock_recv_length", "sock/sock_send_length", "sock/sk_data_ready",
