@@ -69,7 +69,7 @@ def established(fs: "HostFS", ports: Iterable[int], cgroups: bool = False) -> li
         try:
             return _from_diag(want)
         except Exception as e:  # noqa: BLE001 - pyroute2 raises NetlinkError, OSError, or ImportError without it
-            log.info("latency: sock_diag unavailable (%s): open connections read from /proc/net/tcp", e)
+            log.info("sock_diag unavailable (%s): open connections read from /proc/net/tcp", e)
     out: list[Conn] = []
     for name, v6 in (("tcp", False), ("tcp6", True)):
         out += parse_proc_net_tcp(fs.try_read(f"/proc/net/{name}") or "", v6, want)
@@ -258,7 +258,7 @@ class Adopter:
         n = self.adoption.add(conns, fresh)
         self.set_adopting()
         if n:
-            log.info("latency: %d connections were open on watched ports before the agent watched them: each is "
+            log.info("%d connections were open on watched ports before the agent watched them: each is "
                      "observed from its next request", n)
 
     def set_adopting(self, pending: bool | None = None) -> None:

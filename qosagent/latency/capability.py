@@ -211,10 +211,10 @@ class Latency(Capability):
         except selftest.Unverifiable as e:
             # Said, not degraded: the documented unit runs without CAP_SYS_ADMIN, and a capability degraded on every
             # such host would be a false alarm (and an agent never ready).
-            log.info("latency: %s", e)
+            log.info("%s", e)
             return Verdict(verdict.state, "; ".join(r for r in (verdict.reason, str(e)) if r))
         if silent:
-            log.warning("latency: %s", silent)
+            log.warning("%s", silent)
             verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, silent) if r))
         return verdict
 
@@ -233,7 +233,7 @@ class Latency(Capability):
             self.egress = False
             self._egress_lost = True
             self._egress_error = f"the egress program could not be attached: {e}"
-            log.warning("latency: %s; time to first token and inter-token latency unavailable", self._egress_error)
+            log.warning("%s; time to first token and inter-token latency unavailable", self._egress_error)
             return None
         return root
 

@@ -102,7 +102,7 @@ class CgroupWatch:
             pids = {c.pid for c in psutil.net_connections("tcp")
                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
         except (psutil.Error, OSError) as e:
-            log.warning("latency: listing the listening sockets failed (%s): serving cgroups are learnt from "
+            log.warning("listing the listening sockets failed (%s): serving cgroups are learnt from "
                         "traffic only", e)
             return
         for pid in sorted(pids):
@@ -122,7 +122,7 @@ class CgroupWatch:
                 self.bpf.ring_buffer_poll(CGROUP_EVENT_POLL_MS)
             except Exception as e:  # noqa: BLE001 - a failed poll must not end the watcher silently
                 self.errors += 1
-                log.warning("latency: polling the cgroup events failed: %s", e)
+                log.warning("polling the cgroup events failed: %s", e)
                 self._stopping.wait(1.0)
 
     def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
@@ -138,7 +138,7 @@ class CgroupWatch:
             path = path or self._index.path_of(cgid)
             if path is None:
                 self.errors += 1
-                log.warning("latency: cgroup id %d (where %s serves a watched port) not found under %s: request "
+                log.warning("cgroup id %d (where %s serves a watched port) not found under %s: request "
                             "arrivals there are not seen, and those requests count as responses without request",
                             cgid, f"process {tgid}" if tgid else "a tracked socket", self._index.root)
                 return
@@ -146,18 +146,18 @@ class CgroupWatch:
                 self._ids[cgid] = path
                 self._egress.attach(path)
                 if self._ingress.attach(path):
-                    log.info("latency: request arrivals hooked on cgroup %s (%s serves a watched port there)",
+                    log.info("request arrivals hooked on cgroup %s (%s serves a watched port there)",
                              path, f"process {tgid}" if tgid else "a tracked socket")
             except OSError as e:
                 self.errors += 1
-                log.warning("latency: %s; requests served from there are not timed", e)
+                log.warning("%s; requests served from there are not timed", e)
 
     def maintain(self) -> None:
         """Drop the links of cgroups gone; unlink the learners LEARN_S after start."""
         self._prune()
         if self._learn_link is not None and self.clock() >= self._learn_until:
             self.stop_learning()
-            log.info("latency: arrivals now hooked on the serving cgroups only: %s",
+            log.info("arrivals now hooked on the serving cgroups only: %s",
                      ", ".join(self.cgroups()) or "none yet")
 
     def _prune(self) -> None:

@@ -184,7 +184,7 @@ class Scraper:
             step()
         except Exception:  # noqa: BLE001 - a bug here must not end the readings for good; counted, logged
             self.round_errors += 1
-            log.exception("servers: read round failed")
+            log.exception("read round failed")
 
     def _run(self) -> None:
         while not self._stop.is_set():
