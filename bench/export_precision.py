@@ -116,14 +116,14 @@ def real() -> None:
         with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
             with run_prometheus(Path(d1), jobs) as classic, run_prometheus(Path(d2), jobs[1:], native=True) as nat:
                 deadline = time.monotonic() + 90
-                wait_for("scrapes", lambda: query(classic, "count(qosagent_response_seconds_count) == 2")
-                         and query(nat, "qosagent_response_seconds"), deadline)
+                wait_for("scrapes", lambda: query(classic, "count(qosagent_latency_response_seconds_count) == 2")
+                         and query(nat, "qosagent_latency_response_seconds"), deadline)
                 for label, url, sel in (
                         ("classic, 2 per power of two (before)", classic,
-                         'qosagent_response_seconds_bucket{job="old"}'),
+                         'qosagent_latency_response_seconds_bucket{job="old"}'),
                         ("classic, 8 per power of two from 8.4 ms to 4.3 s (now)", classic,
-                         'qosagent_response_seconds_bucket{job="new"}'),
-                        ("native, schema 3 (protobuf)", nat, "qosagent_response_seconds")):
+                         'qosagent_latency_response_seconds_bucket{job="new"}'),
+                        ("native, schema 3 (protobuf)", nat, "qosagent_latency_response_seconds")):
                     rows[label] = [float(query(url, f"histogram_quantile({q}, {sel})")[0]["value"][1]) for q in QS]
     finally:
         old.close()

@@ -117,6 +117,9 @@ class MetricsConfig(Section):
     # /metrics only: kubelet probes and load balancers reach /healthz and /readyz without credentials.
     tls: MetricsTls | None = None
     basic_auth: MetricsBasicAuth | None = None
+    # The latency families' names before 0.2.0 grouped them under qosagent_latency_, exposed beside the new ones
+    # until 0.3.0 (qosagent/latency/export.py, RENAMED).
+    deprecated_names: bool = True
 
     @field_validator("listen")
     @classmethod

@@ -76,7 +76,7 @@ step "qosagent status: what the agent measured in the kernel and what it enforce
 "$PY" -m qosagent status --socket "$work/status.sock"
 
 step "the same in Prometheus' terms (curl http://127.0.0.1:9464/metrics inside the namespace)"
-metrics /metrics | grep -E '^qosagent_(requests_total|slo_latency_seconds|ttft_window_seconds|quota_requests)' \
+metrics /metrics | grep -E '^qosagent_(latency_requests_total|latency_slo_seconds|latency_ttft_window_seconds|quota_requests)' \
   | grep -E 'tenant="(acme|hobby)"' | grep -vE '_created|quantile="0\.(5|9)"' | head -30
 
 step "done: stopping the agent removes its TC filter and programs; the namespace goes with it"

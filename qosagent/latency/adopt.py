@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qosagent.latency")
 
-# Why a watched-port connection is not observed (the `reason` label of qosagent_connections_unobserved):
+# Why a watched-port connection is not observed (the `reason` label of qosagent_latency_connections_unobserved):
 AWAITING = "awaiting_request"  # open and idle since it was found: taken under observation at its next request
 NOT_HOOKED = "not_hooked"  # no program of ours sees its packets (its cgroup could not be linked, no cgroup v2)
 NO_ROOM = "no_room"  # the kernel's list of connections to adopt (lat_adopt) was full

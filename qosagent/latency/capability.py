@@ -459,8 +459,8 @@ class Latency(Capability):
 
         part = snapshot.part(self.name)
         adm = self.ctx.config.admission
-        yield from export.families(part, self.attached(), adm.signal, adm.quantile,
-                                   self.ctx.config.latency.classic_buckets)
+        fams = export.families(part, self.attached(), adm.signal, adm.quantile, self.ctx.config.latency.classic_buckets)
+        yield from export.with_deprecated(fams) if self.ctx.config.metrics.deprecated_names else fams
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
         from qosagent.latency import export

@@ -5,9 +5,10 @@ All three read the same LatencyPart, so a scrape and `qosagent status` taken on 
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -57,6 +58,38 @@ SIGNALS = {
 }
 
 
+# The families' names before they were grouped under qosagent_latency_ (0.2.0): each is also exposed under its old
+# name, as a deprecated copy, while metrics.deprecated_names is on (the default), until 0.3.0 removes them.
+DEPRECATED_NAMES_REMOVED_IN = "0.3.0"
+RENAMED = {
+    **{f"qosagent_latency_{name}_seconds": f"qosagent_{name}_seconds" for name in SIGNALS},
+    **{f"qosagent_latency_{name}_window_seconds": f"qosagent_{name}_window_seconds" for name in SIGNALS},
+    "qosagent_latency_slo_seconds": "qosagent_slo_latency_seconds",
+    "qosagent_latency_runqueue_seconds": "qosagent_runqueue_latency_seconds",
+    **{f"qosagent_latency_{name}": f"qosagent_{name}" for name in (
+        "requests", "requests_unpaired", "requests_pipelined", "requests_overlapped", "requests_in_flight",
+        "responses_without_ttft", "responses_interim", "responses_framed", "connections", "connections_untracked",
+        "connections_adopted", "connections_multiplexed", "connections_unobserved")},
+}
+
+
+def with_deprecated(fams: Iterable[Metric]) -> Iterator[Metric]:
+    """Each family, followed by its copy under its old name (RENAMED) where it has one: the same samples, its
+    HELP saying which name replaces it and when it goes."""
+    for fam in fams:
+        yield fam
+        old = RENAMED.get(fam.name)
+        if old is None:
+            continue
+        alias = copy.copy(fam)  # a native histogram's series come along (read-only)
+        alias.name = old
+        alias.documentation = (f"Deprecated: the name of {fam.name} before 0.2.0, removed in "
+                               f"{DEPRECATED_NAMES_REMOVED_IN} (metrics.deprecated_names: false drops it now). "
+                               f"{fam.documentation}")
+        alias.samples = [s._replace(name=old + s.name[len(fam.name):]) for s in fam.samples]
+        yield alias
+
+
 def add_histogram(fam: NativeHistogramMetricFamily, lv: list[str], h: Histogram, bounds_ns: tuple[int, ...]) -> None:
     """One series of a latency histogram: classic buckets at bounds_ns and, for protobuf scrapers, the native
     histogram. Every latency histogram family is filled through here."""
@@ -74,45 +107,49 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
         return
     labels = ["tenant", "tier"]
     bounds = classic_bounds_ns(classic_buckets)
-    hists = {name: NativeHistogramMetricFamily(f"qosagent_{name}_seconds", f"{help_}, since start", labels=labels)
+    hists = {name: NativeHistogramMetricFamily(f"qosagent_latency_{name}_seconds", f"{help_}, since start",
+                                               labels=labels)
              for name, help_ in SIGNALS.items()}
-    windows = {name: SummaryMetricFamily(f"qosagent_{name}_window_seconds", f"{help_}, over the last latency.window: "
-                                         "quantiles (absent while the window is empty), count and sum", labels=labels)
+    windows = {name: SummaryMetricFamily(f"qosagent_latency_{name}_window_seconds",
+                                         f"{help_}, over the last latency.window: quantiles (absent while the window "
+                                         "is empty), count and sum", labels=labels)
                for name, help_ in SIGNALS.items()}
-    slo = GaugeMetricFamily("qosagent_slo_latency_seconds", "The latency the SLO is judged on, as admission judges "
+    slo = GaugeMetricFamily("qosagent_latency_slo_seconds", "The latency the SLO is judged on, as admission judges "
                             "it: admission.quantile of admission.signal over the last latency.window (absent while "
                             "the window is empty)", labels=labels + ["signal", "slo_quantile"])
-    requests = CounterMetricFamily("qosagent_requests", "Requests whose response completed", labels=labels)
-    unpaired = CounterMetricFamily("qosagent_requests_unpaired", "Reads and writes that could not be paired: "
-                                   "response_without_request (server wrote first), closed_without_response",
+    requests = CounterMetricFamily("qosagent_latency_requests", "Requests whose response completed", labels=labels)
+    unpaired = CounterMetricFamily("qosagent_latency_requests_unpaired", "Reads and writes that could not be "
+                                   "paired: response_without_request (server wrote first), closed_without_response",
                                    labels=labels + ["reason"])
-    no_ttft = CounterMetricFamily("qosagent_responses_without_ttft", "Responses with no time to first token, by "
-                                  "reason: not_http (no HTTP/1.x status line: TLS, another protocol), header_too_long, "
-                                  "no_body (ended before any body byte: the client left first, or an empty body), "
-                                  "unseen (no egress program saw it leave)", labels=labels + ["reason"])
-    interim = CounterMetricFamily("qosagent_responses_interim", "Interim (1xx) responses passed over", labels=labels)
-    framed = CounterMetricFamily("qosagent_responses_framed", "Responses counted at their last byte by their framing "
-                                 "(Content-Length, chunked, 204/304), not by the next request or the close",
-                                 labels=labels)
-    pipelined = CounterMetricFamily("qosagent_requests_pipelined", "Request lines that arrived while a request still "
-                                    "waited for its response (HTTP/1.1 pipelining; sockops mode)", labels=labels)
-    conns = CounterMetricFamily("qosagent_connections", "Server-side connections on watched ports tracked",
-                                labels=labels)
-    untracked = CounterMetricFamily("qosagent_connections_untracked", "Server-side connections on watched ports not "
-                                    "tracked: no room for their state (tracepoint mode: socket table full)",
-                                    labels=labels)
-    adopted = CounterMetricFamily("qosagent_connections_adopted", "Tracked connections that were open before their "
-                                  "port was watched (at start or a reload), observed from their next request",
+    no_ttft = CounterMetricFamily("qosagent_latency_responses_without_ttft", "Responses with no time to first "
+                                  "token, by reason: not_http (no HTTP/1.x status line: TLS, another protocol), "
+                                  "header_too_long, no_body (ended before any body byte: the client left first, or an "
+                                  "empty body), unseen (no egress program saw it leave)", labels=labels + ["reason"])
+    interim = CounterMetricFamily("qosagent_latency_responses_interim", "Interim (1xx) responses passed over",
                                   labels=labels)
-    mux = CounterMetricFamily("qosagent_connections_multiplexed", "Tracked connections on latency.multiplexed_ports "
-                              "(their requests overlap by protocol: counted, not timed)", labels=labels)
-    overlapped = CounterMetricFamily("qosagent_requests_overlapped", "Requests whose bytes arrived while the previous "
-                                     "response was still being written (pipelining; tracepoint mode only): counted, "
-                                     "not timed",
-                                     labels=labels)
+    framed = CounterMetricFamily("qosagent_latency_responses_framed", "Responses counted at their last byte by "
+                                 "their framing (Content-Length, chunked, 204/304), not by the next request or the "
+                                 "close", labels=labels)
+    pipelined = CounterMetricFamily("qosagent_latency_requests_pipelined", "Request lines that arrived while a "
+                                    "request still waited for its response (HTTP/1.1 pipelining; sockops mode)",
+                                    labels=labels)
+    conns = CounterMetricFamily("qosagent_latency_connections", "Server-side connections on watched ports tracked",
+                                labels=labels)
+    untracked = CounterMetricFamily("qosagent_latency_connections_untracked", "Server-side connections on watched "
+                                    "ports not tracked: no room for their state (tracepoint mode: socket table full)",
+                                    labels=labels)
+    adopted = CounterMetricFamily("qosagent_latency_connections_adopted", "Tracked connections that were open "
+                                  "before their port was watched (at start or a reload), observed from their next "
+                                  "request", labels=labels)
+    mux = CounterMetricFamily("qosagent_latency_connections_multiplexed", "Tracked connections on "
+                              "latency.multiplexed_ports (their requests overlap by protocol: counted, not timed)",
+                              labels=labels)
+    overlapped = CounterMetricFamily("qosagent_latency_requests_overlapped", "Requests whose bytes arrived while the "
+                                     "previous response was still being written (pipelining; tracepoint mode only): "
+                                     "counted, not timed", labels=labels)
     lost = CounterMetricFamily("qosagent_latency_observations_lost", "Latency observations dropped because their "
                                "tenant had no slot in the kernel's arrays (never expected)", labels=labels)
-    inflight = GaugeMetricFamily("qosagent_requests_in_flight", "Requests started and not yet complete",
+    inflight = GaugeMetricFamily("qosagent_latency_requests_in_flight", "Requests started and not yet complete",
                                  labels=labels)
     for t in part.tenants.values():
         lv = [t.tenant, t.tier]
@@ -149,16 +186,16 @@ def families(part: LatencyPart | None, programs_attached: int, signal: str, quan
     yield from (slo, requests, unpaired, no_ttft, interim, framed, pipelined, conns, adopted, mux, untracked,
                 overlapped, lost, inflight)
     if part.unobserved:
-        unobserved = GaugeMetricFamily("qosagent_connections_unobserved", "Watched-port connections open now that are "
-                                       "not observed, by reason: awaiting_request (open before their port was watched, "
-                                       "observed from their next request), not_hooked (no program sees their "
-                                       "packets), no_room (the kernel's list of connections to adopt was full)",
+        unobserved = GaugeMetricFamily("qosagent_latency_connections_unobserved", "Watched-port connections open now "
+                                       "that are not observed, by reason: awaiting_request (open before their port "
+                                       "was watched, observed from their next request), not_hooked (no program sees "
+                                       "their packets), no_room (the kernel's list of connections to adopt was full)",
                                        labels=["reason"])
         for reason, n in part.unobserved.items():
             unobserved.add_metric([reason], n)
         yield unobserved
     if part.runqueue is not None:
-        rq = NativeHistogramMetricFamily("qosagent_runqueue_latency_seconds", "Time threads of the processes "
+        rq = NativeHistogramMetricFamily("qosagent_latency_runqueue_seconds", "Time threads of the processes "
                                          "serving watched ports waited runnable for a CPU, since start")
         add_histogram(rq, [], part.runqueue, bounds)
         yield rq

@@ -39,8 +39,8 @@ pytestmark = [pytest.mark.slow]
 
 QS = (0.5, 0.95, 0.99)
 OFF = {c: {"enabled": False} for c in ("latency", "quota", "admission", "dvfs", "placement")}
-HISTOGRAMS = tuple(f"qosagent_{s}_seconds" for s in ("headers", "ttft", "response", "inter_token")) + (
-    "qosagent_runqueue_latency_seconds",)
+HISTOGRAMS = tuple(f"qosagent_latency_{s}_seconds" for s in ("headers", "ttft", "response", "inter_token")) + (
+    "qosagent_latency_runqueue_seconds",)
 
 
 def lognormal_ns(median_s: float, sigma: float, n: int, seed: int) -> list[int]:
@@ -148,20 +148,20 @@ def check_quantiles(url: str, selector: str, rate: bool) -> list[str]:
 def test_native_histograms_reach_prometheus(native_prom: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     # A native series answers the bare name with a histogram; there are no _bucket series beside it.
-    got = wait_for("native histograms", lambda: query(native_prom, 'qosagent_response_seconds{tenant="chat"}'),
+    got = wait_for("native histograms", lambda: query(native_prom, 'qosagent_latency_response_seconds{tenant="chat"}'),
                    deadline)
     assert "histogram" in got[0], got
-    assert query(native_prom, "qosagent_response_seconds_bucket") == []
-    runq = query(native_prom, "qosagent_runqueue_latency_seconds")
+    assert query(native_prom, "qosagent_latency_response_seconds_bucket") == []
+    runq = query(native_prom, "qosagent_latency_runqueue_seconds")
     assert runq and "histogram" in runq[0], runq
 
 
 def test_native_quantiles_within_ten_percent(native_prom: str) -> None:
     wait_for("two scrapes of the native histograms", lambda: query(
-        native_prom, 'histogram_count(rate(qosagent_response_seconds{tenant="chat"}[5s])) > 0'),
+        native_prom, 'histogram_count(rate(qosagent_latency_response_seconds{tenant="chat"}[5s])) > 0'),
         time.monotonic() + DEADLINE_S)
-    misses = check_quantiles(native_prom, 'qosagent_response_seconds{{tenant="{tenant}"}}', rate=False)
-    misses += check_quantiles(native_prom, 'qosagent_response_seconds{{tenant="{tenant}"}}', rate=True)
+    misses = check_quantiles(native_prom, 'qosagent_latency_response_seconds{{tenant="{tenant}"}}', rate=False)
+    misses += check_quantiles(native_prom, 'qosagent_latency_response_seconds{{tenant="{tenant}"}}', rate=True)
     assert not misses, misses
 
 
@@ -171,18 +171,21 @@ def test_native_buckets_never_go_down(native_prom: str) -> None:
     n = len(VALUES["chat"])
     # A window that starts before the series does is extrapolated less: wait until 10 s of scrapes are in.
     wait_for("ten seconds of scrapes", lambda: query(
-        native_prom, 'count_over_time(qosagent_requests_total{tenant="chat"}[12s]) >= 11'), time.monotonic() + 60)
+        native_prom, 'count_over_time(qosagent_latency_requests_total{tenant="chat"}[12s]) >= 11'),
+        time.monotonic() + 60)
     for tenant in TENANTS:
-        r = value(query(native_prom, f'histogram_count(rate(qosagent_response_seconds{{tenant="{tenant}"}}[10s]))'))
+        r = value(query(native_prom,
+                        f'histogram_count(rate(qosagent_latency_response_seconds{{tenant="{tenant}"}}[10s]))'))
         assert 0.7 * n <= r <= 1.3 * n, (tenant, r, n)
 
 
 def test_classic_quantiles_within_ten_percent(classic_prom: str) -> None:
     wait_for("two scrapes of the classic buckets", lambda: query(
-        classic_prom, 'rate(qosagent_response_seconds_count{tenant="chat"}[5s]) > 0'), time.monotonic() + DEADLINE_S)
-    assert query(classic_prom, "qosagent_response_seconds") == []  # text: no native series
-    misses = check_quantiles(classic_prom, 'qosagent_response_seconds_bucket{{tenant="{tenant}"}}', rate=False)
-    misses += check_quantiles(classic_prom, 'qosagent_response_seconds_bucket{{tenant="{tenant}"}}', rate=True)
+        classic_prom, 'rate(qosagent_latency_response_seconds_count{tenant="chat"}[5s]) > 0'),
+        time.monotonic() + DEADLINE_S)
+    assert query(classic_prom, "qosagent_latency_response_seconds") == []  # text: no native series
+    misses = check_quantiles(classic_prom, 'qosagent_latency_response_seconds_bucket{{tenant="{tenant}"}}', rate=False)
+    misses += check_quantiles(classic_prom, 'qosagent_latency_response_seconds_bucket{{tenant="{tenant}"}}', rate=True)
     assert not misses, misses
 
 
@@ -197,8 +200,8 @@ def test_protobuf_carries_every_family_text_does(native_prom: str, classic_prom:
     expected = {n for n in classic if not any(n in (h + "_bucket", h + "_sum", h + "_count") for h in HISTOGRAMS)}
     assert native == expected | set(HISTOGRAMS), (sorted(native ^ (expected | set(HISTOGRAMS))))
     # And the same values: a counter, a gauge, a summary quantile.
-    for expr in ('qosagent_requests_total{tenant="chat"}', "qosagent_latency_programs_attached",
-                 'qosagent_response_window_seconds{tenant="chat", quantile="0.99"}'):
+    for expr in ('qosagent_latency_requests_total{tenant="chat"}', "qosagent_latency_programs_attached",
+                 'qosagent_latency_response_window_seconds{tenant="chat", quantile="0.99"}'):
         a, b = query(native_prom, expr), query(classic_prom, expr)
         assert a and b and float(a[0]["value"][1]) == pytest.approx(float(b[0]["value"][1]), rel=0.5), expr
 
@@ -207,8 +210,9 @@ def test_dashboard_quantile_panels_work_on_native_and_classic(native_prom: str, 
     """deploy/grafana's histogram_quantile panels read native series where there are some, else classic buckets."""
     exprs = [e for e in dashboard_exprs() if "histogram_quantile" in e]
     assert exprs and all(" or " in e for e in exprs)
-    wait_for("ten seconds of scrapes", lambda: all(query(url, 'count_over_time(qosagent_requests_total{tenant="chat"}'
-                                                          '[12s]) >= 11') for url in (native_prom, classic_prom)),
+    wait_for("ten seconds of scrapes", lambda: all(query(url, 'count_over_time(qosagent_latency_requests_total'
+                                                          '{tenant="chat"}[12s]) >= 11')
+                                                    for url in (native_prom, classic_prom)),
              time.monotonic() + 60)
     for expr in exprs:
         concrete = expr.replace("$instance", ".*").replace("$tenant", "chat").replace("$__rate_interval", "5s")
@@ -282,7 +286,7 @@ def test_real_agent_native_quantiles_match_its_own(real_agent: dict[str, Any], b
         with serving((real_agent["tenant_port"],), Clustered):
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 client = list(pool.map(_timed_get, [url] * n))
-            sel = 'qosagent_response_seconds{tenant="chat"}'
+            sel = 'qosagent_latency_response_seconds{tenant="chat"}'
             wait_for("all the requests in Prometheus' native histogram",
                      lambda: query(prom, f"histogram_count({sel}) >= {n}"), time.monotonic() + DEADLINE_S)
         out = subprocess.run(agent_argv("status", "--json", "--socket", real_agent["sock"]), env=agent_env(),

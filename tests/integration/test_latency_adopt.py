@@ -145,8 +145,8 @@ def test_keepalive_connections_open_before_the_agent_are_timed_from_their_next_r
             assert st["found_open"] == 3 and {t["tenant"]: t["adopted"] for t in st["tenants"]}["net3"] == 1
             assert "3 found, 2 observed since their next request" in cap.render(st)
             text = _scrape(cap, part)
-            assert 'qosagent_connections_adopted_total{tenant="net2",tier="gold"} 1.0' in text
-            assert 'qosagent_connections_unobserved{reason="awaiting_request"} 0.0' in text
+            assert 'qosagent_latency_connections_adopted_total{tenant="net2",tier="gold"} 1.0' in text
+            assert 'qosagent_latency_connections_unobserved{reason="awaiting_request"} 0.0' in text
         finally:
             cap.stop()
 

@@ -159,11 +159,11 @@ def wait_for(agent: AgentProc, want: dict[str, int], timeout: float = 15.0) -> s
     text = ""
     while time.monotonic() < end:
         text = agent.scrape()
-        got = series(text, "qosagent_requests_total")
+        got = series(text, "qosagent_latency_requests_total")
         if all(got.get(t) == n for t, n in want.items()):
             return text
         time.sleep(0.2)
-    pytest.fail(f"request counts never reached {want}: {series(text, 'qosagent_requests_total')}")
+    pytest.fail(f"request counts never reached {want}: {series(text, 'qosagent_latency_requests_total')}")
 
 
 @pytest.mark.privileged
@@ -172,11 +172,12 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
     text = wait_for(agent, {"acme": N, "hobby": N})
     # Exact counts: every request counted once, none lost, none unpaired. ("unmatched" is left out: the example
     # config also watches the default inference ports, where other software on this host may be serving.)
-    requests, ttfb = series(text, "qosagent_requests_total"), series(text, "qosagent_headers_seconds_count")
+    requests = series(text, "qosagent_latency_requests_total")
+    ttfb = series(text, "qosagent_latency_headers_seconds_count")
     assert (requests["acme"], requests["hobby"]) == (N, N)
     assert (ttfb["acme"], ttfb["hobby"]) == (N, N)
     for tenant in ("acme", "hobby"):
-        assert series(text, "qosagent_requests_unpaired_total").get(tenant) == 0
+        assert series(text, "qosagent_latency_requests_unpaired_total").get(tenant) == 0
     st = agent.status()["latency"]
     # The servers' process was learned from its socket reads, and its threads' waits for a CPU measured.
     assert st["runqueue_total"]["count"] > 0
@@ -208,13 +209,13 @@ def test_status_json_agrees_with_metrics_and_promtool_is_clean(agent: AgentProc,
     text = wait_for(agent, {"acme": 6, "hobby": 4})
     st = agent.status()
     rows = {t["tenant"]: t for t in st["latency"]["tenants"]}
-    assert set(rows) == set(series(text, "qosagent_requests_total"))
+    assert set(rows) == set(series(text, "qosagent_latency_requests_total"))
     # The example's tenants are quiet now; "unmatched" may see other software on the default ports between the two.
     for tenant in ("acme", "hobby"):
         r = rows[tenant]
-        assert r["requests"] == series(text, "qosagent_requests_total")[tenant]
-        assert r["headers_total"]["count"] == series(text, "qosagent_headers_seconds_count")[tenant]
-        assert r["response_total"]["count"] == series(text, "qosagent_response_seconds_count")[tenant]
+        assert r["requests"] == series(text, "qosagent_latency_requests_total")[tenant]
+        assert r["headers_total"]["count"] == series(text, "qosagent_latency_headers_seconds_count")[tenant]
+        assert r["response_total"]["count"] == series(text, "qosagent_latency_response_seconds_count")[tenant]
         assert r["response_total"]["p50"] is not None
     assert {t: r["tier"] for t, r in rows.items()} == {"acme": "gold", "hobby": "bronze", "unmatched": "none"}
     assert rows["acme"]["slo"] == "ok"

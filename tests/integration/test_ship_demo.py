@@ -42,7 +42,7 @@ def test_demo_measures_enforces_and_cleans_up(bpf: None) -> None:
     dropped = dict(re.findall(r'qosagent_quota_requests_total\{tenant="(\w+)",tier="\w+",verdict="dropped"\} (\S+)',
                               out))
     assert float(dropped["hobby"]) > 0 and float(dropped["acme"]) == 0, out[-4000:]
-    assert re.search(r'qosagent_requests_total\{tenant="acme",tier="gold"\} [1-9]', out), out[-4000:]
+    assert re.search(r'qosagent_latency_requests_total\{tenant="acme",tier="gold"\} [1-9]', out), out[-4000:]
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "qosagent-demo-" not in netns
     assert not [p for p in os.listdir("/sys/fs/bpf") if p.startswith("qosagent-demo")]

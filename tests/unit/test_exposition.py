@@ -279,14 +279,14 @@ def test_protobuf_carries_every_sample_the_text_format_does() -> None:
     assert samples_of_protobuf(fams) == samples_of_text(text)
     names = [f["name"] for f in fams]
     assert len(names) == len(set(names))
-    assert "qosagent_requests_total" in names and "qosagent_things_created" in names
+    assert "qosagent_latency_requests_total" in names and "qosagent_things_created" in names
     helps = {f["name"]: f["help"] for f in fams}
-    assert helps["qosagent_response_seconds"].startswith("Time from a request's first bytes")
+    assert helps["qosagent_latency_response_seconds"].startswith("Time from a request's first bytes")
 
 
 def test_native_histograms_beside_classic_buckets_and_their_quantiles() -> None:
     fams = {f["name"]: f for f in decode(exposition.encode(everything()))}
-    resp = {m["labels"]["tenant"]: m["histogram"] for m in fams["qosagent_response_seconds"]["metrics"]}
+    resp = {m["labels"]["tenant"]: m["histogram"] for m in fams["qosagent_latency_response_seconds"]["metrics"]}
     assert set(resp) == {"chat", "idle", "wide"}
     assert resp["idle"]["spans"] == [(0, 0)] and resp["idle"].get("count", 0) == 0
     chat = resp["chat"]
@@ -306,7 +306,7 @@ def test_native_histograms_beside_classic_buckets_and_their_quantiles() -> None:
             seen += b[k]
         truth = vals[math.ceil(q * 5000) - 1] / 1e9
         assert abs(est - truth) / truth < 0.03, (q, est, truth)
-    rq = fams["qosagent_runqueue_latency_seconds"]["metrics"][0]
+    rq = fams["qosagent_latency_runqueue_seconds"]["metrics"][0]
     assert rq["labels"] == {} and rq["histogram"]["count"] == 300
 
 
@@ -398,7 +398,7 @@ def test_metrics_server_negotiates(endpoint: str) -> None:
     ctype, body = get(endpoint, PROM_242_NATIVE)
     assert ctype == exposition.CONTENT_TYPE
     names = {f["name"] for f in decode(body)}
-    assert {"qosagent_ticks_total", "qosagent_tier_slo_p99_seconds", "qosagent_response_seconds"} <= names
+    assert {"qosagent_ticks_total", "qosagent_tier_slo_p99_seconds", "qosagent_latency_response_seconds"} <= names
     for odd in (None, PROM_242_DEFAULT, "application/vnd.google.protobuf", "\x7f;q=;;"):
         ctype, body = get(endpoint, odd)
         assert ctype.startswith("text/plain") and b"# TYPE qosagent_ticks_total counter" in body
@@ -410,4 +410,59 @@ def test_a_failing_encoder_costs_the_format_not_the_scrape(endpoint: str, monkey
 
     monkeypatch.setattr(exposition, "encode", broken)
     ctype, body = get(endpoint, PROM_242_NATIVE)
-    assert ctype.startswith("text/plain") and b"qosagent_response_seconds_bucket" in body
+    assert ctype.startswith("text/plain") and b"qosagent_latency_response_seconds_bucket" in body
+
+
+# ---- the latency families' old names, kept one release -------------------------------------------------------------
+SUFFIXES = ("", "_total", "_created", "_bucket", "_count", "_sum")
+
+
+def _under(samples: set[tuple[str, frozenset, float]], name: str) -> set[tuple[str, frozenset, float]]:
+    """The samples of one family, with the family's name taken off (what is left: the sample suffix)."""
+    return {(n[len(name):], lb, v) for n, lb, v in samples if n in {name + s for s in SUFFIXES}}
+
+
+def test_each_old_latency_name_is_still_exposed_and_equals_its_new_one() -> None:
+    """The families grouped under qosagent_latency_ keep their old names as deprecated copies: in the text and the
+    protobuf exposition (native histograms included), the same samples under either name, and a HELP that says so."""
+    import dataclasses
+
+    p = dataclasses.replace(part(), unobserved={"awaiting_request": 2, "not_hooked": 1, "no_room": 0})
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Collector(list(export.with_deprecated(export.families(p, 5, "ttft", 0.95)))))  # type: ignore[arg-type]
+    text = generate_latest(reg).decode()
+    # Counters are named with their _total in protobuf.
+    proto = {f["name"].removesuffix("_total") if TYPES[f["type"]] == "counter" else f["name"]: f
+             for f in decode(exposition.encode(reg.collect()))}
+    # Every family that was renamed is produced here, under both names.
+    assert set(export.RENAMED) | set(export.RENAMED.values()) <= set(proto)
+    text_samples, proto_samples = samples_of_text(text), samples_of_protobuf(list(proto.values()))
+    for new, old in export.RENAMED.items():
+        assert new.startswith("qosagent_latency_") and not old.startswith("qosagent_latency_")
+        for samples in (text_samples, proto_samples):
+            assert _under(samples, new), new
+            assert _under(samples, old) == _under(samples, new), old
+        assert (proto[old]["type"], proto[old]["metrics"]) == (proto[new]["type"], proto[new]["metrics"]), old
+        assert proto[old]["help"].startswith(f"Deprecated: the name of {new} before 0.2.0, removed in 0.3.0"), old
+        assert proto[old]["help"].endswith(proto[new]["help"]), old
+    assert "qosagent_latency_programs_attached" not in export.RENAMED  # already grouped: one name
+
+
+def test_the_old_latency_names_go_with_metrics_deprecated_names_off() -> None:
+    from qosagent.capability import AgentContext
+    from qosagent.latency.capability import Latency as LatencyCapability
+
+    class Snap:
+        def part(self, name: str) -> LatencyPart:
+            assert name == "latency"
+            return part()
+
+    def names(deprecated: bool) -> set[str]:
+        cfg = config_mod.parse({"metrics": {"deprecated_names": deprecated}}, "t")
+        cap = LatencyCapability(AgentContext(config=cfg, hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
+        return {f.name for f in cap.metrics(Snap())}  # type: ignore[arg-type]
+
+    on, off = names(True), names(False)
+    assert "qosagent_ttft_seconds" in on and "qosagent_requests" in on
+    assert off == on - set(export.RENAMED.values()) and "qosagent_latency_ttft_seconds" in off
+    assert config_mod.parse({}, "t").metrics.deprecated_names  # on unless turned off

@@ -138,13 +138,14 @@ def test_histogram_buckets_are_cumulative_at_exact_edges() -> None:
     part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [edge, edge + 1, 5_000_000])})
     text = _scrape(part)
     le = export.le_text(edge)
-    assert re.search(rf'qosagent_ttft_seconds_bucket{{le="{le}",tenant="acme",tier="gold"}} 2.0', text)
-    assert 'qosagent_ttft_seconds_bucket{le="+Inf",tenant="acme",tier="gold"} 3.0' in text
-    assert 'qosagent_requests_total{tenant="acme",tier="gold"} 3.0' in text
-    assert 'qosagent_requests_unpaired_total{reason="closed_without_response",tenant="acme",tier="gold"} 1.0' in text
-    assert 'qosagent_response_window_seconds_count{tenant="acme",tier="gold"} 3.0' in text
+    assert re.search(rf'qosagent_latency_ttft_seconds_bucket{{le="{le}",tenant="acme",tier="gold"}} 2.0', text)
+    assert 'qosagent_latency_ttft_seconds_bucket{le="+Inf",tenant="acme",tier="gold"} 3.0' in text
+    assert 'qosagent_latency_requests_total{tenant="acme",tier="gold"} 3.0' in text
+    assert ('qosagent_latency_requests_unpaired_total{reason="closed_without_response",tenant="acme",tier="gold"} 1.0'
+            in text)
+    assert 'qosagent_latency_response_window_seconds_count{tenant="acme",tier="gold"} 3.0' in text
     # The SLO's latency as admission judges it, named by signal and quantile, beside the per-signal summaries.
-    slo = r'qosagent_slo_latency_seconds{signal="ttft",slo_quantile="0.99",tenant="acme",tier="gold"} 0\.02'
+    slo = r'qosagent_latency_slo_seconds{signal="ttft",slo_quantile="0.99",tenant="acme",tier="gold"} 0\.02'
     assert re.search(slo, text)
     assert bucket_upper(bucket_index(edge)) == edge
 

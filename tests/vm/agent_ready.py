@@ -76,7 +76,7 @@ def one_run(mode: str, requests: int, idle: int) -> dict[str, Any]:
             with urllib.request.urlopen(agent.url("/metrics"), timeout=10) as r:
                 text = r.read().decode()
             conns = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                        if line.startswith("qosagent_connections_total{") and 'tenant="acme"' in line)
+                        if line.startswith("qosagent_latency_connections_total{") and 'tenant="acme"' in line)
             return {"mode": mode, "ready_s": round(ready_s, 1), "requests_sent": requests,
                     "requests_counted": row.get("requests", 0), "connections_counted": conns,
                     "headers_p50": (row.get("headers_total") or {}).get("p50"), "idle_connections": idle,
