@@ -48,6 +48,7 @@ class Placement(Capability):
         self._procs: dict[int, ProcInfo] = {}
         self._gpu_pids: set[int] = set()
         self._reconcile = Every(self.cfg.reconcile_interval)
+        self._reconciling = False  # this tick reconciles: maintain() says, collect() discovers
         self.cgroups = HostCgroups(ctx.hostfs)  # the host's cgroup paths, also from a container's namespace
         self._configure(ctx.config)
 
@@ -152,21 +153,27 @@ class Placement(Capability):
         return Change(commit, undo)
 
     # ---- one tick ----------------------------------------------------------------------------------------
+    def maintain(self) -> None:
+        """Whether this tick reconciles; if so, the page locality of the processes placed, read again where
+        locality_interval has passed (their records show it), so that collect only reads."""
+        now = self.ctx.clock()
+        self._reconciling = self._reconcile.due(now)
+        if not self._reconciling:
+            return
+        for pid, rec in self.records.items():
+            if now - rec.locality_at >= self.cfg.locality_interval and proc_start(self.ctx.hostfs, pid) == rec.start:
+                rec.pages = numa_pages(self.ctx.hostfs, pid)
+                rec.locality_at = now
+
     def collect(self) -> PlacementPart:
         assert self.topology is not None
-        now = self.ctx.clock()
         procs: tuple[ProcInfo, ...] = ()
         gone: frozenset[int] = frozenset()
-        reconcile = self._reconcile.due(now)
+        reconcile = self._reconciling
         if reconcile:
             gpu_pids = self._gpu_pids if self.cfg.gpu_processes else set()
             procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid(),
                                    cgroups=self.cgroups))
-            for p in procs:
-                rec = self.records.get(p.pid)
-                if rec is not None and rec.start == p.start and now - rec.locality_at >= self.cfg.locality_interval:
-                    rec.pages = numa_pages(self.ctx.hostfs, p.pid)
-                    rec.locality_at = now
             seen = {p.pid for p in procs}
             gone = frozenset(pid for pid, rec in self.records.items()
                              if pid not in seen and proc_start(self.ctx.hostfs, pid) != rec.start)

@@ -243,6 +243,7 @@ def test_process_exiting_mid_placement(tmp_path, children) -> None:
     agent, _ = make_agent(tmp_path, issue_example(children.token))
     cap = placement(agent)
     try:
+        cap.maintain()  # a reconcile is due: the first tick's
         parts = {"gpu": GpuState(available=False), "placement": cap.collect()}
         snap = Snapshot.build(1, 0.0, 0.0, parts)
         assert doomed.pid in {p.pid for p in parts["placement"].procs}

@@ -297,3 +297,27 @@ def test_reused_pid_is_a_new_process(tmp_path) -> None:
     (row,) = [r for r in agent.status()["placement"]["processes"] if r["pid"] == 200]
     assert row["last_action"] == "pin" and row["time"] == agent.decisions[-1].wall_time
     agent.stop()
+
+
+def test_collect_only_reads_and_maintain_refreshes_page_locality(tmp_path) -> None:
+    fake = FakeBackend.preset("h200x8")
+    fake.open()
+    fake.gpus[1].processes = [GpuProcess(200, None)]
+    agent, clock = _agent(tmp_path, "  selectors: [{unit: vllm.service}]", fake)
+    cap = next(c for c in agent.capabilities if c.name == "placement")
+    agent.tick()
+    rec = cap.records[200]
+    numa_maps = tmp_path / "host" / "proc" / "200" / "numa_maps"
+    numa_maps.write_text("7f00 default anon=9 N0=6 N1=3\n")
+    clock.t += cap.cfg.reconcile_interval + cap.cfg.locality_interval
+    before = (rec.pages, rec.locality_at)
+    for _ in range(2):  # a reconcile's collect, however often called, changes no record
+        cap._reconciling = True
+        cap.collect()
+        assert (rec.pages, rec.locality_at) == before
+    cap.maintain()  # the reconcile is due: the locality is read again, once
+    assert (rec.pages, rec.locality_at) == ({0: 6, 1: 3}, clock.t)
+    numa_maps.write_text("7f00 default anon=9 N0=9\n")
+    cap.maintain()  # not due again yet
+    assert rec.pages == {0: 6, 1: 3}
+    agent.stop()
