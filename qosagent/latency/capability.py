@@ -16,7 +16,7 @@ from qosagent.hist import Histogram, Since
 from qosagent.latency import adopt, links, selftest, slots
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
-from qosagent.latency.model import LatencyPart, Plan, TenantLatency
+from qosagent.latency.model import Hooks, LatencyPart, Plan, TenantLatency
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.schedule import Every
@@ -375,7 +375,17 @@ class Latency(Capability):
             runqueue_window=Since(runq, self._hist(base, UNMATCHED_ID, bm.KIND_RUNQ)) if runq is not None else None,
             found_open=self.adopter.found if self.adopter is not None else 0,
             unobserved=self.adopter.unobserved() if self.adopter is not None else {},
+            hooks=self._hooks(),
+            slo={info.name: info.slo_p99 for info in current.values()},
         )
+
+    def _hooks(self) -> Hooks:
+        w = self.watch
+        return Hooks(
+            mode=self.mode, attached=self.attached(), programs=tuple((p["name"], p["id"]) for p in self.programs),
+            ttft=("measured: responses read as they leave" if self.egress else f"unavailable: {self._egress_error}"),
+            cgroups=tuple(w.cgroups()) if w is not None else (), learning=w is not None and w.learning,
+            cgroup_errors=w.errors if w is not None else 0)
 
     @staticmethod
     def _hist(raw: bm.Raw, tid: int, kind: int) -> Histogram:
@@ -457,26 +467,28 @@ class Latency(Capability):
     def metrics(self, snapshot: "Snapshot") -> Iterable["Metric"]:
         from qosagent.latency import export
 
-        part = snapshot.part(self.name)
+        part: LatencyPart | None = snapshot.part(self.name)
         adm = self.ctx.config.admission
-        fams = export.families(part, self.attached(), adm.signal, adm.quantile, self.ctx.config.latency.classic_buckets)
+        fams = export.families(part, part.hooks.attached if part is not None else 0, adm.signal, adm.quantile,
+                               self.ctx.config.latency.classic_buckets)
         yield from export.with_deprecated(fams) if self.ctx.config.metrics.deprecated_names else fams
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
         from qosagent.latency import export
 
-        part = snapshot.part(self.name)
-        slo = {info.name: info.slo_p99 for info in self._tenants.values()}
+        part: LatencyPart | None = snapshot.part(self.name)
+        if part is None:
+            return {}
         adm = self.ctx.config.admission
-        out = export.status(part, slo, adm.signal, adm.quantile)
-        out["mode"] = self.mode
-        out["ttft"] = ("measured: responses read as they leave" if self.egress else
-                       f"unavailable: {self._egress_error}")
-        out["programs"] = self.programs
-        if self.watch is not None:
-            out["cgroups"] = self.watch.cgroups()
-            out["learning"] = self.watch.learning
-            out["cgroup_errors"] = self.watch.errors
+        out = export.status(part, dict(part.slo), adm.signal, adm.quantile)
+        h = part.hooks
+        out["mode"] = h.mode
+        out["ttft"] = h.ttft
+        out["programs"] = [{"name": n, "id": i} for n, i in h.programs]
+        if h.mode == "sockops":
+            out["cgroups"] = list(h.cgroups)
+            out["learning"] = h.learning
+            out["cgroup_errors"] = h.cgroup_errors
         return out
 
     @staticmethod

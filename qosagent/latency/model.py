@@ -53,6 +53,19 @@ class TenantLatency:
 
 
 @dataclass(frozen=True)
+class Hooks:
+    """The programs and their hooks as the tick found them: what metrics and status report beside the counts."""
+
+    mode: str = ""  # "sockops", "tracepoint" or "kprobe"
+    attached: int = 0  # programs attached to their hooks
+    programs: tuple[tuple[str, int], ...] = ()  # loaded programs: name, kernel id (`bpftool prog show id N`)
+    ttft: str = ""  # "measured: ...", or "unavailable: <why>"
+    cgroups: tuple[str, ...] = ()  # sockops mode: the cgroups whose request arrivals are hooked
+    learning: bool = False  # sockops mode: the learners are still linked on the cgroup2 root
+    cgroup_errors: int = 0  # sockops mode: serving cgroups not linked, failed polls of the kernel's reports
+
+
+@dataclass(frozen=True)
 class LatencyPart:
     window_s: float
     tenants: Mapping[str, TenantLatency] = field(default_factory=dict)
@@ -62,3 +75,5 @@ class LatencyPart:
     # connections not observed now, by reason (qosagent/latency/adopt.py REASONS).
     found_open: int = 0
     unobserved: Mapping[str, int] = field(default_factory=dict)
+    hooks: Hooks = Hooks()
+    slo: Mapping[str, float] = field(default_factory=dict)  # tenants[].tier's slo_p99 of the configured tenants

@@ -247,3 +247,28 @@ def test_slots_are_kept_across_reloads_and_refused_when_none_is_free() -> None:
     assert again == {UNMATCHED_ID: 0, a: 1, b: 2, c: 3}
     with pytest.raises(ValueError, match="4 tenant slots"):
         assign_slots(again, {44: None}, 4)  # type: ignore[dict-item]
+
+
+def test_status_and_metrics_read_the_snapshot_not_the_capability() -> None:
+    """What status and metrics show of the hooks is the tick's, from its part: an unstarted capability object (no
+    mode, nothing attached) renders the part it is given."""
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.hostfs import HostFS
+    from qosagent.latency.capability import Latency
+    from qosagent.latency.model import Hooks
+    from qosagent.snapshot import Snapshot
+
+    cap = Latency(AgentContext(config=parse(CFG, "t"), hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
+    hooks = Hooks(mode="sockops", attached=7, programs=(("lat_sockops", 41),), ttft="measured: as they leave",
+                  cgroups=("/sys/fs/cgroup/svc",), learning=True, cgroup_errors=2)
+    part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [10_000_000])}, hooks=hooks, slo={"acme": 0.005})
+    snap = Snapshot.build(1, 0.0, 0.0, {"latency": part})
+    st = cap.status(snap)
+    assert (st["mode"], st["ttft"], st["programs"]) == ("sockops", "measured: as they leave",
+                                                        [{"name": "lat_sockops", "id": 41}])
+    assert (st["cgroups"], st["learning"], st["cgroup_errors"]) == (["/sys/fs/cgroup/svc"], True, 2)
+    assert st["tenants"][0]["slo"] == "breach"  # 10 ms against the part's 5 ms SLO
+    attached = {m.name: m for m in cap.metrics(snap)}["qosagent_latency_programs_attached"]
+    assert attached.samples[0].value == 7
+    assert cap.status(Snapshot.build(2, 0.0, 0.0, {})) == {}
