@@ -18,7 +18,7 @@ from qosagent.placement import applier, export
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.placement.cgroupns import HostCgroups
-from qosagent.placement.model import PlacementPart, Record
+from qosagent.placement.model import Drop, PlacementPart, Place, Record
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology
@@ -44,8 +44,6 @@ class Placement(Capability):
         self.counters: dict[str, collections.Counter[str]] = {
             k: collections.Counter() for k in ("actions", "migrations", "pages_migrated", "drift", "errors")
         }
-        self._targets: dict[int, Target] = {}
-        self._procs: dict[int, ProcInfo] = {}
         self._gpu_pids: set[int] = set()
         self._reconcile = Every(self.cfg.reconcile_interval)
         self._reconciling = False  # this tick reconciles: maintain() says, collect() discovers
@@ -205,19 +203,19 @@ class Placement(Capability):
             self.log.debug("reconcile skipped: GPU process lists unknown this tick")
             return []
         targets = plan(view.procs, {p: tuple(sorted(g)) for p, g in gpus_of.items()}, self.topology, self.policy)
-        self._targets = targets
-        self._procs = {p.pid: p for p in view.procs}
+        procs = {p.pid: p for p in view.procs}
         out: list[Decision] = []
         # Forgetting comes first: a pid reused by a new process must lose the old one's record and originals
         # before the new one is pinned and its own originals are saved.
         for pid, rec in sorted(self.records.items()):
-            p = self._procs.get(pid)
+            p = procs.get(pid)
             if pid in view.gone or (p is not None and p.start != rec.start):
-                out.append(self._decision(pid, rec.name, "forget", rec.cpus, None, "exited", rec.gpus, applied=True))
+                out.append(self._decision(pid, rec.name, "forget", rec.cpus, None, "exited", rec.gpus, applied=True,
+                                          command=Drop(pid, release=False)))
             elif p is None:
                 # Still running but no selector names it now (a reload): it gets its original affinity back.
                 out.append(self._decision(pid, rec.name, "release", rec.cpus, None, "no longer selected", rec.gpus,
-                                          applied=pid in self.store.entries))
+                                          applied=pid in self.store.entries, command=Drop(pid, release=True)))
         for p in view.procs:
             d = self._compare(p, targets[p.pid], self.records.get(p.pid))
             if d is not None:
@@ -233,13 +231,14 @@ class Placement(Capability):
         return any(g.lost or any(f in ("processes", "sample") for f, _ in g.errors) for g in gpu.gpus)
 
     def _decision(self, pid: int, name: str, action: str, old: frozenset[int] | None, new: frozenset[int] | None,
-                  reason: str, gpus: tuple[int, ...], applied: bool | None = None, **inputs: Any) -> Decision:
+                  reason: str, gpus: tuple[int, ...], command: Place | Drop, applied: bool | None = None,
+                  **inputs: Any) -> Decision:
         return Decision(
             capability=self.name, target=f"pid {pid} ({name})", action=action,
             old=format_cpulist(old) if old is not None else None,
             new=format_cpulist(new) if new is not None else None, reason=reason,
             inputs={"pid": pid, "gpus": list(gpus), **inputs},
-            applied=self.enforce if applied is None else applied,
+            applied=self.enforce if applied is None else applied, command=command,
         )
 
     def _compare(self, p: ProcInfo, t: Target, rec: Record | None) -> Decision | None:
@@ -251,31 +250,40 @@ class Placement(Capability):
                   "cpuset": format_cpulist(p.cpuset) if p.cpuset is not None else None}
         if t.pinned:
             if rec is None or rec.cpus != t.cpus or rec.node != t.node or (self.enforce and not rec.applied):
-                return self._decision(p.pid, p.name, "pin", current, t.cpus, t.reason, t.gpus, **inputs)
+                return self._decision(p.pid, p.name, "pin", current, t.cpus, t.reason, t.gpus,
+                                      Place("pin", p, t, t.reason), **inputs)
             # A thread the application bound inside the target (one CPU of it, say) is placed, not drifted.
             off = {tid: c for tid, c in threads.items() if not c <= t.cpus}
             if self.enforce and off:
                 tid, c = sorted(off.items())[0]
                 why = f"drift: {len(off)} of {len(threads)} threads off target (tid {tid} on {format_cpulist(c)})"
-                return self._decision(p.pid, p.name, "correct", c, t.cpus, why, t.gpus, **inputs)
+                return self._decision(p.pid, p.name, "correct", c, t.cpus, why, t.gpus, Place("correct", p, t, why),
+                                      **inputs)
             return None
         if rec is not None and rec.cpus is not None and p.pid in self.store.entries:
-            return self._decision(p.pid, p.name, "restore", current, None, t.reason, t.gpus, **inputs)
+            return self._decision(p.pid, p.name, "restore", current, None, t.reason, t.gpus,
+                                  Place("restore", p, t, t.reason), **inputs)
         if rec is None or rec.reason != t.reason or rec.cpus is not None:
             # Nothing is written; the decision is there so the audit says why this process was left alone.
-            return self._decision(p.pid, p.name, "leave", current, current, t.reason, t.gpus, applied=True, **inputs)
+            return self._decision(p.pid, p.name, "leave", current, current, t.reason, t.gpus,
+                                  Place("leave", p, t, t.reason), applied=True, **inputs)
         return None
 
     def apply(self, decisions: list[Decision]) -> None:
         for d in decisions:
-            if d.capability != self.name:
+            c = d.command
+            if d.capability != self.name or not isinstance(c, (Place, Drop)):
                 continue
-            pid = int(d.inputs["pid"])
-            self.counters["actions"][d.action] += 1
-            if d.action == "correct":
+            pid = c.pid if isinstance(c, Drop) else c.proc.pid
+            action = ("release" if c.release else "forget") if isinstance(c, Drop) else c.action
+            self.counters["actions"][action] += 1
+            if action == "correct":
                 self.counters["drift"]["corrected" if self.enforce else "seen"] += 1
             try:
-                self._apply_one(d, pid)
+                if isinstance(c, Drop):
+                    self._drop(c)
+                else:
+                    self._place(c, d.wall_time)
             except applier.Exited:
                 # Exited between discovery and the write: nothing to undo, nothing to keep.
                 self.counters["errors"]["exited"] += 1
@@ -287,8 +295,8 @@ class Placement(Capability):
                 if rec is not None:
                     rec.applied = False
                     rec.last_action = "error"
-                    rec.reason = f"{d.action} failed: {e.strerror or e}"
-                self.log.warning("pid %d: %s failed: %s", pid, d.action, e)
+                    rec.reason = f"{action} failed: {e.strerror or e}"
+                self.log.warning("pid %d: %s failed: %s", pid, action, e)
         self._save_store()
 
     def _save_store(self) -> None:
@@ -298,23 +306,23 @@ class Placement(Capability):
             self.counters["errors"]["state_dir"] += 1
             self.log.warning("cannot save original affinities: %s", e)
 
-    def _apply_one(self, d: Decision, pid: int) -> None:
+    def _drop(self, c: Drop) -> None:
+        self.records.pop(c.pid, None)
+        orig = self.store.entries.pop(c.pid, None)
+        if c.release and orig is not None:
+            applier.restore(self.ctx.hostfs, c.pid, orig)
+
+    def _place(self, c: Place, at: float) -> None:
         fs = self.ctx.hostfs
-        if d.action in ("forget", "release"):
-            self.records.pop(pid, None)
-            orig = self.store.entries.pop(pid, None)
-            if d.action == "release" and orig is not None:
-                applier.restore(fs, pid, orig)
-            return
-        p, t = self._procs[pid], self._targets[pid]
+        p, t, pid = c.proc, c.target, c.proc.pid
         rec = self.records.get(pid)
         if rec is None or rec.start != p.start:
             rec = self.records[pid] = Record(pid, p.start, p.name, p.selector)
-        rec.gpus, rec.last_action, rec.reason, rec.at = t.gpus, d.action, d.reason, d.wall_time
-        if d.action == "leave":
+        rec.gpus, rec.last_action, rec.reason, rec.at = t.gpus, c.action, c.reason, at
+        if c.action == "leave":
             rec.node, rec.cpus, rec.applied, rec.verified = None, None, False, None
             return
-        if d.action == "restore":
+        if c.action == "restore":
             orig = self.store.entries.pop(pid)
             rec.threads = applier.restore(fs, pid, orig).threads
             rec.node, rec.cpus, rec.applied, rec.verified = None, None, True, None
@@ -330,7 +338,7 @@ class Placement(Capability):
             self._save_store()  # before the first write: a crash right after it must still be undoable
         res = applier.set_affinity(fs, pid, t.cpus, keep_subsets=True)
         rec.threads, rec.applied = res.threads + res.kept, True
-        if d.action == "pin" and self.cfg.migrate_memory and t.node is not None and self.topology.numa:
+        if c.action == "pin" and self.cfg.migrate_memory and t.node is not None and self.topology.numa:
             try:
                 m = applier.migrate(fs, pid, t.node, self.topology.memory_nodes())
             except OSError as e:

@@ -1,4 +1,5 @@
-"""The placement capability's part of the Snapshot, and its record of each process it tracks."""
+"""The placement capability's part of the Snapshot, its record of each process it tracks, and the typed commands
+its decisions carry to apply."""
 
 from __future__ import annotations
 
@@ -7,7 +8,28 @@ from typing import Any
 
 from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import ProcInfo
+from qosagent.placement.planner import Target
 from qosagent.placement.topology import Topology
+
+
+@dataclass(frozen=True)
+class Place:
+    """Act on a selected process as planned: `pin` or `correct` it to the target's CPUs, `restore` its original
+    affinity, or `leave` it where it is (recorded, nothing written)."""
+
+    action: str
+    proc: ProcInfo
+    target: Target
+    reason: str  # the record's: the target's, or what drifted
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Stop tracking a pid: it exited or names another program now, or (release) no selector names it any more and
+    its original affinity goes back."""
+
+    pid: int
+    release: bool
 
 
 @dataclass

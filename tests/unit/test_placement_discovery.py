@@ -13,6 +13,7 @@ from qosagent.hostfs import HostFS
 from qosagent.placement.capability import Placement
 from qosagent.placement.config import Selector
 from qosagent.placement.discovery import Matcher, discover, parse_numa_maps, proc_start, read_cpuset
+from qosagent.placement.model import Place
 from qosagent.status import render
 from testkit.placement_trees import cpuset, proc_entry, two_socket_8gpu
 
@@ -162,6 +163,9 @@ def test_fake_gpu_process_list_drives_discovery(tmp_path) -> None:
     assert sorted(pins) == [100, 200]
     assert pins[100].new == "48-95" and pins[100].inputs["gpus"] == [5] and not pins[100].applied
     assert pins[200].new == "0-47" and "GPU 1 on node 0" in pins[200].reason
+    # apply acts on each decision's typed command, never on its audit fields.
+    assert pins[100].command == Place("pin", pins[100].command.proc, pins[100].command.target, pins[100].reason)
+    assert pins[100].command.proc.pid == 100 and pins[100].command.target.cpus == frozenset(range(48, 96))
     snap = agent.tick()  # status and metrics show the state a tick's collect saw: the one after these decisions
     rows = {r["pid"]: r for r in agent.status()["placement"]["processes"]}
     assert rows[100]["node"] == 1 and rows[100]["last_action"] == "pin" and rows[100]["applied"] is False
