@@ -58,14 +58,14 @@ class PodSource:
             if self._client is None:
                 self._client, version = connect(self.fs, self.cfg.runtime_socket, self.cfg.timeout)
                 self._runtime = f"{version} at {self._client.shown}"
-                log.info("pods: listing READY pod sandboxes from %s every %gs", self._runtime, self.cfg.refresh)
+                log.info("listing READY pod sandboxes from %s every %gs", self._runtime, self.cfg.refresh)
             pods = self._client.ready_pods()
         except CriError as e:
             with self._lock:
                 self._errors += 1
                 first, self._failing = not self._failing, str(e)
             if first:
-                log.warning("pods: cannot list pods (%s); the last list holds for %gs, then pods are unknown",
+                log.warning("cannot list pods (%s); the last list holds for %gs, then pods are unknown",
                             e, self.cfg.stale_after)
             if self._client is not None:  # the runtime may come back elsewhere (a restart, another default)
                 self._client.close()
@@ -74,7 +74,7 @@ class PodSource:
         with self._lock:
             self._pods, self._at = {p.uid: p for p in pods}, self.clock()
             if self._failing:
-                log.info("pods: %s answers again (%d pods READY)", self._runtime, len(pods))
+                log.info("%s answers again (%d pods READY)", self._runtime, len(pods))
             self._failing = ""
 
     def view(self) -> PodsView:
