@@ -34,6 +34,34 @@ BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs
 BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
 #include "qos_tenant.h"
 
+/* Process tenants (match.process): connections to a serving network namespace (a pod), by the local address and
+ * port of the server's socket; port 0 = any watched port. The key is the address because it is what every mode
+ * sees where a connection is established: the inet_sock_set_state tracepoint (tracepoint and kprobe modes) carries
+ * the socket's addresses and ports, never its namespace, and bpf_get_netns_cookie is refused to tracing programs;
+ * sock_ops and the adopting ingress programs see the same addresses. Pods hold addresses of their own; loopback is
+ * never entered (every namespace has it), so a pod's requests to itself over lo stay unmatched, as quota, which
+ * sees a pod's traffic on its host-side veth, never sees them either. Written by the agent
+ * (qosagent/latency/podaddrs.py) from the addresses of the namespaces where watched ports listen. */
+struct lat_netns_key {
+    __u8 addr[16]; /* IPv4 mapped, as the tracepoints report it */
+    __u16 port;    /* host byte order */
+    __u16 pad;
+};
+
+BPF_HASH(lat_netns, struct lat_netns_key, struct qos_tenant_val, 4096);
+
+static __always_inline __u32 lat_tenant_by_netns(__u16 lport, const __u8 *local)
+{
+    struct lat_netns_key k = {.port = lport};
+    __builtin_memcpy(k.addr, local, 16);
+    struct qos_tenant_val *t = lat_netns.lookup(&k);
+    if (!t) {
+        k.port = 0;
+        t = lat_netns.lookup(&k);
+    }
+    return t ? t->tenant : QOS_UNMATCHED;
+}
+
 #ifdef QOS_FLOWS_PIN
 /* The quota classifier's flow -> tenant map: the only place a header-matched tenant is known (TC sees payload,
  * these probes do not). Built in only when quota runs with header tenants, so latency never creates quota's pins. */
@@ -243,13 +271,18 @@ static __always_inline void lat_note_process(void)
     runq_tgids.update(&k, &one);
 }
 
-/* A fresh socket's state: its tenant (port, then client address), and whether its port is multiplexed.
+/* A fresh socket's state: its tenant, and whether its port is multiplexed. The tenant is resolved in the quota
+ * classifier's order: the port claimed alone, the serving namespace (process tenants), the client's address.
  * client and local are 16-byte addresses, IPv4 ones mapped; ports in host byte order. */
 static __always_inline void lat_init_sock(struct lat_sock *s, __u16 lport, __u16 rport, const __u8 *client,
                                           const __u8 *local)
 {
     __u8 via;
-    s->tenant = qos_resolve_tenant(lport, client, &via);
+    s->tenant = qos_tenant_by_port(lport, &via);
+    if (s->tenant == QOS_UNMATCHED)
+        s->tenant = lat_tenant_by_netns(lport, local);
+    if (s->tenant == QOS_UNMATCHED)
+        s->tenant = qos_tenant_by_addr(lport, client, &via);
     s->slot = lat_slot_of(s->tenant);
 #ifdef QOS_FLOWS_PIN
     if (s->tenant == QOS_UNMATCHED) {

@@ -1,6 +1,8 @@
 /* Tenant resolution shared by the latency probes and the quota classifier, so that a tenant's latency and its
  * quota describe the same traffic. Rules, in order:
  *   1. the local port, when one tenant claims it alone (tenant_ports);
+ *   (between 1 and 2, each program's own rule for process tenants, by serving network namespace: quota by the
+ *    host-side veth a request leaves through (quota_netns), latency by the socket's local address (lat_netns))
  *   2. the client address, longest prefix first, among the CIDRs bound to that local port, then among the CIDRs
  *      bound to any watched port (tenant_cidrs, port 0);
  *   3. (TC only) an HTTP/1.x header value in the first segment of a request; see qos_quota.h.
@@ -54,16 +56,6 @@ static __always_inline __u32 qos_tenant_by_addr(__u16 lport, const __u8 *raddr, 
         return t->tenant;
     }
     return QOS_UNMATCHED;
-}
-
-/* Port first, then address: the rules 1 and 2 above. */
-static __always_inline __u32 qos_resolve_tenant(__u16 lport, const __u8 *raddr, __u8 *via)
-{
-    *via = QOS_VIA_NONE;
-    __u32 t = qos_tenant_by_port(lport, via);
-    if (t != QOS_UNMATCHED)
-        return t;
-    return qos_tenant_by_addr(lport, raddr, via);
 }
 
 #endif

@@ -13,7 +13,8 @@ from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityE
 from qosagent.config import UNMATCHED, Config
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
 from qosagent.quota import datapath as dp
-from qosagent.quota import netns, tc
+from qosagent import netns
+from qosagent.quota import tc
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
 from qosagent.schedule import Every

@@ -7,7 +7,7 @@ import pytest
 
 from qosagent import config
 from qosagent.pods.model import Pod
-from qosagent.quota.netns import NsRule, ServingNs, listening_ports, namespace_tenants, ns_rules
+from qosagent.netns import NsRule, ServingNs, listening_ports, namespace_tenants, ns_rules
 from qosagent.tenants import tenant_entries
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -94,7 +94,7 @@ def test_a_per_namespace_tenant_cannot_share_a_port_claimed_everywhere(match: di
 
 def test_namespaces_by_inode_and_their_listeners_read_again_only_when_due(tmp_path) -> None:
     from qosagent.hostfs import HostFS
-    from qosagent.quota.netns import RECHECK_IDLE, ListenCache, serving_namespaces
+    from qosagent.netns import RECHECK_IDLE, ListenCache, serving_namespaces
 
     def proc(pid: int, ns: str, tcp: str, cmd: str) -> None:
         d = tmp_path / "proc" / str(pid)
