@@ -1,5 +1,7 @@
 """Serving network namespaces: where a watched port listens outside the agent's own namespace (a pod behind a
-veth pair), and the host-side veths that lead into each.
+veth pair), the addresses each holds, the tenants its processes match, and the host-side veths that lead into each.
+One reading for every capability that follows pods (quota's classifier, latency's attribution): `Follower`, shared
+through AgentContext.services, scans /proc once per NETNS_EVERY however many ask.
 
 Read from /proc through HostFS (the DaemonSet has hostPID): a process's /proc/PID/ns/net names its namespace by
 inode, /proc/PID/net/tcp{,6} lists that namespace's sockets. The host side of a veth into a namespace is the link
@@ -9,22 +11,26 @@ a descriptor of /proc/PID/ns/net), which needs CAP_NET_ADMIN in the agent's name
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.hostfs import HostFS
 from qosagent.pods.model import selects
+from qosagent.schedule import Every
 from qosagent.tenants import tenant_id
 
 if TYPE_CHECKING:
     from pyroute2 import IPRoute
 
-    from qosagent.config import TenantConfig
+    from qosagent.config import Config, TenantConfig
     from qosagent.pods.model import Pod
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+# How often serving network namespaces are looked for (a scan of /proc: a stat per process).
+NETNS_EVERY = 1.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,9 @@ class ServingNs:
     pid: int  # a process in it that serves a watched port (for its /proc entries)
     ports: frozenset[int]  # watched ports listening there
     cmdlines: tuple[str, ...] = field(default=(), compare=False)  # every process in it (for process tenants)
+    # Its own addresses, 16 bytes each (IPv4 mapped), loopback left out: what a server socket there has as its
+    # local address when a client outside reaches it (latency's key for process tenants, bpf/latency.c lat_netns).
+    addrs: frozenset[bytes] = frozenset()
 
 
 def listening_ports(lines: Iterable[str]) -> set[int]:
@@ -67,6 +76,48 @@ def _listening(fs: HostFS, pid: int) -> set[int] | None:
     return out if seen else None
 
 
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+
+def fib_local_v4(lines: Iterable[str]) -> set[bytes]:
+    """A namespace's own IPv4 addresses from /proc/PID/net/fib_trie, mapped to 16 bytes: each address whose next
+    line is a /32 host LOCAL route (the local table lists those; the main one may repeat them), loopback left out."""
+    out, last = set(), ""
+    for line in lines:
+        f = line.split()
+        if len(f) == 2 and f[0] == "|--":
+            last = f[1]
+        elif f[:3] == ["/32", "host", "LOCAL"] and last:
+            try:
+                ip = ipaddress.IPv4Address(last)
+            except ValueError:
+                continue
+            if not ip.is_loopback:
+                out.add(_V4_MAPPED + ip.packed)
+    return out
+
+
+def if_inet6(lines: Iterable[str]) -> set[bytes]:
+    """A namespace's own IPv6 addresses from /proc/PID/net/if_inet6 (32 hex digits first), loopback left out."""
+    out = set()
+    for line in lines:
+        f = line.split()
+        try:
+            raw = bytes.fromhex(f[0])
+        except (IndexError, ValueError):
+            continue
+        if len(raw) == 16 and not ipaddress.IPv6Address(raw).is_loopback:
+            out.add(raw)
+    return out
+
+
+def local_addresses(fs: HostFS, pid: int) -> frozenset[bytes]:
+    """The addresses of pid's network namespace, read from /proc without entering it (no setns, no CAP_SYS_ADMIN)."""
+    v4 = fs.try_read(f"/proc/{pid}/net/fib_trie") or ""
+    v6 = fs.try_read(f"/proc/{pid}/net/if_inet6") or ""
+    return frozenset(fib_local_v4(v4.splitlines()) | if_inet6(v6.splitlines()))
+
+
 # Reading a namespace's socket tables costs ~2 ms even when it holds few sockets (the kernel walks the hash tables
 # all namespaces share to find the end), so each namespace's listeners are read again only this often: a namespace
 # not serving yet (a server still loading) soon, one serving rarely (its end is seen when its last process goes).
@@ -75,9 +126,9 @@ RECHECK_IDLE, RECHECK_SERVING = 2.0, 10.0
 
 @dataclass
 class ListenCache:
-    """Per namespace inode: (monotonic time read, listening ports)."""
+    """Per namespace inode: (monotonic time read, listening ports, its addresses when it serves a watched port)."""
 
-    read: dict[int, tuple[float, frozenset[int]]] = field(default_factory=dict)
+    read: dict[int, tuple[float, frozenset[int], frozenset[bytes]]] = field(default_factory=dict)
 
 
 def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cmdlines: bool,
@@ -100,24 +151,28 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
     out = {}
     for ino, pids in members.items():
         # One process's view of the namespace's sockets is every process's: the first readable one is enough.
+        # Its addresses are read with its listeners, and only where a watched port listens: a pod's address is
+        # set up before its containers start, and every reading is a few hundred bytes from the kernel.
         hit = cache.read.get(ino) if cache is not None else None
         ports: set[int] | frozenset[int] | None = None
+        addrs: frozenset[bytes] = frozenset()
         if hit is not None and now - hit[0] < (RECHECK_SERVING if hit[1] & watched else RECHECK_IDLE):
-            ports = hit[1]
+            ports, addrs = hit[1], hit[2]
         else:
             for pid in pids:
                 ports = _listening(fs, pid)
                 if ports is not None:
+                    addrs = local_addresses(fs, pid) if ports & watched else frozenset()
                     break
             if cache is not None and ports is not None:
-                cache.read[ino] = (now, frozenset(ports))
+                cache.read[ino] = (now, frozenset(ports), addrs)
         if not ports or not ports & watched:
             continue
         cmdlines: tuple[str, ...] = ()
         if with_cmdlines:
             cmdlines = tuple(c.replace("\0", " ").strip() for c in
                              (fs.try_read(f"/proc/{p}/cmdline") for p in pids) if c)
-        out[ino] = ServingNs(ino, pids[0], frozenset(ports & watched), cmdlines)
+        out[ino] = ServingNs(ino, pids[0], frozenset(ports & watched), cmdlines, addrs)
     if cache is not None:
         for gone in cache.read.keys() - members.keys():
             del cache.read[gone]
@@ -186,3 +241,41 @@ def namespace_tenants(rules: Iterable[NsRule], ns: ServingNs, pod: "Pod | None")
             for p in rule.ports or (0,):
                 out.setdefault(p, rule.tenant)
     return out
+
+
+def serving_ports(cfg: "Config") -> list[int]:
+    """The ports a namespace serves when one of them listens there: every port the agent watches, the multiplexed
+    ones (latency.multiplexed_ports, counted but not timed) included."""
+    return sorted(set(cfg.watched_ports()) | set(cfg.latency.multiplexed_ports))
+
+
+class Follower:
+    """The serving namespaces as of the last scan, scanned again when NETNS_EVERY has passed or the watched ports or
+    the need for command lines (process rules) changed: quota and latency each ask when they follow pods, and one
+    scan serves both."""
+
+    def __init__(self, fs: HostFS, own: int | None = None):
+        self.fs = fs
+        self.own = own if own is not None else os.stat("/proc/self/ns/net").st_ino  # the agent's own is no pod
+        self._every = Every(NETNS_EVERY)
+        self._listeners = ListenCache()
+        self._asked: tuple[frozenset[int], bool] | None = None
+        self.found: dict[int, ServingNs] = {}
+
+    def current(self, watched: Iterable[int], cmdlines: bool, now: float) -> dict[int, ServingNs]:
+        """The namespaces where one of `watched` listens; with `cmdlines`, their processes' command lines too."""
+        asked = (frozenset(watched), cmdlines)
+        if asked != self._asked:
+            self._every.again()
+        if self._every.due(now):
+            self.found = serving_namespaces(self.fs, asked[0], self.own, asked[1], self._listeners, now)
+            self._asked = asked
+        return self.found
+
+
+def follower(services: dict[str, Any], fs: HostFS) -> Follower:
+    """The agent's one Follower (AgentContext.services["netns.serving"]), made by whichever capability asks first."""
+    f = services.get("netns.serving")
+    if f is None:
+        f = services["netns.serving"] = Follower(fs)
+    return f

@@ -10,6 +10,7 @@ from typing import Iterable, Mapping
 
 from qosagent.config import Config
 from qosagent.hist import NBUCKETS
+from qosagent.netns import serving_ports
 from qosagent.tenants import UNMATCHED_ID
 
 # Histogram kinds and counters, as numbered in bpf/latency.c. A slot's rows are KINDS * slot + kind.
@@ -62,7 +63,7 @@ def slots_for(tenants: int) -> int:
 
 
 def watched(cfg: Config) -> list[int]:
-    return sorted(set(cfg.watched_ports()) | set(cfg.latency.multiplexed_ports))
+    return serving_ports(cfg)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ import ctypes
 import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
+from qosagent import netns
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.hist import Histogram, Since
 from qosagent.latency import adopt, links, selftest, slots
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.model import Hooks, LatencyPart, Plan, TenantLatency
+from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.schedule import Every
@@ -73,6 +75,7 @@ class Latency(Capability):
         self.watch: CgroupWatch | None = None  # sockops mode: the hooks on the cgroup2 root and serving cgroups
         self._egress_root_link: int | None = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
         self.adopter: adopt.Adopter | None = None  # connections open before their port was watched
+        self._pods: PodTenants | None = None  # process tenants by their serving namespaces' addresses (lat_netns)
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -171,6 +174,7 @@ class Latency(Capability):
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(counters.value)
+        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, Map.of(self.bpf, "lat_netns"))
         self._maps = None
         adopt.set_listing(self.bpf, True)
         self._write_maps(self._plan_maps(self.ctx.config))
@@ -187,7 +191,8 @@ class Latency(Capability):
                 raise
         elif self.egress:
             root = self._attach_egress_root()
-        self.adopter = adopt.Adopter(self.bpf, self.ctx.hostfs, self.ctx.clock, self.watch, root)
+        self.adopter = adopt.Adopter(self.bpf, self.ctx.hostfs, self.ctx.clock, self.watch, root,
+                                     elsewhere=self._serving_pids)
         self.adopter.open(watched)
         self.programs = self._program_ids()
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
@@ -296,9 +301,22 @@ class Latency(Capability):
         sync_cidrs(Map.of(self.bpf, "tenant_cidrs"), m.cidrs)
         self._known.update(m.tenants)
         self._tenants = m.tenants
+        self._follow_pods(m)
         if self._maps is None or self._maps.window != m.window:
             self._window = Window(m.window)
         self._maps = m
+
+    def _serving_pids(self, ports: set[int]) -> list[int]:
+        """A process in each other network namespace where one of ports listens (pods), from the agent's one scan."""
+        cfg = self.ctx.config
+        found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
+            bm.watched(cfg), any(not r.by_pod for r in netns.ns_rules(cfg.tenants)), self.ctx.clock())
+        return [ns.pid for ns in found.values() if ns.ports & ports]
+
+    def _follow_pods(self, m: MapsPlan) -> None:
+        """Process tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and go."""
+        assert self._pods is not None
+        self._pods.follow(m.process, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()})
 
     def prepare(self, config: "Config") -> Change:
         if self.bpf is None:
@@ -350,6 +368,8 @@ class Latency(Capability):
             self._refresh_runq_threads()
         assert self.adopter is not None
         self.adopter.maintain(set(bm.watched(self.ctx.config)))
+        assert self._maps is not None
+        self._follow_pods(self._maps)
         if self.watch is not None:
             self.watch.maintain()
 
@@ -377,6 +397,7 @@ class Latency(Capability):
             unobserved=self.adopter.unobserved() if self.adopter is not None else {},
             hooks=self._hooks(),
             slo={info.name: info.slo_p99 for info in current.values()},
+            namespaces=self._pods.followed if self._pods is not None else (),
         )
 
     def _hooks(self) -> Hooks:

@@ -253,7 +253,7 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
                     "slo_latency": judged, "slo": slo_state(judged, bound)})
         tenants.append(row)
     out: dict[str, Any] = {"window_s": part.window_s, "tenants": tenants, "found_open": part.found_open,
-                           "unobserved": dict(part.unobserved)}
+                           "unobserved": dict(part.unobserved), "namespaces": [dict(n) for n in part.namespaces]}
     if part.runqueue is not None and part.runqueue_window is not None:
         out["runqueue"] = _quantiles(part.runqueue_window)
         out["runqueue_total"] = _quantiles(part.runqueue)
@@ -297,6 +297,11 @@ def render(st: dict[str, Any]) -> str:
         lines.append(f"connections open before their port was watched: {st.get('found_open', 0)} found, {adopted} "
                      "observed since their next request; not observed now: "
                      + (", ".join(f"{n} {r}" for r, n in sorted(waiting.items())) or "none"))
+    for n in st.get("namespaces") or []:
+        who = ", ".join(f"port {p}: {t}" for p, t in n["tenants"].items())
+        shared = f"; shared with another namespace, unmatched: {', '.join(n['shared'])}" if n.get("shared") else ""
+        lines.append(f"netns {n['netns']} (pid {n['pid']}) by address {', '.join(n['addresses']) or 'none'}{shared}: "
+                     f"{who}")
     rq = st.get("runqueue")
     if rq:
         lines.append(f"run-queue latency of serving processes: p50 {_ms(rq['p50'])}  p95 {_ms(rq['p95'])}  "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from qosagent.hist import Histogram
 
@@ -77,3 +77,5 @@ class LatencyPart:
     unobserved: Mapping[str, int] = field(default_factory=dict)
     hooks: Hooks = Hooks()
     slo: Mapping[str, float] = field(default_factory=dict)  # tenants[].tier's slo_p99 of the configured tenants
+    # Serving network namespaces whose addresses attribute process tenants (qosagent/latency/pods.py), as status shows.
+    namespaces: tuple[Mapping[str, Any], ...] = ()

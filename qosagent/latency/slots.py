@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from qosagent.latency import bpfmaps as bm
+from qosagent.netns import NsRule, ns_rules
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, tenant_entries, tenant_table
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ class MapsPlan:
     watched: tuple[int, ...]
     mux: tuple[int, ...]
     window: float
+    # match.process tenants, for lat_netns (qosagent/latency/pods.py); match.pods ones are quota's alone for now
+    process: tuple[NsRule, ...] = ()
 
 
 def assign_slots(have: Mapping[int, int], table: Mapping[int, TenantInfo], nslots: int) -> dict[int, int]:
@@ -46,4 +49,5 @@ def plan(cfg: "Config", have: Mapping[int, int], nslots: int) -> MapsPlan:
     table = tenant_table(cfg)
     ports, cidrs = tenant_entries(cfg)
     return MapsPlan(table, assign_slots(have, table, nslots), dict(ports), tuple(cidrs), tuple(bm.watched(cfg)),
-                    tuple(cfg.latency.multiplexed_ports), cfg.latency.window)
+                    tuple(cfg.latency.multiplexed_ports), cfg.latency.window,
+                    tuple(r for r in ns_rules(cfg.tenants) if not r.by_pod))

@@ -31,10 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qosagent.quota")
 
-# How often serving network namespaces are looked for (a scan of /proc: a stat per process).
-NETNS_EVERY = 1.0
-
-
 def interfaces(cfg: Config) -> list[str]:
     """quota.interfaces, or lo plus the interfaces whose addresses a listener on a watched port is bound to."""
     if cfg.quota.interfaces:
@@ -141,8 +137,7 @@ class Quota(Capability):
         # classifier is on egress, and what status shows of them.
         self.egress: dict[int, list[tuple[int, str]]] = {}
         self.followed: tuple[dict[str, Any], ...] = ()
-        self._follow_every = Every(NETNS_EVERY)
-        self._listeners = netns.ListenCache()
+        self._follow_every = Every(netns.NETNS_EVERY)
         # Pods tenants only: the runtime's pods (listed on their own thread) and the host's view of cgroups.
         self.pods: "PodSource | None" = None
         self.pods_view: PodsView | None = None
@@ -282,9 +277,10 @@ class Quota(Capability):
         found: dict[int, netns.ServingNs] = {}
         veths: dict[int, list[tuple[int, str]]] = {}
         if cfg.quota.namespaces:
-            own = os.stat("/proc/self/ns/net").st_ino
-            found = netns.serving_namespaces(self.ctx.hostfs, cfg.watched_ports(), own,
-                                             any(not r.by_pod for r in rules), self._listeners, self.ctx.clock())
+            found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
+                netns.serving_ports(cfg), any(not r.by_pod for r in rules), self.ctx.clock())
+            classified = set(cfg.watched_ports())
+            found = {ino: ns for ino, ns in found.items() if ns.ports & classified}
             with tc.IPRoute() as ipr:
                 veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
         tokens = by_cgroup_token(view.pods.values()) if view is not None and view.pods is not None else None

@@ -1,13 +1,22 @@
-"""Serving network namespaces, the pure parts: listening ports from /proc/net/tcp text, which process rules a
-namespace's processes or its pod match, and what the config accepts for match.process and match.pods."""
+"""Serving network namespaces, the pure parts: listening ports from /proc/net/tcp text, a namespace's own addresses
+from /proc/PID/net, which process rules a namespace's processes or its pod match, the one scan every capability
+shares, and what the config accepts for match.process and match.pods."""
 
 from __future__ import annotations
 
 import pytest
 
 from qosagent import config
+from qosagent.netns import (
+    NsRule,
+    ServingNs,
+    fib_local_v4,
+    if_inet6,
+    listening_ports,
+    namespace_tenants,
+    ns_rules,
+)
 from qosagent.pods.model import Pod
-from qosagent.netns import NsRule, ServingNs, listening_ports, namespace_tenants, ns_rules
 from qosagent.tenants import tenant_entries
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -130,3 +139,76 @@ def test_namespaces_by_inode_and_their_listeners_read_again_only_when_due(tmp_pa
             f.unlink()
     assert len(serving_namespaces(fs, [8000], own, False, cache, now=200.0)) == 1
     assert (tmp_path / "ns" / "b").stat().st_ino not in cache.read
+
+
+FIB_TRIE = """Main:
+  +-- 0.0.0.0/0 3 0 5
+     |-- 0.0.0.0
+        /0 universe UNICAST
+     +-- 127.0.0.0/8 2 0 2
+        |-- 127.0.0.1
+           /32 host LOCAL
+     +-- 198.18.1.0/24 2 0 2
+        |-- 198.18.1.0
+           /24 link UNICAST
+        |-- 198.18.1.1
+           /32 host LOCAL
+        |-- 198.18.1.255
+           /32 link BROADCAST
+Local:
+  +-- 0.0.0.0/0 3 0 5
+     +-- 127.0.0.0/8 2 0 2
+        |-- 127.0.0.1
+           /32 host LOCAL
+     +-- 198.18.1.0/24 2 0 2
+        |-- 198.18.1.1
+           /32 host LOCAL
+"""
+IF_INET6 = """00000000000000000000000000000001 01 80 10 80       lo
+20010db8000000000000000000000001 02 40 00 80     eth0
+fe80000000000000a8bbccfffe000001 02 40 20 80     eth0
+"""
+MAPPED = bytes(10) + b"\xff\xff"
+
+
+def test_a_namespaces_own_addresses_are_its_local_routes_and_interface_addresses_without_loopback() -> None:
+    assert fib_local_v4(FIB_TRIE.splitlines()) == {MAPPED + bytes([198, 18, 1, 1])}
+    assert if_inet6(IF_INET6.splitlines()) == {bytes.fromhex("20010db8000000000000000000000001"),
+                                               bytes.fromhex("fe80000000000000a8bbccfffe000001")}
+    assert fib_local_v4(["garbage", "|-- not.an.address", "/32 host LOCAL"]) == set()
+
+
+def fake_proc(root, pid: int, ns: str, tcp: str, cmd: str) -> None:
+    d = root / "proc" / str(pid)
+    (d / "ns").mkdir(parents=True)
+    (d / "net").mkdir()
+    target = root / "ns" / ns
+    target.parent.mkdir(exist_ok=True)
+    if not target.exists():
+        target.write_text("")
+    (d / "ns" / "net").hardlink_to(target)  # one inode per namespace, as nsfs gives
+    (d / "net" / "tcp").write_text(tcp)
+    (d / "net" / "fib_trie").write_text(FIB_TRIE.replace("198.18.1.", f"198.18.{pid}."))
+    (d / "cmdline").write_text(cmd.replace(" ", "\0"))
+
+
+def test_one_scan_serves_every_capability_that_asks_within_a_period(tmp_path, monkeypatch) -> None:
+    from qosagent import netns
+    from qosagent.hostfs import HostFS
+
+    fake_proc(tmp_path, 1, "host", TCP, "init")
+    fake_proc(tmp_path, 10, "a", TCP, "vllm serve --served-model-name llama")
+    scans = []
+    real = netns.serving_namespaces
+    monkeypatch.setattr(netns, "serving_namespaces", lambda *a, **k: scans.append(a) or real(*a, **k))
+    services: dict = {}
+    f = netns.follower(services, HostFS(tmp_path))
+    f.own = (tmp_path / "ns" / "host").stat().st_ino
+    assert netns.follower(services, HostFS(tmp_path)) is f
+    (a,) = f.current([8000], True, now=10.0).values()
+    assert a.addrs == {MAPPED + bytes([198, 18, 10, 1])} and a.cmdlines == ("vllm serve --served-model-name llama",)
+    fake_proc(tmp_path, 20, "b", TCP, "vllm serve --served-model-name mistral")
+    assert len(f.current([8000], True, now=10.5)) == 1  # quota's ask and latency's in one period: one scan
+    assert len(scans) == 1
+    assert len(f.current([8000], True, now=11.0)) == 2  # the period passed: the new namespace is found
+    assert len(f.current([8000, 9000], True, now=11.1)) == 2 and len(scans) == 3  # other ports: scanned afresh

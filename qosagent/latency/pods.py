@@ -1,0 +1,102 @@
+"""Process tenants (match.process) in latency: a pod's connections attributed by the address they were made to.
+
+The quota classifier tells serving network namespaces apart by the host-side veth a request leaves through; the
+latency probes see a connection where it is established (the inet_sock_set_state tracepoint, sock_ops, or the first
+segment of an adopted one), and all any of them carry is the socket's addresses and ports: tracing programs are
+refused bpf_get_netns_cookie (checked on 6.18: sock_ops and cgroup_skb may call it, raw tracepoints may not), and a
+socket's namespace is otherwise only in kernel structs we do not read. A pod's own addresses are its name there:
+lat_netns maps (local address, port or 0 for any watched port) to the tenant of the namespace that holds the address.
+
+The namespaces come from the agent's one scan of /proc (qosagent.netns.Follower, shared with quota), their addresses
+from /proc/PID/net without entering them. An address two serving namespaces both hold (isolated networks reusing a
+range) cannot say which one a connection went to: it is left out, reported, and such connections stay unmatched
+rather than counted under a guessed tenant.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import struct
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from qosagent import netns
+
+if TYPE_CHECKING:
+    from qosagent.ebpf.maps import Map
+    from qosagent.hostfs import HostFS
+
+log = logging.getLogger("qosagent.latency")
+
+Key = tuple[bytes, int]  # (16-byte local address, port or 0)
+
+
+def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule]
+            ) -> tuple[dict[Key, int], dict[int, dict[int, int]], set[bytes]]:
+    """What lat_netns holds for these namespaces: (address, port) -> tenant; each namespace's tenants by port (as
+    netns.namespace_tenants gives them); and the addresses left out because two namespaces hold them."""
+    rules = list(rules)
+    owners: dict[bytes, set[int]] = {}
+    for ino, ns in found.items():
+        for a in ns.addrs:
+            owners.setdefault(a, set()).add(ino)
+    shared = {a for a, inos in owners.items() if len(inos) > 1}
+    out: dict[Key, int] = {}
+    tenants: dict[int, dict[int, int]] = {}
+    for ino, ns in sorted(found.items()):
+        by_port = netns.namespace_tenants(rules, ns, None)
+        if not by_port:
+            continue
+        tenants[ino] = by_port
+        for a in ns.addrs - shared:
+            for port, tid in by_port.items():
+                out[(a, port)] = tid
+    return out, tenants, shared & {a for ino in tenants for a in found[ino].addrs}
+
+
+def show(addr: bytes) -> str:
+    ip = ipaddress.IPv6Address(addr)
+    return str(ip.ipv4_mapped or ip)
+
+
+class PodTenants:
+    """lat_netns kept as the serving namespaces and the config's process rules say; `followed` is what status shows."""
+
+    def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map"):
+        self.services, self.fs, self.table = services, fs, table
+        self.written: dict[Key, int] = {}
+        self.followed: tuple[dict[str, Any], ...] = ()
+
+    def follow(self, rules: Iterable[netns.NsRule], watched: Iterable[int], now: float,
+               names: Mapping[int, str]) -> bool:
+        """Bring lat_netns up to date; True when it changed. Without process rules nothing is scanned for it."""
+        from qosagent.ebpf.maps import sync
+
+        rules = list(rules)
+        found = netns.follower(self.services, self.fs).current(watched, True, now) if rules else {}
+        want, tenants, shared = entries(found, rules)
+        followed = tuple({
+            "netns": ino, "pid": found[ino].pid, "addresses": sorted(map(show, found[ino].addrs - shared)),
+            "shared": sorted(map(show, found[ino].addrs & shared)),
+            "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in by_port.items()},
+        } for ino, by_port in sorted(tenants.items()))
+        if want == self.written and followed == self.followed:
+            return False
+        if want != self.written:
+            k, v = self.table.key, self.table.value
+            sync(self.table, ((k.from_buffer_copy(struct.pack("=16sHH", a, p, 0)), v(tenant=t))
+                              for (a, p), t in want.items()))
+        before = {n["netns"] for n in self.followed}
+        for ino in tenants.keys() - before:
+            ns = found[ino]
+            log.info("network namespace %d (pid %d, %s) attributed by its addresses: %s", ino, ns.pid,
+                     ", ".join(sorted(map(show, ns.addrs))) or "no address yet",
+                     "; ".join(f"port {p or 'any'}: tenant {names.get(t, t)}" for p, t in tenants[ino].items()))
+        for ino in before - tenants.keys():
+            log.info("network namespace %d no longer serves here: its addresses removed", ino)
+        if shared and {show(a) for a in shared} != {a for n in self.followed for a in n["shared"]}:
+            log.warning("addresses held by more than one serving network namespace cannot tell their "
+                        "process tenants apart; their connections count as unmatched: %s",
+                        ", ".join(sorted(map(show, shared))))
+        self.written, self.followed = want, followed
+        return True

@@ -1,0 +1,119 @@
+"""Process tenants in latency, the parts without BPF: which (address, port) entries lat_netns holds for the serving
+namespaces found, an address two namespaces share left out rather than guessed, the map kept in step as namespaces
+come and go, and connections already open in a pod listed from its own /proc entries."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+
+from qosagent.latency import adopt
+from qosagent.latency.pods import PodTenants, entries
+from qosagent.netns import NsRule, ServingNs
+
+MAPPED = bytes(10) + b"\xff\xff"
+A, B, C = (MAPPED + bytes([198, 18, n, 1]) for n in (1, 2, 3))
+RULES = [NsRule(11, (8000,), process=r"--host 198\.18\.1\.1\b"), NsRule(22, (), process=r"--host 198\.18\.2\.1\b")]
+
+
+def ns(ino: int, cmd: str, *addrs: bytes) -> ServingNs:
+    return ServingNs(ino, ino * 10, frozenset({8000}), (cmd,), frozenset(addrs))
+
+
+def test_two_pods_on_one_port_are_told_apart_by_their_addresses() -> None:
+    found = {1: ns(1, "uvicorn --host 198.18.1.1 --port 8000", A), 2: ns(2, "uvicorn --host 198.18.2.1", B),
+             3: ns(3, "nginx", C)}
+    want, tenants, shared = entries(found, RULES)
+    assert want == {(A, 8000): 11, (B, 0): 22}  # a tenant's ports, else any watched port (0); no rule, no entry
+    assert tenants == {1: {8000: 11}, 2: {0: 22}} and shared == set()
+
+
+def test_an_address_two_serving_namespaces_hold_is_left_out_not_guessed() -> None:
+    found = {1: ns(1, "uvicorn --host 198.18.1.1", A, C), 2: ns(2, "uvicorn --host 198.18.2.1", B, C)}
+    want, _, shared = entries(found, RULES)
+    assert want == {(A, 8000): 11, (B, 0): 22} and shared == {C}
+
+
+class FakeMap:
+    """A hash map as ebpf.maps.sync sees one: typed keys and values, by their bytes."""
+
+    class key(ctypes.Structure):  # noqa: N801 - as bcc names a map's types
+        _fields_ = [("addr", ctypes.c_uint8 * 16), ("port", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
+
+    class value(ctypes.Structure):  # noqa: N801
+        _fields_ = [("tenant", ctypes.c_uint32)]
+
+    def __init__(self) -> None:
+        self.d: dict[bytes, bytes] = {}
+        self.writes = 0
+
+    def keys(self) -> list:
+        return [self.key.from_buffer_copy(k) for k in self.d]
+
+    def lookup(self, k):
+        v = self.d.get(bytes(k))
+        return None if v is None else self.value.from_buffer_copy(v)
+
+    def update(self, k, v) -> None:
+        self.writes += 1
+        self.d[bytes(k)] = bytes(v)
+
+    def delete(self, k) -> bool:
+        return self.d.pop(bytes(k), None) is not None
+
+    def entries(self) -> dict[tuple[bytes, int], int]:
+        return {(k[:16], struct.unpack("=H", k[16:18])[0]): struct.unpack("=I", v)[0] for k, v in self.d.items()}
+
+
+class FakeFollower:
+    def __init__(self) -> None:
+        self.found: dict[int, ServingNs] = {}
+        self.asked = 0
+
+    def current(self, watched, cmdlines: bool, now: float) -> dict[int, ServingNs]:
+        self.asked += 1
+        assert cmdlines and set(watched) == {8000}
+        return self.found
+
+
+def test_the_map_follows_namespaces_as_they_come_and_go(caplog) -> None:
+    caplog.set_level(logging.INFO, "qosagent.latency")
+    fol, m = FakeFollower(), FakeMap()
+    pods = PodTenants({"netns.serving": fol}, None, m)  # type: ignore[arg-type]
+    names = {11: "alpha", 22: "beta"}
+    assert not pods.follow([], [8000], 0.0, names) and fol.asked == 0  # no process rule: nothing scanned
+    fol.found = {1: ns(1, "uvicorn --host 198.18.1.1", A)}
+    assert pods.follow(RULES, [8000], 1.0, names)
+    assert m.entries() == {(A, 8000): 11}
+    assert pods.followed == ({"netns": 1, "pid": 10, "addresses": ["198.18.1.1"], "shared": [],
+                              "tenants": {"8000": "alpha"}},)
+    fol.found[2] = ns(2, "uvicorn --host 198.18.2.1", B)
+    assert pods.follow(RULES, [8000], 2.0, names)
+    assert m.entries() == {(A, 8000): 11, (B, 0): 22}
+    writes = m.writes
+    assert not pods.follow(RULES, [8000], 3.0, names) and m.writes == writes  # nothing new: nothing written
+    del fol.found[1]
+    assert pods.follow(RULES, [8000], 4.0, names)
+    assert m.entries() == {(B, 0): 22} and [n["netns"] for n in pods.followed] == [2]
+    assert "network namespace 1 no longer serves here" in caplog.text
+    assert pods.follow([], [8000], 5.0, names) and m.entries() == {} and pods.followed == ()  # rules gone: emptied
+
+
+TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
+   1: 010112C6:1F40 FE0112C6:D431 01 00000000:00000000 00:00000000 00000000     0        0 3 1 0 20 4 30 10 -1
+"""
+
+
+def test_connections_open_in_a_pod_are_listed_from_its_own_proc_entries(tmp_path) -> None:
+    from qosagent.hostfs import HostFS
+
+    (tmp_path / "proc" / "net").mkdir(parents=True)
+    (tmp_path / "proc" / "net" / "tcp").write_text(TCP.splitlines()[0] + "\n")  # the agent's namespace: none
+    (tmp_path / "proc" / "42" / "net").mkdir(parents=True)
+    (tmp_path / "proc" / "42" / "net" / "tcp").write_text(TCP)
+    fs = HostFS(tmp_path)
+    assert adopt.established(fs, [8000]) == []
+    (c,) = adopt.established(fs, [8000], elsewhere=[42, 43])  # 43: gone meanwhile, nothing read
+    assert (c.local, c.lport, c.remote, c.rport) == (A, 8000, MAPPED + bytes([198, 18, 1, 254]), 0xD431)
