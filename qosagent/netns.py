@@ -39,8 +39,9 @@ class ServingNs:
     pid: int  # a process in it that serves a watched port (for its /proc entries)
     ports: frozenset[int]  # watched ports listening there
     cmdlines: tuple[str, ...] = field(default=(), compare=False)  # every process in it (for process tenants)
-    # Its own addresses, 16 bytes each (IPv4 mapped), loopback left out: what a server socket there has as its
-    # local address when a client outside reaches it (latency's key for process tenants, bpf/latency.c lat_netns).
+    # Its own addresses, 16 bytes each (IPv4 mapped), loopback and link-local left out: what a server socket there
+    # has as its local address when a client reaches it through the network (latency's key for process tenants,
+    # bpf/latency.c lat_netns). Link-local ones name a link, not the pod: every pod has one, reached by no client.
     addrs: frozenset[bytes] = frozenset()
 
 
@@ -81,7 +82,8 @@ _V4_MAPPED = bytes(10) + b"\xff\xff"
 
 def fib_local_v4(lines: Iterable[str]) -> set[bytes]:
     """A namespace's own IPv4 addresses from /proc/PID/net/fib_trie, mapped to 16 bytes: each address whose next
-    line is a /32 host LOCAL route (the local table lists those; the main one may repeat them), loopback left out."""
+    line is a /32 host LOCAL route (the local table lists those; the main one may repeat them), loopback and
+    link-local left out."""
     out, last = set(), ""
     for line in lines:
         f = line.split()
@@ -92,13 +94,14 @@ def fib_local_v4(lines: Iterable[str]) -> set[bytes]:
                 ip = ipaddress.IPv4Address(last)
             except ValueError:
                 continue
-            if not ip.is_loopback:
+            if not (ip.is_loopback or ip.is_link_local):
                 out.add(_V4_MAPPED + ip.packed)
     return out
 
 
 def if_inet6(lines: Iterable[str]) -> set[bytes]:
-    """A namespace's own IPv6 addresses from /proc/PID/net/if_inet6 (32 hex digits first), loopback left out."""
+    """A namespace's own IPv6 addresses from /proc/PID/net/if_inet6 (32 hex digits first), loopback and link-local
+    left out."""
     out = set()
     for line in lines:
         f = line.split()
@@ -106,7 +109,7 @@ def if_inet6(lines: Iterable[str]) -> set[bytes]:
             raw = bytes.fromhex(f[0])
         except (IndexError, ValueError):
             continue
-        if len(raw) == 16 and not ipaddress.IPv6Address(raw).is_loopback:
+        if len(raw) == 16 and not (ip := ipaddress.IPv6Address(raw)).is_loopback and not ip.is_link_local:
             out.add(raw)
     return out
 

@@ -161,10 +161,11 @@ def aiohttp_requests(base_url: str, bodies: Sequence[dict[str, Any]], concurrenc
 
 class RawClient:
     """One TCP connection with TCP_NODELAY, each sendall() one write and so (nodelay, loopback) one segment; h11
-    frames the requests and parses the responses. `source`: the client's address (127.0.0.2, ... on loopback)."""
+    frames the requests and parses the responses. `source`: the client's address (127.0.0.2, ... on loopback);
+    `host`: the server's."""
 
-    def __init__(self, port: int, timeout: float = 30.0, source: str | None = None):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout,
+    def __init__(self, port: int, timeout: float = 30.0, source: str | None = None, host: str = "127.0.0.1"):
+        self.sock = socket.create_connection((host, port), timeout=timeout,
                                              source_address=(source, 0) if source else None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.h11 = h11.Connection(h11.CLIENT)

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import h11
 
@@ -61,23 +61,26 @@ class Server:
     kind: str
     port: int
     pid: int
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 @contextlib.contextmanager
 def sse_server(kind: str = "uvicorn", *, port: int = 0, http: str = "httptools", prefill_ms: float = 45.0,
                token_ms: float = 20.0, tokens: int = 8, timeout: float = 15.0,
-               keep_alive_s: float = 5.0) -> Iterator[Server]:
-    """The server on 127.0.0.1:`port` (0: a free port, chosen by the server's own bind), ready to answer.
+               keep_alive_s: float = 5.0, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Iterator[Server]:
+    """The server on `host`:`port` (0: a free port, chosen by the server's own bind), ready to answer. `prefix` runs
+    it through another command that execs it (`nsenter --net=...`: a server in a pod's network namespace).
 
     The process is killed on exit, even when the test fails, and dies with the test process if that is killed
     (PR_SET_PDEATHSIG). `http` is uvicorn's HTTP implementation ("httptools" or "h11"); `keep_alive_s` how long it keeps
     an idle kept-alive connection open (uvicorn's default, 5 s)."""
     assert kind in KINDS, kind
-    argv = [sys.executable, os.path.abspath(__file__), "--kind", kind, "--port", str(port), "--http", http,
+    argv = [*prefix, sys.executable, os.path.abspath(__file__), "--kind", kind, "--host", host, "--port", str(port),
+            "--http", http,
             "--prefill-ms", str(prefill_ms), "--token-ms", str(token_ms), "--tokens", str(tokens),
             "--keep-alive-s", str(keep_alive_s)]
     log = tempfile.TemporaryFile()
@@ -91,7 +94,7 @@ def sse_server(kind: str = "uvicorn", *, port: int = 0, http: str = "httptools",
         line = proc.stdout.readline() if ready else b""
         if not line.strip().isdigit():
             raise RuntimeError(f"sse_server {kind} did not start: {_tail(proc, log)}")
-        srv = Server(kind, int(line), proc.pid)
+        srv = Server(kind, int(line), proc.pid, host)
         yield srv
     finally:
         proc.terminate()
@@ -247,6 +250,7 @@ async def single_write_connection(reader: asyncio.StreamReader, writer: asyncio.
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--kind", choices=KINDS, default="uvicorn")
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--http", choices=("httptools", "h11"), default="httptools")
     p.add_argument("--prefill-ms", type=float, default=45.0)
@@ -255,7 +259,7 @@ def main() -> None:
     # uvicorn closes a kept-alive connection idle this long (its default, 5 s; vLLM's --timeout-keep-alive).
     p.add_argument("--keep-alive-s", type=float, default=5.0)
     args = p.parse_args()
-    sock = socket.create_server(("127.0.0.1", args.port), backlog=1024)
+    sock = socket.create_server((args.host, args.port), backlog=1024)
     port = sock.getsockname()[1]
     if args.kind == "uvicorn":
         import uvicorn

@@ -148,6 +148,9 @@ FIB_TRIE = """Main:
      +-- 127.0.0.0/8 2 0 2
         |-- 127.0.0.1
            /32 host LOCAL
+     +-- 169.254.0.0/16 2 0 2
+        |-- 169.254.1.1
+           /32 host LOCAL
      +-- 198.18.1.0/24 2 0 2
         |-- 198.18.1.0
            /24 link UNICAST
@@ -171,10 +174,9 @@ fe80000000000000a8bbccfffe000001 02 40 20 80     eth0
 MAPPED = bytes(10) + b"\xff\xff"
 
 
-def test_a_namespaces_own_addresses_are_its_local_routes_and_interface_addresses_without_loopback() -> None:
+def test_a_namespaces_own_addresses_are_its_local_routes_and_interface_addresses_not_loopback_nor_link_local() -> None:
     assert fib_local_v4(FIB_TRIE.splitlines()) == {MAPPED + bytes([198, 18, 1, 1])}
-    assert if_inet6(IF_INET6.splitlines()) == {bytes.fromhex("20010db8000000000000000000000001"),
-                                               bytes.fromhex("fe80000000000000a8bbccfffe000001")}
+    assert if_inet6(IF_INET6.splitlines()) == {bytes.fromhex("20010db8000000000000000000000001")}
     assert fib_local_v4(["garbage", "|-- not.an.address", "/32 host LOCAL"]) == set()
 
 
