@@ -35,38 +35,38 @@ BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
 #include "qos_tenant.h"
 
 /* Process tenants (match.process): connections to a serving network namespace (a pod), by the local address and
- * port of the server's socket; port 0 = any watched port. The key is the address because it is what every mode
- * sees where a connection is established: the inet_sock_set_state tracepoint (tracepoint and kprobe modes) carries
- * the socket's addresses and ports, never its namespace, and bpf_get_netns_cookie is refused to tracing programs;
- * sock_ops and the adopting ingress programs see the same addresses. Pods hold addresses of their own; loopback is
- * never entered (every namespace has it), so a pod's requests to itself over lo stay unmatched, as quota, which
- * sees a pod's traffic on its host-side veth, never sees them either. Written by the agent
- * (qosagent/latency/podaddrs.py) from the addresses of the namespaces where watched ports listen. */
+ * port of the server's socket. The key is the address because it is what every mode sees where a connection is
+ * established: the inet_sock_set_state tracepoint (tracepoint and kprobe modes) carries the socket's addresses and
+ * ports, never its namespace, and bpf_get_netns_cookie is refused to tracing programs; sock_ops and the adopting
+ * ingress programs see the same addresses. Pods hold addresses of their own; loopback and link-local ones are never
+ * entered (every namespace has them), so a pod's requests to itself over lo stay unmatched, as quota, which sees a
+ * pod's traffic on its host-side veth, never sees them either. Written by the agent (qosagent/latency/pods.py) from
+ * the addresses of the namespaces where watched ports listen, a tenant of any watched port under each of them: one
+ * lookup per connection, and none while lat_netns_conf says the map is empty. */
 struct lat_netns_key {
     __u8 addr[16]; /* IPv4 mapped, as the tracepoints report it */
     __u16 port;    /* host byte order */
     __u16 pad;
 };
 
+struct lat_netns_cfg {
+    __u32 entries; /* in lat_netns */
+};
+
 BPF_HASH(lat_netns, struct lat_netns_key, struct qos_tenant_val, 4096);
+BPF_ARRAY(lat_netns_conf, struct lat_netns_cfg, 1);
 
 static __always_inline __u32 lat_tenant_by_netns(__u16 lport, const __u8 *local)
 {
+    __u32 zero = 0;
+    struct lat_netns_cfg *c = lat_netns_conf.lookup(&zero);
+    if (!c || !c->entries)
+        return QOS_UNMATCHED;
     struct lat_netns_key k = {.port = lport};
     __builtin_memcpy(k.addr, local, 16);
     struct qos_tenant_val *t = lat_netns.lookup(&k);
-    if (!t) {
-        k.port = 0;
-        t = lat_netns.lookup(&k);
-    }
     return t ? t->tenant : QOS_UNMATCHED;
 }
-
-#ifdef QOS_FLOWS_PIN
-/* The quota classifier's flow -> tenant map: the only place a header-matched tenant is known (TC sees payload,
- * these probes do not). Built in only when quota runs with header tenants, so latency never creates quota's pins. */
-BPF_TABLE_PINNED("lru_hash", struct qos_flow_key, struct qos_flow_val, tenant_flows, QOS_FLOWS, QOS_FLOWS_PIN);
-#endif
 
 static __always_inline int qos_port_watched(__u16 lport)
 {

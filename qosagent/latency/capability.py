@@ -174,7 +174,8 @@ class Latency(Capability):
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(counters.value)
-        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, Map.of(self.bpf, "lat_netns"))
+        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, Map.of(self.bpf, "lat_netns"),
+                                Map.of(self.bpf, "lat_netns_conf"))
         self._maps = None
         adopt.set_listing(self.bpf, True)
         self._write_maps(self._plan_maps(self.ctx.config))

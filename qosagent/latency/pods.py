@@ -31,10 +31,12 @@ log = logging.getLogger("qosagent.latency")
 Key = tuple[bytes, int]  # (16-byte local address, port or 0)
 
 
-def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule]
+def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], watched: Iterable[int]
             ) -> tuple[dict[Key, int], dict[int, dict[int, int]], set[bytes]]:
-    """What lat_netns holds for these namespaces: (address, port) -> tenant; each namespace's tenants by port (as
+    """What lat_netns holds for these namespaces: (address, port) -> tenant, a tenant of any watched port (0) entered
+    under each of them (one lookup in the kernel, not two); each namespace's tenants by port (as
     netns.namespace_tenants gives them); and the addresses left out because two namespaces hold them."""
+    watched = sorted(watched)
     rules = list(rules)
     owners: dict[bytes, set[int]] = {}
     for ino, ns in found.items():
@@ -50,7 +52,8 @@ def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule]
         tenants[ino] = by_port
         for a in ns.addrs - shared:
             for port, tid in by_port.items():
-                out[(a, port)] = tid
+                for p in [port] if port else watched:
+                    out.setdefault((a, p), tid)  # a tenant of that port before one of any port
     return out, tenants, shared & {a for ino in tenants for a in found[ino].addrs}
 
 
@@ -62,8 +65,8 @@ def show(addr: bytes) -> str:
 class PodTenants:
     """lat_netns kept as the serving namespaces and the config's process rules say; `followed` is what status shows."""
 
-    def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map"):
-        self.services, self.fs, self.table = services, fs, table
+    def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map", conf: "Map"):
+        self.services, self.fs, self.table, self.conf = services, fs, table, conf
         self.written: dict[Key, int] = {}
         self.followed: tuple[dict[str, Any], ...] = ()
 
@@ -74,7 +77,8 @@ class PodTenants:
 
         rules = list(rules)
         found = netns.follower(self.services, self.fs).current(watched, True, now) if rules else {}
-        want, tenants, shared = entries(found, rules)
+        watched = list(watched)
+        want, tenants, shared = entries(found, rules, watched)
         followed = tuple({
             "netns": ino, "pid": found[ino].pid, "addresses": sorted(map(show, found[ino].addrs - shared)),
             "shared": sorted(map(show, found[ino].addrs & shared)),
@@ -84,8 +88,12 @@ class PodTenants:
             return False
         if want != self.written:
             k, v = self.table.key, self.table.value
+            if not want:
+                self.conf.update(0, self.conf.value(entries=0))  # the kernel stops looking before the map empties
             sync(self.table, ((k.from_buffer_copy(struct.pack("=16sHH", a, p, 0)), v(tenant=t))
                               for (a, p), t in want.items()))
+            if want:
+                self.conf.update(0, self.conf.value(entries=len(want)))
         before = {n["netns"] for n in self.followed}
         for ino in tenants.keys() - before:
             ns = found[ino]

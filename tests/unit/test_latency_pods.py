@@ -24,15 +24,16 @@ def ns(ino: int, cmd: str, *addrs: bytes) -> ServingNs:
 def test_two_pods_on_one_port_are_told_apart_by_their_addresses() -> None:
     found = {1: ns(1, "uvicorn --host 198.18.1.1 --port 8000", A), 2: ns(2, "uvicorn --host 198.18.2.1", B),
              3: ns(3, "nginx", C)}
-    want, tenants, shared = entries(found, RULES)
-    assert want == {(A, 8000): 11, (B, 0): 22}  # a tenant's ports, else any watched port (0); no rule, no entry
+    want, tenants, shared = entries(found, RULES, [8000, 9000])
+    # A tenant's ports, else every watched port (one lookup in the kernel); no rule, no entry.
+    assert want == {(A, 8000): 11, (B, 8000): 22, (B, 9000): 22}
     assert tenants == {1: {8000: 11}, 2: {0: 22}} and shared == set()
 
 
 def test_an_address_two_serving_namespaces_hold_is_left_out_not_guessed() -> None:
     found = {1: ns(1, "uvicorn --host 198.18.1.1", A, C), 2: ns(2, "uvicorn --host 198.18.2.1", B, C)}
-    want, _, shared = entries(found, RULES)
-    assert want == {(A, 8000): 11, (B, 0): 22} and shared == {C}
+    want, _, shared = entries(found, RULES, [8000])
+    assert want == {(A, 8000): 11, (B, 8000): 22} and shared == {C}
 
 
 class FakeMap:
@@ -66,6 +67,18 @@ class FakeMap:
         return {(k[:16], struct.unpack("=H", k[16:18])[0]): struct.unpack("=I", v)[0] for k, v in self.d.items()}
 
 
+class FakeConf:
+    class value(ctypes.Structure):  # noqa: N801
+        _fields_ = [("entries", ctypes.c_uint32)]
+
+    def __init__(self) -> None:
+        self.entries = 0
+
+    def update(self, k: int, v) -> None:
+        assert k == 0
+        self.entries = v.entries
+
+
 class FakeFollower:
     def __init__(self) -> None:
         self.found: dict[int, ServingNs] = {}
@@ -79,25 +92,26 @@ class FakeFollower:
 
 def test_the_map_follows_namespaces_as_they_come_and_go(caplog) -> None:
     caplog.set_level(logging.INFO, "qosagent.latency")
-    fol, m = FakeFollower(), FakeMap()
-    pods = PodTenants({"netns.serving": fol}, None, m)  # type: ignore[arg-type]
+    fol, m, conf = FakeFollower(), FakeMap(), FakeConf()
+    pods = PodTenants({"netns.serving": fol}, None, m, conf)  # type: ignore[arg-type]
     names = {11: "alpha", 22: "beta"}
     assert not pods.follow([], [8000], 0.0, names) and fol.asked == 0  # no process rule: nothing scanned
     fol.found = {1: ns(1, "uvicorn --host 198.18.1.1", A)}
     assert pods.follow(RULES, [8000], 1.0, names)
-    assert m.entries() == {(A, 8000): 11}
+    assert m.entries() == {(A, 8000): 11} and conf.entries == 1
     assert pods.followed == ({"netns": 1, "pid": 10, "addresses": ["198.18.1.1"], "shared": [],
                               "tenants": {"8000": "alpha"}},)
     fol.found[2] = ns(2, "uvicorn --host 198.18.2.1", B)
     assert pods.follow(RULES, [8000], 2.0, names)
-    assert m.entries() == {(A, 8000): 11, (B, 0): 22}
+    assert m.entries() == {(A, 8000): 11, (B, 8000): 22} and conf.entries == 2
     writes = m.writes
     assert not pods.follow(RULES, [8000], 3.0, names) and m.writes == writes  # nothing new: nothing written
     del fol.found[1]
     assert pods.follow(RULES, [8000], 4.0, names)
-    assert m.entries() == {(B, 0): 22} and [n["netns"] for n in pods.followed] == [2]
+    assert m.entries() == {(B, 8000): 22} and [n["netns"] for n in pods.followed] == [2]
     assert "network namespace 1 no longer serves here" in caplog.text
     assert pods.follow([], [8000], 5.0, names) and m.entries() == {} and pods.followed == ()  # rules gone: emptied
+    assert conf.entries == 0  # and the kernel looks no more
 
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
