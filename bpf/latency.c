@@ -68,6 +68,12 @@ static __always_inline __u32 lat_tenant_by_netns(__u16 lport, const __u8 *local)
     return t ? t->tenant : QOS_UNMATCHED;
 }
 
+#ifdef QOS_FLOWS_PIN
+/* The quota classifier's flow -> tenant map: the only place a header-matched tenant is known (TC sees payload,
+ * these probes do not). Built in only when quota runs with header tenants, so latency never creates quota's pins. */
+BPF_TABLE_PINNED("lru_hash", struct qos_flow_key, struct qos_flow_val, tenant_flows, QOS_FLOWS, QOS_FLOWS_PIN);
+#endif
+
 static __always_inline int qos_port_watched(__u16 lport)
 {
     struct qos_port_key pk = {.port = lport};
