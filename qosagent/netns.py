@@ -43,6 +43,7 @@ class ServingNs:
     # has as its local address when a client reaches it through the network (latency's key for process tenants,
     # bpf/latency.c lat_netns). Link-local ones name a link, not the pod: every pod has one, reached by no client.
     addrs: frozenset[bytes] = frozenset()
+    pids: tuple[int, ...] = field(default=(), compare=False)  # every process in it
 
 
 def listening_ports(lines: Iterable[str]) -> set[int]:
@@ -175,7 +176,7 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
         if with_cmdlines:
             cmdlines = tuple(c.replace("\0", " ").strip() for c in
                              (fs.try_read(f"/proc/{p}/cmdline") for p in pids) if c)
-        out[ino] = ServingNs(ino, pids[0], frozenset(ports & watched), cmdlines, addrs)
+        out[ino] = ServingNs(ino, pids[0], frozenset(ports & watched), cmdlines, addrs, tuple(pids))
     if cache is not None:
         for gone in cache.read.keys() - members.keys():
             del cache.read[gone]

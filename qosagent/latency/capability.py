@@ -186,7 +186,7 @@ class Latency(Capability):
         if self.mode == "sockops":
             self.watch = CgroupWatch(self.bpf, self.ctx.hostfs, links.cgroup_root(self.ctx.hostfs), self.ctx.clock)
             try:
-                self.watch.start(watched)
+                self.watch.start(watched, [p for ns in self._serving_namespaces(watched) for p in ns.pids])
             except CapabilityError:
                 self._release()
                 raise
@@ -307,12 +307,16 @@ class Latency(Capability):
             self._window = Window(m.window)
         self._maps = m
 
-    def _serving_pids(self, ports: set[int]) -> list[int]:
-        """A process in each other network namespace where one of ports listens (pods), from the agent's one scan."""
+    def _serving_namespaces(self, ports: set[int]) -> list[netns.ServingNs]:
+        """The other network namespaces where one of ports listens (pods), from the agent's one scan."""
         cfg = self.ctx.config
         found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
             bm.watched(cfg), any(not r.by_pod for r in netns.ns_rules(cfg.tenants)), self.ctx.clock())
-        return [ns.pid for ns in found.values() if ns.ports & ports]
+        return [ns for ns in found.values() if ns.ports & ports]
+
+    def _serving_pids(self, ports: set[int]) -> list[int]:
+        """A process in each serving namespace (pods), whose /proc entries list the namespace's sockets."""
+        return [ns.pid for ns in self._serving_namespaces(ports)]
 
     def _follow_pods(self, m: MapsPlan) -> None:
         """Process tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and go."""

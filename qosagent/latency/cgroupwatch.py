@@ -10,7 +10,7 @@ import logging
 import os
 import posixpath
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent.capability import CapabilityError
 from qosagent.latency import links
@@ -54,9 +54,10 @@ class CgroupWatch:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    def start(self, ports: set[int]) -> None:
+    def start(self, ports: set[int], pods: Iterable[int] = ()) -> None:
         """Link the learners, then the sock_ops program, on the root; start the thread; link the cgroups of the
-        servers listening on `ports`. Raises CapabilityError; close() undoes what was done."""
+        servers listening on `ports`, and of `pods` (every process of the serving network namespaces). Raises
+        CapabilityError; close() undoes what was done."""
         from bcc import BPF
 
         from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
@@ -87,13 +88,15 @@ class CgroupWatch:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._watch, name="latency-cgroups", daemon=True)
         self._thread.start()
-        self._link_listeners(ports)
+        self._link_listeners(ports, pods)
 
-    def _link_listeners(self, ports: set[int]) -> None:
+    def _link_listeners(self, ports: set[int], pods: Iterable[int]) -> None:
         """Link the cgroups of servers already listening on watched ports in this network namespace: they called
         listen() before the agent, so nothing reports them until their first request reaches the learner or their
-        first write, and the requests of connections opened before that would go unseen. Servers in other network
-        namespaces (pods) are left to the learner and to their first write."""
+        first write, and the requests of connections opened before that would go unseen. In other network
+        namespaces (pods) the listener's process is named by no table the agent can read without entering them, so
+        every process of a serving namespace has its cgroup linked (a pod's pause and sidecars too: their packets
+        cost the programs one storage lookup)."""
         import psutil
 
         from qosagent.placement.discovery import cgroup_paths
@@ -104,8 +107,8 @@ class CgroupWatch:
         except (psutil.Error, OSError) as e:
             log.warning("listing the listening sockets failed (%s): serving cgroups are learnt from "
                         "traffic only", e)
-            return
-        for pid in sorted(pids):
+            pids = set()
+        for pid in sorted(pids | set(pods)):
             v2 = cgroup_paths(self.fs.try_read(f"/proc/{pid}/cgroup") or "")[0]
             if not v2:
                 continue
