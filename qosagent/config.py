@@ -56,10 +56,10 @@ class TenantMatch(Section):
     cidrs: list[str] = Field(default_factory=list)
     header: HeaderMatch | None = None
     # Requests into the network namespace of a serving process whose command line this regex finds (a pod), on
-    # `ports` (default: every watched port). Quota only: the latency probes do not attribute it yet.
+    # `ports` (default: every watched port): quota by the host-side veth, latency by the namespace's addresses.
     process: Regex | None = None
     # Requests into the network namespace of a pod the container runtime lists (namespace, labels), on `ports`
-    # (default: every watched port). Quota only, like process.
+    # (default: every watched port). Quota only for now: latency attributes process tenants, not these yet.
     pods: PodMatch | None = None
 
     @property
