@@ -106,16 +106,7 @@ def test_namespaces_by_inode_and_their_listeners_read_again_only_when_due(tmp_pa
     from qosagent.netns import RECHECK_IDLE, ListenCache, serving_namespaces
 
     def proc(pid: int, ns: str, tcp: str, cmd: str) -> None:
-        d = tmp_path / "proc" / str(pid)
-        (d / "ns").mkdir(parents=True)
-        (d / "net").mkdir()
-        target = tmp_path / "ns" / ns
-        target.parent.mkdir(exist_ok=True)
-        if not target.exists():
-            target.write_text("")
-        (d / "ns" / "net").hardlink_to(target)  # one inode per namespace, as nsfs gives
-        (d / "net" / "tcp").write_text(tcp)
-        (d / "cmdline").write_text(cmd.replace(" ", "\0"))
+        fake_proc(tmp_path, pid, ns, tcp, cmd)
 
     header = TCP.splitlines()[0] + "\n"
     proc(1, "host", TCP, "init")
@@ -181,6 +172,7 @@ def test_a_namespaces_own_addresses_are_its_local_routes_and_interface_addresses
 
 
 def fake_proc(root, pid: int, ns: str, tcp: str, cmd: str) -> None:
+    """A process in /proc under root: its namespace (one inode per name), its socket table, addresses, command line."""
     d = root / "proc" / str(pid)
     (d / "ns").mkdir(parents=True)
     (d / "net").mkdir()
