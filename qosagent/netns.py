@@ -271,6 +271,10 @@ class Follower:
         asked = (frozenset(watched), cmdlines)
         if asked != self._asked:
             self._every.again()
+            if self._asked is not None and asked[0] != self._asked[0]:
+                # Other ports (a reload): every namespace's listeners read afresh, not taken from the cache, where
+                # a serving namespace's stay for RECHECK_SERVING and would not show a port it listens on since.
+                self._listeners = ListenCache()
         if self._every.due(now):
             self.found = serving_namespaces(self.fs, asked[0], self.own, asked[1], self._listeners, now)
             self._asked = asked

@@ -308,10 +308,11 @@ class Latency(Capability):
         self._maps = m
 
     def _serving_namespaces(self, ports: set[int]) -> list[netns.ServingNs]:
-        """The other network namespaces where one of ports listens (pods), from the agent's one scan."""
-        cfg = self.ctx.config
+        """The other network namespaces where one of ports listens (pods), from the agent's one scan, as the maps in
+        force say (during a reload's commit, the new config's, which the context holds only after it)."""
+        assert self._maps is not None
         found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
-            bm.watched(cfg), any(not r.by_pod for r in netns.ns_rules(cfg.tenants)), self.ctx.clock())
+            self._maps.watched, bool(self._maps.process), self.ctx.clock())
         return [ns for ns in found.values() if ns.ports & ports]
 
     def _serving_pids(self, ports: set[int]) -> list[int]:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 from qosagent.capability import AgentContext, State
-from qosagent.config import UNMATCHED, parse
+from qosagent.config import UNMATCHED, Config, parse
 from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
@@ -79,15 +79,18 @@ class Cluster:
         ns = self.lab.netns(role)
         self.lab.veth((self.node, dev, f"{node_addr}/24"), (ns, "eth0", f"{pod_addr}/24"))
         sh("ip", "-n", ns, "route", "add", "default", "via", node_addr)
+        return ns, self.serve(ns, pod_addr, PORT, prefill_ms)
+
+    def serve(self, ns: str, addr: str, port: int, prefill_ms: float = 45.0) -> contextlib.ExitStack:
         srv = contextlib.ExitStack()
-        srv.enter_context(sse_server("uvicorn", port=PORT, host=pod_addr, prefill_ms=prefill_ms, keep_alive_s=KEEP_S,
+        srv.enter_context(sse_server("uvicorn", port=port, host=addr, prefill_ms=prefill_ms, keep_alive_s=KEEP_S,
                                      prefix=("nsenter", f"--net=/run/netns/{ns}")))
         self.stack.callback(srv.close)
-        return ns, srv
+        return srv
 
-    def client(self, ns: str, host: str) -> RawClient:
+    def client(self, ns: str, host: str, port: int = PORT) -> RawClient:
         with inside(ns):
-            c = RawClient(PORT, host=host)
+            c = RawClient(port, host=host)
         self.clients.append(c)
         return c
 
@@ -104,15 +107,18 @@ def cluster(bpf: None) -> Iterator[Cluster]:
             cl.close()
 
 
+def config(mode: str, *ports: int) -> Config:
+    return parse({"tenants": [
+        {"name": "alpha", "tier": "gold", "match": {"process": rf"--host {POD_A.replace('.', '[.]')} ",
+                                                    "ports": list(ports)}},
+        {"name": "beta", "tier": "silver", "match": {"process": rf"--host {POD_B.replace('.', '[.]')} "}},
+    ], "latency": {"mode": mode, "ports": list(ports), "runqueue": {"enabled": False}}}, "test")
+
+
 def agent(mode: str) -> Latency:
     fs = HostFS("/")
     ensure_mounted(fs)
-    cfg = parse({"tenants": [
-        {"name": "alpha", "tier": "gold", "match": {"process": rf"--host {POD_A.replace('.', '[.]')} ",
-                                                    "ports": [PORT]}},
-        {"name": "beta", "tier": "silver", "match": {"process": rf"--host {POD_B.replace('.', '[.]')} "}},
-    ], "latency": {"mode": mode, "ports": [PORT], "runqueue": {"enabled": False}}}, "test")
-    cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
+    cap = Latency(AgentContext(config=config(mode, PORT), hostfs=fs, gpu=NoGpu("test")))
     verdict = cap.probe(probe(fs))
     assert verdict.state is State.ACTIVE and cap.egress, verdict.reason
     return cap
@@ -207,5 +213,20 @@ def test_pods_on_one_port_are_two_tenants_by_address_followed_as_they_come_and_g
         addrs = {bytes(k.addr)[12:] for k in Map.of(cap.bpf, "lat_netns").keys()}
         assert addrs == {bytes([198, 18, 1, 1])}, addrs
         assert pod_a in c.lab.namespaces
+
+        # A reload that watches a second port pod A serves: a connection open there before it is adopted, alpha's.
+        c.serve(pod_a, POD_A, PORT + 100)
+        early = c.client(c.cli, POD_A, PORT + 100)
+        early.request(stream(5.0))
+        new = config(mode, PORT, PORT + 100)
+        cap.prepare(new).commit()
+        cap.ctx.config = new  # as the daemon does once every capability committed
+        assert tick(cap).found_open == 2
+        late = run([(early, prefills(N, 7))])[0]
+        part = until(lambda: tick(cap), lambda p: p.tenants["alpha"].ttft.count >= 4 * N)
+        a = part.tenants["alpha"]
+        assert (a.requests, a.connections, a.adopted) == (4 * N, 4, 2), a
+        assert part.tenants[UNMATCHED].requests == 0
+        assert a.ttft.count == 4 * N and len(late) == N
     finally:
         cap.stop()

@@ -206,3 +206,7 @@ def test_one_scan_serves_every_capability_that_asks_within_a_period(tmp_path, mo
     assert len(scans) == 1
     assert len(f.current([8000], True, now=11.0)) == 2  # the period passed: the new namespace is found
     assert len(f.current([8000, 9000], True, now=11.1)) == 2 and len(scans) == 3  # other ports: scanned afresh
+    # ... and every namespace's listeners read again, however recently (a port it listens on since shows).
+    (tmp_path / "proc" / "10" / "net" / "tcp").write_text(TCP.replace("0100007F:1F90", "0100007F:2328"))
+    assert f.current([8000, 9000], True, now=11.2)[a.ino].ports == {8000}  # the same ports asked: as scanned
+    assert f.current([8000, 9000, 9001], True, now=11.3)[a.ino].ports == {8000, 9000}
