@@ -27,7 +27,7 @@ from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
-from qosagent.latency.model import LatencyPart
+from qosagent.latency.model import LatencyPart, Plan
 from tests.conftest import require
 from tests.integration.latency_helpers import until
 from tests.integration.netlab import Lab, sh
@@ -115,13 +115,13 @@ def config(mode: str, *ports: int) -> Config:
     ], "latency": {"mode": mode, "ports": list(ports), "runqueue": {"enabled": False}}}, "test")
 
 
-def agent(mode: str) -> Latency:
+def agent(mode: str) -> tuple[Latency, Plan]:
     fs = HostFS("/")
     ensure_mounted(fs)
     cap = Latency(AgentContext(config=config(mode, PORT), hostfs=fs, gpu=NoGpu("test")))
     verdict = cap.probe(probe(fs))
-    assert verdict.state is State.ACTIVE and cap.egress, verdict.reason
-    return cap
+    assert verdict.state is State.ACTIVE and verdict.plan.egress, verdict.reason
+    return cap, verdict.plan
 
 
 def tick(cap: Latency) -> LatencyPart:
@@ -167,8 +167,8 @@ def test_pods_on_one_port_are_two_tenants_by_address_followed_as_they_come_and_g
     # A gateway's connection into pod A, open and used before the agent starts.
     pooled = c.client(c.node, POD_A)
     pooled.request(stream(5.0))
-    cap = agent(mode)
-    cap.start()
+    cap, plan = agent(mode)
+    cap.start(plan)
     try:
         # sockops mode: from here only the programs on the serving cgroups see requests arrive, as LEARN_S after a
         # start; the pod's server listened before the agent, so its cgroup must have been linked at start.
