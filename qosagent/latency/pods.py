@@ -75,9 +75,8 @@ class PodTenants:
         """Bring lat_netns up to date; True when it changed. Without process rules nothing is scanned for it."""
         from qosagent.ebpf.maps import sync
 
-        rules = list(rules)
+        rules, watched = list(rules), list(watched)
         found = netns.follower(self.services, self.fs).current(watched, True, now) if rules else {}
-        watched = list(watched)
         want, tenants, shared = entries(found, rules, watched)
         followed = tuple({
             "netns": ino, "pid": found[ino].pid, "addresses": sorted(map(show, found[ino].addrs - shared)),
