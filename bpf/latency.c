@@ -53,7 +53,8 @@ struct lat_netns_cfg {
     __u32 entries; /* in lat_netns */
 };
 
-BPF_HASH(lat_netns, struct lat_netns_key, struct qos_tenant_val, 4096);
+#define LAT_NETNS_MAX 4096 /* mirrored in qosagent/latency/pods.py */
+BPF_HASH(lat_netns, struct lat_netns_key, struct qos_tenant_val, LAT_NETNS_MAX);
 BPF_ARRAY(lat_netns_conf, struct lat_netns_cfg, 1);
 
 static __always_inline __u32 lat_tenant_by_netns(__u16 lport, const __u8 *local)

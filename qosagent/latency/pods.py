@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qosagent.latency")
 
 Key = tuple[bytes, int]  # (16-byte local address, port or 0)
+MAX_ENTRIES = 4096  # LAT_NETNS_MAX of bpf/latency.c: 1000 pods with two addresses on two ports each
 
 
 def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], watched: Iterable[int]
@@ -68,6 +69,7 @@ class PodTenants:
     def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map", conf: "Map"):
         self.services, self.fs, self.table, self.conf = services, fs, table, conf
         self.written: dict[Key, int] = {}
+        self.overflow = 0  # entries wanted when more than MAX_ENTRIES, as last warned of
         self.followed: tuple[dict[str, Any], ...] = ()
 
     def follow(self, rules: Iterable[netns.NsRule], watched: Iterable[int], now: float,
@@ -78,6 +80,13 @@ class PodTenants:
         rules, watched = list(rules), list(watched)
         found = netns.follower(self.services, self.fs).current(watched, True, now) if rules else {}
         want, tenants, shared = entries(found, rules, watched)
+        wanted = len(want)
+        if wanted > MAX_ENTRIES:
+            if wanted != self.overflow:
+                log.warning("%d (address, port) entries for process tenants, room for %d: connections to the "
+                            "addresses left out count as unmatched", wanted, MAX_ENTRIES)
+            want = dict(sorted(want.items())[:MAX_ENTRIES])
+        self.overflow = wanted if wanted > MAX_ENTRIES else 0
         followed = tuple({
             "netns": ino, "pid": found[ino].pid, "addresses": sorted(map(show, found[ino].addrs - shared)),
             "shared": sorted(map(show, found[ino].addrs & shared)),

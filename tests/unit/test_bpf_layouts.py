@@ -10,6 +10,7 @@ import pytest
 from qosagent import hist, tenants
 from qosagent.ebpf import tenant_ports
 from qosagent.latency import bpfmaps as bm
+from qosagent.latency import pods as latency_pods
 from qosagent.latency.cgroupwatch import CgroupEvent
 from qosagent.quota import layout, rules
 from tests.bpf_headers import Headers, Struct
@@ -78,6 +79,7 @@ def constants() -> list[tuple[str, int]]:
         ("QOS_MAX_NS", rules.MAX_NS),
         ("LAT_KINDS", bm.KINDS),
         ("LAT_NCOUNTERS", bm.NCOUNTERS),
+        ("LAT_NETNS_MAX", latency_pods.MAX_ENTRIES),
     ]
     out += [(f"QOS_STAT_{reason.upper()}", i) for i, reason in enumerate(layout.STAT_REASONS)]
     out += [(f"QOS_VIA_{via.upper()}", i) for i, via in layout.VIA.items()]

@@ -131,3 +131,18 @@ def test_connections_open_in_a_pod_are_listed_from_its_own_proc_entries(tmp_path
     assert adopt.established(fs, [8000]) == []
     (c,) = adopt.established(fs, [8000], elsewhere=[42, 43])  # 43: gone meanwhile, nothing read
     assert (c.local, c.lport, c.remote, c.rport) == (A, 8000, MAPPED + bytes([198, 18, 1, 254]), 0xD431)
+
+
+def test_more_entries_than_the_map_holds_are_cut_with_a_warning_not_a_failed_write(caplog, monkeypatch) -> None:
+    from qosagent.latency import pods as pods_mod
+
+    monkeypatch.setattr(pods_mod, "MAX_ENTRIES", 2)
+    fol, m, conf = FakeFollower(), FakeMap(), FakeConf()
+    fol.found = {1: ns(1, "uvicorn --host 198.18.1.1", A), 2: ns(2, "uvicorn --host 198.18.2.1", B, C)}
+    pods = PodTenants({"netns.serving": fol}, None, m, conf)  # type: ignore[arg-type]
+    assert pods.follow(RULES, [8000], 1.0, {})
+    assert len(m.entries()) == 2 and conf.entries == 2
+    assert "3 (address, port) entries for process tenants, room for 2" in caplog.text
+    caplog.clear()
+    pods.follow(RULES, [8000], 2.0, {})
+    assert "room for" not in caplog.text  # said once, not every second
