@@ -1,7 +1,8 @@
 """Servers in pods: HTTP servers each in its own network namespace behind a veth pair whose other end is in the
 "node" namespace the agent runs in (as a CNI lays pods out), reached from the node and from a client namespace
-routed through it. Two pods serve the same port and are two tenants (match.process); a restart hands the pods'
-filters over; the second pod appears after the agent started and is followed, then deleted and forgotten."""
+routed through it. Two pods serve the same port and are two tenants (match.process), in quota and in latency alike;
+a restart hands the pods' filters over; the second pod appears after the agent started and is followed, then
+deleted and forgotten."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class Cluster:
         self.config.write_text(yaml.safe_dump({
             "interval": "100ms", "state_dir": str(tmp), "status": {"socket": self.socket},
             "metrics": {"enabled": False}, "bpf": {"pin_root": self.pin_root},
-            "latency": {"enabled": False, "ports": [8000]},
+            "latency": {"enabled": True, "ports": [8000], "runqueue": {"enabled": False}},
             "quota": {"enabled": True, "interfaces": ["lo"]},
             "tenants": [
                 {"name": "alpha", "tier": "silver", "match": {"process": r"serve 198\.18\.1\.1 ", "ports": [8000]},
@@ -146,6 +147,14 @@ def test_pods_on_one_port_are_two_tenants_followed_as_they_come_and_go(cluster):
     assert served_a <= tenants["alpha"]["admitted"] <= served_a + len(res[0]["errors"]) + len(res[1]["errors"])
     assert "filter protocol all pref" in sh("ip", "netns", "exec", c.node, "tc", "filter", "show", "dev", "pb",
                                             "egress")
+    # Latency tells the two pods apart as quota does, by their addresses, from the same scan of /proc: every request
+    # served is one of its tenant's, none more than quota admitted.
+    lat = c.status()["latency"]
+    assert sorted(t for n in lat["namespaces"] for t in n["tenants"].values()) == ["alpha", "beta"], lat["namespaces"]
+    seen = {t["tenant"]: t["requests"] for t in lat["tenants"]}
+    assert served_a <= seen["alpha"] <= tenants["alpha"]["admitted"], (seen, tenants["alpha"])
+    assert len(res[2]["done"]) <= seen["beta"] <= tenants["beta"]["admitted"], (seen, tenants["beta"])
+    assert seen.get("unmatched", 0) == 0, seen
 
     # The pod deleted: its namespace is forgotten, its veth took its filter along.
     c.delete_pod_b()
