@@ -59,7 +59,7 @@ class TenantMatch(Section):
     # `ports` (default: every watched port): quota by the host-side veth, latency by the namespace's addresses.
     process: Regex | None = None
     # Requests into the network namespace of a pod the container runtime lists (namespace, labels), on `ports`
-    # (default: every watched port). Quota only for now: latency attributes process tenants, not these yet.
+    # (default: every watched port). Latency takes each namespace's pod from quota, which lists them.
     pods: PodMatch | None = None
 
     @property

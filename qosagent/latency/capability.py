@@ -312,7 +312,7 @@ class Latency(Capability):
         force say (during a reload's commit, the new config's, which the context holds only after it)."""
         assert self._maps is not None
         found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
-            self._maps.watched, bool(self._maps.process), self.ctx.clock())
+            self._maps.watched, any(not r.by_pod for r in self._maps.namespace_rules), self.ctx.clock())
         return [ns for ns in found.values() if ns.ports & ports]
 
     def _serving_pids(self, ports: set[int]) -> list[int]:
@@ -322,7 +322,7 @@ class Latency(Capability):
     def _follow_pods(self, m: MapsPlan) -> None:
         """Process tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and go."""
         assert self._pods is not None
-        self._pods.follow(m.process, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()})
+        self._pods.follow(m.namespace_rules, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()})
 
     def prepare(self, config: "Config") -> Change:
         if self.bpf is None:

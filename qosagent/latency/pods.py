@@ -18,13 +18,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import struct
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from qosagent import netns
 
 if TYPE_CHECKING:
     from qosagent.ebpf.maps import Map
     from qosagent.hostfs import HostFS
+    from qosagent.pods.model import Pod
 
 log = logging.getLogger("qosagent.latency")
 
@@ -32,11 +33,13 @@ Key = tuple[bytes, int]  # (16-byte local address, port or 0)
 MAX_ENTRIES = 4096  # LAT_NETNS_MAX of bpf/latency.c: 1000 pods with two addresses on two ports each
 
 
-def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], watched: Iterable[int]
+def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], watched: Iterable[int],
+            pod_in: "Callable[[int], Pod | None]" = lambda ino: None
             ) -> tuple[dict[Key, int], dict[int, dict[int, int]], set[bytes]]:
     """What lat_netns holds for these namespaces: (address, port) -> tenant, a tenant of any watched port (0) entered
     under each of them (one lookup in the kernel, not two); each namespace's tenants by port (as
-    netns.namespace_tenants gives them); and the addresses left out because two namespaces hold them."""
+    netns.namespace_tenants gives them, with its pod from pod_in); and the addresses left out because two namespaces
+    hold them."""
     watched = sorted(watched)
     rules = list(rules)
     owners: dict[bytes, set[int]] = {}
@@ -47,7 +50,7 @@ def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule],
     out: dict[Key, int] = {}
     tenants: dict[int, dict[int, int]] = {}
     for ino, ns in sorted(found.items()):
-        by_port = netns.namespace_tenants(rules, ns, None)
+        by_port = netns.namespace_tenants(rules, ns, pod_in(ino))
         if not by_port:
             continue
         tenants[ino] = by_port
@@ -74,12 +77,16 @@ class PodTenants:
 
     def follow(self, rules: Iterable[netns.NsRule], watched: Iterable[int], now: float,
                names: Mapping[int, str]) -> bool:
-        """Bring lat_netns up to date; True when it changed. Without process rules nothing is scanned for it."""
+        """Bring lat_netns up to date; True when it changed. Without process or pods rules nothing is scanned for
+        it. A namespace's pod comes from quota (services["netns.pods"]), which lists the runtime's pods: without
+        quota no pods rule matches, and those connections are unmatched."""
         from qosagent.ebpf.maps import sync
 
         rules, watched = list(rules), list(watched)
-        found = netns.follower(self.services, self.fs).current(watched, True, now) if rules else {}
-        want, tenants, shared = entries(found, rules, watched)
+        found = (netns.follower(self.services, self.fs).current(watched, any(not r.by_pod for r in rules), now)
+                 if rules else {})
+        pod_in = self.services.get("netns.pods") or (lambda ino: None)
+        want, tenants, shared = entries(found, rules, watched, pod_in)
         wanted = len(want)
         if wanted > MAX_ENTRIES:
             if wanted != self.overflow:
@@ -90,6 +97,7 @@ class PodTenants:
         followed = tuple({
             "netns": ino, "pid": found[ino].pid, "addresses": sorted(map(show, found[ino].addrs - shared)),
             "shared": sorted(map(show, found[ino].addrs & shared)),
+            "pod": pod.ref if (pod := pod_in(ino)) is not None else None,
             "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in by_port.items()},
         } for ino, by_port in sorted(tenants.items()))
         if want == self.written and followed == self.followed:

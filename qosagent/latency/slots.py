@@ -24,8 +24,8 @@ class MapsPlan:
     watched: tuple[int, ...]
     mux: tuple[int, ...]
     window: float
-    # match.process tenants, for lat_netns (qosagent/latency/pods.py); match.pods ones are quota's alone for now
-    process: tuple[NsRule, ...] = ()
+    # match.process and match.pods tenants, for lat_netns (qosagent/latency/pods.py)
+    namespace_rules: tuple[NsRule, ...] = ()
 
 
 def assign_slots(have: Mapping[int, int], table: Mapping[int, TenantInfo], nslots: int) -> dict[int, int]:
@@ -50,4 +50,4 @@ def plan(cfg: "Config", have: Mapping[int, int], nslots: int) -> MapsPlan:
     ports, cidrs = tenant_entries(cfg)
     return MapsPlan(table, assign_slots(have, table, nslots), dict(ports), tuple(cidrs), tuple(bm.watched(cfg)),
                     tuple(cfg.latency.multiplexed_ports), cfg.latency.window,
-                    tuple(r for r in ns_rules(cfg.tenants) if not r.by_pod))
+                    tuple(ns_rules(cfg.tenants)))

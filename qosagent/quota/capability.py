@@ -141,6 +141,7 @@ class Quota(Capability):
         # Pods tenants only: the runtime's pods (listed on their own thread) and the host's view of cgroups.
         self.pods: "PodSource | None" = None
         self.pods_view: PodsView | None = None
+        self.ns_pods: dict[int, Pod] = {}  # serving namespace -> its pod, as the last follow found them
         self._cgroups: "HostCgroups | None" = None
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
@@ -218,6 +219,9 @@ class Quota(Capability):
         if self.datapath.adopted:
             log.info("adopted pinned quota state at %s", self.datapath.path)
         self.ctx.services["quota.limits"] = LimitsWriter(self)
+        # The pods of the serving namespaces as the last follow found them, for latency's pods tenants: the runtime's
+        # listing and the cgroup matching live here, and are not done twice.
+        self.ctx.services["netns.pods"] = self.pod_in
 
     def maintain(self) -> None:
         # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
@@ -285,6 +289,7 @@ class Quota(Capability):
                 veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
         tokens = by_cgroup_token(view.pods.values()) if view is not None and view.pods is not None else None
         pods = {ino: self._pod_of(found[ino], tokens) for ino in veths}
+        self.ns_pods = {ino: pod for ino, pod in pods.items() if pod is not None}
         tenants = {ino: netns.namespace_tenants(rules, found[ino], pods[ino]) for ino in veths}
         entries = {(idx, port): tid for ino, vs in veths.items() for idx, _ in vs
                    for port, tid in tenants[ino].items()}
@@ -330,6 +335,10 @@ class Quota(Capability):
             self._cgroups = self._cgroups or HostCgroups(self.ctx.hostfs)
         self.pods_view = view = self.pods.view()
         return view
+
+    def pod_in(self, ino: int) -> Pod | None:
+        """The pod of serving network namespace ino, when a pods tenant made the agent list them and one holds it."""
+        return self.ns_pods.get(ino)
 
     def _pod_of(self, ns: netns.ServingNs, tokens: Mapping[str, Pod] | None) -> Pod | None:
         """ns's pod among the known ones (tokens: by_cgroup_token; None while they are unknown)."""
@@ -398,6 +407,7 @@ class Quota(Capability):
             return
         self.datapath = None
         self.ctx.services.pop("quota.limits", None)
+        self.ctx.services.pop("netns.pods", None)
         q = self.ctx.config.quota
         path = d.path
         d.close()

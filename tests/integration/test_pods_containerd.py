@@ -136,7 +136,7 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     conf.write_text(yaml.safe_dump({
         "interval": "100ms", "state_dir": str(tmp_path), "status": {"socket": socket},
         "metrics": {"enabled": False}, "bpf": {"pin_root": f"/sys/fs/bpf/qosagent-test-{node.lab.tag}"},
-        "latency": {"enabled": False, "ports": [8000]},
+        "latency": {"enabled": True, "ports": [8000], "runqueue": {"enabled": False}},
         "quota": {"enabled": True, "interfaces": ["lo"]},
         "pods": {"runtime_socket": node.runtime.socket, "refresh": "500ms", "timeout": "300ms",
                  "stale_after": "3s"},
@@ -181,6 +181,15 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     time.sleep(0.3)
     t = {x["tenant"]: x for x in quota()["tenants"]}
     assert t["chat"]["dropped"] > 0 and t["batch"]["dropped"] > 0
+    # Latency tells the pods apart by the same labels (the pod of each namespace as quota found it), by their
+    # addresses: every request served is its tenant's, none more than quota admitted.
+    lat = request(socket, {"cmd": "status"})["latency"]
+    assert {n["pod"]: n["tenants"] for n in lat["namespaces"]} == {"qa/chat-0": {"any": "chat"},
+                                                                  "qa/batch-0": {"8000": "batch"}}, lat["namespaces"]
+    seen = {x["tenant"]: x["requests"] for x in lat["tenants"]}
+    for i, name in enumerate(("chat", "batch")):
+        assert len(res[i]["done"]) <= seen[name] <= t[name]["admitted"], (name, seen, t[name])
+    assert seen.get("unmatched", 0) == 0, seen
 
     # containerd stops answering (stopped, not gone): the last list holds for stale_after, then pods are unknown
     # and the pods' namespaces have no tenant; it answers again and they are back.

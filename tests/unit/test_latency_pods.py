@@ -30,6 +30,17 @@ def test_two_pods_on_one_port_are_told_apart_by_their_addresses() -> None:
     assert tenants == {1: {8000: 11}, 2: {0: 22}} and shared == set()
 
 
+def test_pods_tenants_by_the_pod_quota_found_in_each_namespace() -> None:
+    from qosagent.pods.model import Pod
+
+    found = {1: ns(1, "uvicorn", A), 2: ns(2, "uvicorn", B)}
+    rules = [NsRule(33, (), pod_namespace="qa", pod_labels=(("app", "chat"),))]
+    chat = Pod("u1", "qa", "chat-0", {"app": "chat"})
+    want, tenants, _ = entries(found, rules, [8000], {1: chat}.get)
+    assert want == {(A, 8000): 33} and tenants == {1: {0: 33}}  # namespace 2's pod unknown: no pods tenant
+    assert entries(found, rules, [8000])[0] == {}  # no pods known at all (quota off): none
+
+
 def test_an_address_two_serving_namespaces_hold_is_left_out_not_guessed() -> None:
     found = {1: ns(1, "uvicorn --host 198.18.1.1", A, C), 2: ns(2, "uvicorn --host 198.18.2.1", B, C)}
     want, _, shared = entries(found, RULES, [8000])
@@ -99,7 +110,7 @@ def test_the_map_follows_namespaces_as_they_come_and_go(caplog) -> None:
     fol.found = {1: ns(1, "uvicorn --host 198.18.1.1", A)}
     assert pods.follow(RULES, [8000], 1.0, names)
     assert m.entries() == {(A, 8000): 11} and conf.entries == 1
-    assert pods.followed == ({"netns": 1, "pid": 10, "addresses": ["198.18.1.1"], "shared": [],
+    assert pods.followed == ({"netns": 1, "pid": 10, "addresses": ["198.18.1.1"], "shared": [], "pod": None,
                               "tenants": {"8000": "alpha"}},)
     fol.found[2] = ns(2, "uvicorn --host 198.18.2.1", B)
     assert pods.follow(RULES, [8000], 2.0, names)
