@@ -69,15 +69,16 @@ def tenant_entries(cfg: Config) -> tuple[dict[int, int], list[CidrEntry]]:
     so that a tenant's latency and its quota describe the same traffic).
 
     A tenant matching ports alone claims those ports (tenant_ports). One matching CIDRs claims those client
-    addresses on each of its ports, or on every watched port (port 0) when it names none. Header, process and pods
-    rules are the quota classifier's own maps (only TC sees payload; only quota follows serving namespaces)."""
+    addresses on each of its ports, or on every watched port (port 0) when it names none. Header rules are the quota
+    classifier's own map (only TC sees payload); process and pods rules each program's own, per serving network
+    namespace (quota_netns by host-side veth, lat_netns by the namespace's addresses)."""
     ports: dict[int, int] = {}
     cidrs: list[CidrEntry] = []
     for t in cfg.tenants:
         tid = tenant_id(t.name)
         m = t.match
         if m.per_namespace:
-            continue  # the quota classifier's own rule (quota_netns), per serving network namespace
+            continue  # per serving network namespace: quota_netns, lat_netns
         if m.claims_ports:
             for p in m.ports:
                 ports[p] = tid
