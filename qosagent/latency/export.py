@@ -300,8 +300,9 @@ def render(st: dict[str, Any]) -> str:
     for n in st.get("namespaces") or []:
         who = ", ".join(f"port {p}: {t}" for p, t in n["tenants"].items())
         shared = f"; shared with another namespace, unmatched: {', '.join(n['shared'])}" if n.get("shared") else ""
-        lines.append(f"netns {n['netns']} (pid {n['pid']}) by address {', '.join(n['addresses']) or 'none'}{shared}: "
-                     f"{who}")
+        pod = f", pod {n['pod']}" if n.get("pod") else ""
+        addrs = ", ".join(n["addresses"]) or "none"
+        lines.append(f"netns {n['netns']} (pid {n['pid']}{pod}) by address {addrs}{shared}: {who}")
     rq = st.get("runqueue")
     if rq:
         lines.append(f"run-queue latency of serving processes: p50 {_ms(rq['p50'])}  p95 {_ms(rq['p95'])}  "

@@ -77,5 +77,6 @@ class LatencyPart:
     unobserved: Mapping[str, int] = field(default_factory=dict)
     hooks: Hooks = Hooks()
     slo: Mapping[str, float] = field(default_factory=dict)  # tenants[].tier's slo_p99 of the configured tenants
-    # Serving network namespaces whose addresses attribute process tenants (qosagent/latency/pods.py), as status shows.
+    # Serving network namespaces whose addresses attribute process and pods tenants (qosagent/latency/pods.py), as
+    # status shows them.
     namespaces: tuple[Mapping[str, Any], ...] = ()

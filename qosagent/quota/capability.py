@@ -9,11 +9,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from qosagent import netns
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
 from qosagent.quota import datapath as dp
-from qosagent import netns
 from qosagent.quota import tc
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from qosagent.pods.source import PodSource
 
 log = logging.getLogger("qosagent.quota")
+
 
 def interfaces(cfg: Config) -> list[str]:
     """quota.interfaces, or lo plus the interfaces whose addresses a listener on a watched port is bound to."""

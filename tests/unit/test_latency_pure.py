@@ -170,11 +170,11 @@ def test_status_and_render_agree_on_quantiles_and_slo() -> None:
 
 def test_status_shows_the_pods_followed_by_address() -> None:
     pods = ({"netns": 4026532315, "pid": 42, "addresses": ["198.18.1.1"], "shared": ["198.18.9.9"],
-             "tenants": {"8000": "acme"}},)
+             "pod": "qa/chat-0", "tenants": {"8000": "acme"}},)
     st = export.status(LatencyPart(10.0, {}, namespaces=pods), {}, "ttft", 0.99)
     assert st["namespaces"] == [dict(pods[0])]
-    assert ("netns 4026532315 (pid 42) by address 198.18.1.1; shared with another namespace, unmatched: 198.18.9.9: "
-            "port 8000: acme") in export.render(st)
+    assert ("netns 4026532315 (pid 42, pod qa/chat-0) by address 198.18.1.1; shared with another namespace, "
+            "unmatched: 198.18.9.9: port 8000: acme") in export.render(st)
 
 
 def test_slo_state() -> None:
