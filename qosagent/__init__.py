@@ -1,3 +1,3 @@
 """qosagent: per-tenant latency SLOs for GPU inference hosts, measured and enforced in the kernel."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
