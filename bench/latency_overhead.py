@@ -145,7 +145,7 @@ class Toggled:
         if lat.mode not in ("sockops", "tracepoint"):
             raise RuntimeError(f"the bench toggles sockops links or tracepoints; the probes run in {lat.mode} mode")
         self.lat = lat
-        self.bpf = lat.bpf
+        self.bpf = lat.dp.bpf
         if lat.mode == "sockops" and serving_cgroup:
             # nginx listened before the agent started: its cgroup would be learned at its first response. Linked
             # now, so that no window starts before it is (and so that empty programs, which learn nothing, work).

@@ -53,15 +53,15 @@ cfg = parse({"tenants": [{"name": "net2", "tier": "gold", "match": {"cidrs": ["1
 cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("bench")))
 cap.probe(probe(fs))
 cap.start()
-if b"lat_netns" in cap.bpf.tables:
+if b"lat_netns" in cap.dp.bpf.tables:
     # A pod's address in the map, not the bench's: every connection looks it up and misses (the longest path).
     from qosagent.ebpf.maps import Map
-    m, conf = Map.of(cap.bpf, "lat_netns"), Map.of(cap.bpf, "lat_netns_conf")
+    m, conf = Map.of(cap.dp.bpf, "lat_netns"), Map.of(cap.dp.bpf, "lat_netns_conf")
     m.update(bytes(10) + b"\xff\xff" + bytes([198, 18, 1, 1]) + port.to_bytes(2, sys.byteorder) + bytes(2),
              m.value(tenant=1))
     conf.update(0, conf.value(entries=1))
 name = b"lat_sockops" if mode == "sockops" else b"tracepoint__sock__inet_sock_set_state"
-fd = cap.bpf.funcs[name].fd
+fd = cap.dp.bpf.funcs[name].fd
 stats = libbpf.enable_stats()
 i0 = libbpf._ProgInfo(); libbpf._info(fd, i0)
 for _ in range(conns):

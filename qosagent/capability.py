@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from qosagent.config import Config
     from qosagent.features import Features
-    from qosagent.gpu.backend import GpuBackend
+    from qosagent.gpu.backend import GpuBackend, GpuState
 
 
 class State(str, enum.Enum):
@@ -100,6 +100,9 @@ class AgentContext:
     # The verdicts of the capabilities probed (and started, in the agent) before this one, by name: what a
     # capability may count on from another at probe, in `qosagent check` as in the agent.
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    # The tick's one GPU sample (the daemon takes it before maintain), for what a capability's maintain and collect
+    # need of the GPUs; None before the first tick.
+    gpu_state: "GpuState | None" = None
     # A clean stop hands enforcement over to the next agent where a capability can (quota's filter and pins stay);
     # True makes stop() remove everything, as `qosagent detach` would.
     detach_on_exit: bool = False

@@ -128,6 +128,7 @@ class Agent:
     def tick(self) -> Snapshot:
         t0 = time.monotonic()
         parts: dict[str, Any] = {"gpu": self._sample_gpu()}
+        self.ctx.gpu_state = parts["gpu"]
         failed: set[str] = set()
         for cap in self.capabilities:
             try:

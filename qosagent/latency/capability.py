@@ -7,16 +7,16 @@ as read, window histograms as the difference to a checkpoint.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent import netns
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.hist import Histogram, Since
-from qosagent.latency import adopt, links, selftest, slots
+from qosagent.latency import adopt, links, runq, selftest
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
+from qosagent.latency.datapath import KPROBE_ARRIVAL, KPROBES, Datapath
 from qosagent.latency.model import Hooks, LatencyPart, Plan, TenantLatency
 from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from qosagent.config import Config
-    from qosagent.ebpf.tenant_ports import TenantPorts
     from qosagent.features import Features
     from qosagent.snapshot import Snapshot
 
@@ -36,11 +35,6 @@ log = logging.getLogger("qosagent.latency")
 
 SOCKET_TRACEPOINTS = ("sock/sock_recv_length", "sock/sock_send_length")
 RUNQ_TRACEPOINTS = ("sched/sched_wakeup", "sched/sched_wakeup_new", "sched/sched_switch")
-# The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency.c says why no kretprobes).
-KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
-# The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the
-# tracepoint was put in, TCP's data-ready callback.
-KPROBE_ARRIVAL = ("sock_def_readable", "kp_data_ready")
 RUNQ_REFRESH_S = 1.0  # how often the threads of the serving processes are re-listed
 _EMPTY: dict[int, int] = {}
 
@@ -56,7 +50,7 @@ class Latency(Capability):
         self.egress = False  # responses are read as they leave (TTFT, inter-token): a cgroup_skb egress program
         self._egress_error = "no cgroup v2 hierarchy for the egress program"  # why not, when not
         self._egress_lost = False  # probe promised it, start could not attach it
-        self.bpf: Any = None
+        self.dp: Datapath | None = None  # the loaded program and its maps
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
@@ -64,14 +58,6 @@ class Latency(Capability):
         self._window: Window[bm.Raw] | None = None
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
-        self._ports: "TenantPorts | None" = None  # tenant_ports as written
-        self._nslots = 0  # LAT_SLOTS of the loaded program
-        self._slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
-        self._rows = bm.RowParser()
-        self._hist_fd = self._counters_fd = -1
-        self._counters_size = 0  # lat_counters' value: struct lat_counts per possible CPU
-        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the ranges each tick reads (_plan_reads)
-        self._reads: tuple[Any, Any, Any] | None = None
         self.watch: CgroupWatch | None = None  # sockops mode: the hooks on the cgroup2 root and serving cgroups
         self._egress_root_link: int | None = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
         self.adopter: adopt.Adopter | None = None  # connections open before their port was watched
@@ -132,59 +118,18 @@ class Latency(Capability):
                        Plan(mode=mode, arrival=arrival, egress=egress, runq=runq))
 
     def start(self, plan: Plan) -> None:
-        from qosagent.ebpf.loader import BpfError, compile_program
-
         self.mode, self.arrival, self.egress, self.runq = plan.mode, plan.arrival, plan.egress, plan.runq
-        defines: dict[str, object] = {}
-        if self.runq:
-            defines["QOS_RUNQ"] = 1
-        if self.mode == "sockops":
-            defines["QOS_SOCKOPS"] = 1
-        else:
-            if self.mode == "kprobe":
-                defines["QOS_KPROBE"] = 1
-            if self.arrival:
-                defines["QOS_ARRIVAL"] = 1
-            if self.egress:
-                defines["QOS_EGRESS"] = 1
-            defines["LAT_SOCK_BUCKETS_LOG2"] = (self.ctx.config.latency.socket_slots // 4).bit_length() - 1
-        self._nslots = bm.slots_for(len(self.ctx.config.tenants))
-        self._slots = {}
-        self._rows = bm.RowParser()
-        defines["LAT_SLOTS"] = self._nslots
-        defines.update(_flows_defines(self.ctx.config))
-        try:
-            self.bpf = compile_program("latency", defines)
-            if self.mode == "kprobe":
-                for fn, prog in KPROBES:
-                    self.bpf.attach_kprobe(event=fn.encode(), fn_name=prog.encode())
-                if self.arrival:
-                    self.bpf.attach_kprobe(event=KPROBE_ARRIVAL[0].encode(), fn_name=KPROBE_ARRIVAL[1].encode())
-        except BpfError as e:
-            raise CapabilityError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching
-            self._release()
-            raise CapabilityError(f"attaching the latency probes failed: {e}") from None
-        from qosagent.ebpf.maps import Map
-        from qosagent.ebpf.tenant_ports import TenantPorts
-
-        self._ports = TenantPorts(Map.of(self.bpf, "tenant_ports").fd)  # a fresh map: all zero
-        hist, counters = Map.of(self.bpf, "lat_hist"), Map.of(self.bpf, "lat_counters")
-        self._hist_fd, self._counters_fd = hist.fd, counters.fd
-        # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
-        # many, so the buffer must hold them.
-        self._counters_size = ctypes.sizeof(counters.value)
-        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, Map.of(self.bpf, "lat_netns"),
-                                Map.of(self.bpf, "lat_netns_conf"))
+        self.dp = dp = Datapath.load(self.ctx.config, plan)
+        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, dp.map("lat_netns"), dp.map("lat_netns_conf"))
         self._maps = None
-        adopt.set_listing(self.bpf, True)
-        self._write_maps(self._plan_maps(self.ctx.config))
+        adopt.set_listing(dp.bpf, True)
+        self._write_maps(dp.plan(self.ctx.config))
         watched = set(bm.watched(self.ctx.config))
         root = None
         # Maps first, hooks last: a connection established before the tenant maps were written would be resolved
         # against empty ones.
         if self.mode == "sockops":
-            self.watch = CgroupWatch(self.bpf, self.ctx.hostfs, links.cgroup_root(self.ctx.hostfs), self.ctx.clock)
+            self.watch = CgroupWatch(dp.bpf, self.ctx.hostfs, links.cgroup_root(self.ctx.hostfs), self.ctx.clock)
             try:
                 self.watch.start(watched, [p for ns in self._serving_namespaces(watched) for p in ns.pids])
             except CapabilityError:
@@ -192,10 +137,10 @@ class Latency(Capability):
                 raise
         elif self.egress:
             root = self._attach_egress_root()
-        self.adopter = adopt.Adopter(self.bpf, self.ctx.hostfs, self.ctx.clock, self.watch, root,
+        self.adopter = adopt.Adopter(dp.bpf, self.ctx.hostfs, self.ctx.clock, self.watch, root,
                                      elsewhere=self._serving_pids)
         self.adopter.open(watched)
-        self.programs = self._program_ids()
+        self.programs = dp.program_ids(self.ctx.hostfs)
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
@@ -207,13 +152,9 @@ class Latency(Capability):
         # Active only once the hooks were seen running (qosagent/latency/selftest.py): those on every socket's path.
         rooted = self.watch.rooted() if self.watch is not None else []
         rooted += ["lat_egress"] if self._egress_root_link is not None else []
-        # The run-queue probes are left out: a wakeup of a new task needs a fork, which one connection does not make.
-        traced = [k.decode() for k in self.bpf.funcs if k.startswith((b"tracepoint__", b"raw_tracepoint__", b"kp_"))
-                  and not k.startswith(b"tracepoint__sched__")]
-        names = rooted + traced
+        assert self.dp is not None
         try:
-            silent = selftest.check({n: self.bpf.funcs[n.encode()].fd for n in names},
-                                    set(bm.watched(self.ctx.config)))
+            silent = selftest.check(self.dp.fds(rooted + self.dp.traced()), set(bm.watched(self.ctx.config)))
         except selftest.Unverifiable as e:
             # Said, not degraded: the documented unit runs without CAP_SYS_ADMIN, and a capability degraded on every
             # such host would be a false alarm (and an agent never ready).
@@ -233,7 +174,7 @@ class Latency(Capability):
 
         try:
             root = links.cgroup_root(self.ctx.hostfs)
-            self._egress_root_link = links.link_root(self.ctx.hostfs, root, links.load_egress(self.bpf).fd,
+            self._egress_root_link = links.link_root(self.ctx.hostfs, root, links.load_egress(self.dp.bpf).fd,
                                                      ATTACH_CGROUP_INET_EGRESS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
             self.egress = False
@@ -254,52 +195,24 @@ class Latency(Capability):
             self.watch = None
         links.close(self._egress_root_link)
         self._egress_root_link = None
-        if self.bpf is not None:
-            self.bpf.cleanup()
-            self.bpf = None
+        if self.dp is not None:
+            self.dp.close()
+            self.dp = None
 
     def attached(self) -> int:
-        if self.bpf is None:
+        if self.dp is None:
             return 0
-        n = len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
+        n = self.dp.attached()
         n += self.watch.attached() if self.watch is not None else 0
         n += 1 if self._egress_root_link is not None else 0
         return n + (self.adopter.attached() if self.adopter is not None else 0)
 
-    def _program_ids(self) -> list[dict[str, Any]]:
-        """Kernel ids of our loaded programs (what `bpftool prog show id N` finds), for status and the stop test."""
-        out = []
-        for name, fn in sorted(self.bpf.funcs.items()):
-            info = self.ctx.hostfs.try_read(f"/proc/self/fdinfo/{fn.fd}") or ""
-            for line in info.splitlines():
-                if line.startswith("prog_id:"):
-                    out.append({"name": name.decode() if isinstance(name, bytes) else name,
-                                "id": int(line.split()[1])})
-        return out
-
     # ---- maps from config --------------------------------------------------------------------------------
-    def _plan_maps(self, cfg: "Config") -> MapsPlan:
-        """What cfg makes of the tenant and port maps; writes nothing."""
-        try:
-            return slots.plan(cfg, self._slots, self._nslots)
-        except ValueError as e:
-            raise CapabilityError(str(e)) from None
-
     def _write_maps(self, m: MapsPlan) -> None:
-        """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
-        from qosagent.ebpf.maps import Map, sync
-        from qosagent.ebpf.tenant_ports import sync_cidrs
-
-        slots = Map.of(self.bpf, "lat_slots")
-        sync(slots, ((slots.key(tenant=tid), slots.value(slot=slot)) for tid, slot in m.slots.items()))
-        self._slots = dict(m.slots)
-        self._plan_reads()
-        for name, want in (("watched_ports", m.watched), ("lat_mux_ports", m.mux)):
-            ports = Map.of(self.bpf, name)
-            sync(ports, ((ports.key(port=p), ports.value(on=1)) for p in want))
-        assert self._ports is not None
-        self._ports.sync({p: (tid, 0) for p, tid in m.ports.items()})
-        sync_cidrs(Map.of(self.bpf, "tenant_cidrs"), m.cidrs)
+        """The program's maps made to say what m says, then what follows from it: tenants known, pods followed, the
+        window (when its length changed)."""
+        assert self.dp is not None
+        self.dp.write(m)
         self._known.update(m.tenants)
         self._tenants = m.tenants
         self._follow_pods(m)
@@ -325,9 +238,9 @@ class Latency(Capability):
         self._pods.follow(m.namespace_rules, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()})
 
     def prepare(self, config: "Config") -> Change:
-        if self.bpf is None:
+        if self.dp is None:
             return UNCHANGED
-        new, old = self._plan_maps(config), self._maps
+        new, old = self.dp.plan(config), self._maps
         assert old is not None
         return rewrite(self._write_maps_adopting, new, old, "tenant maps")
 
@@ -335,43 +248,23 @@ class Latency(Capability):
         """_write_maps, then the connections already open on the ports m newly watches taken under observation."""
         assert self._maps is not None
         added = set(m.watched) - set(self._maps.watched)
-        assert self.adopter is not None
+        assert self.adopter is not None and self.dp is not None
         try:
-            adopt.set_listing(self.bpf, bool(added))
+            adopt.set_listing(self.dp.bpf, bool(added))
             self._write_maps(m)
             if added:
                 self.adopter.open(added)
         finally:
-            adopt.set_listing(self.bpf, False)
+            adopt.set_listing(self.dp.bpf, False)
 
     # ---- each tick ---------------------------------------------------------------------------------------
-    def read_raw(self) -> bm.Raw:
-        assert self._reads is not None
-        rows, runq, counters = self._reads
-        hist = list(enumerate(rows.read()))
-        if runq is not None:
-            hist.append((runq.first, runq.read()[0]))
-        return bm.assemble(hist, enumerate(counters.read()), self._by_slot, bm.KINDS * self._nslots, self._rows)
-
-    def _plan_reads(self) -> None:
-        """What each tick reads, worked out when the slots change (start, reload) rather than every tick: the rows
-        and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
-        A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
-        tick; a lookup per row would cost a syscall each."""
-        from qosagent.ebpf.maps import ArrayRange
-
-        self._by_slot = {slot: tid for tid, slot in self._slots.items()}
-        used = max(self._by_slot) + 1
-        self._reads = (ArrayRange(self._hist_fd, 0, bm.KINDS * used, bm.ROW_SIZE),
-                       ArrayRange(self._hist_fd, bm.KINDS * self._nslots, 1, bm.ROW_SIZE) if self.runq else None,
-                       ArrayRange(self._counters_fd, 0, used, self._counters_size))
-
     def maintain(self) -> None:
         now = self.ctx.clock()
         if not self._refresh.due(now):
             return
+        assert self.dp is not None
         if self.runq:
-            self._refresh_runq_threads()
+            runq.refresh_threads(self.dp.map("runq_tgids"), self.dp.map("runq_pids"), self.ctx.hostfs)
         assert self.adopter is not None
         self.adopter.maintain(set(bm.watched(self.ctx.config)))
         assert self._maps is not None
@@ -381,7 +274,8 @@ class Latency(Capability):
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
-        raw = self.read_raw()
+        assert self.dp is not None
+        raw = self.dp.read_raw()
         assert self._window is not None
         base_t, base = self._window.push(now, raw)
         elapsed = now - base_t
@@ -462,30 +356,8 @@ class Latency(Capability):
             adopted=c(raw, bm.C_ADOPTED),
         )
 
-    def _refresh_runq_threads(self) -> None:
-        """Expand the processes seen serving watched sockets into their threads (the sched tracepoints name threads);
-        forget processes that are gone and threads that ended."""
-        from qosagent.ebpf.maps import Map
-
-        tgids, pids = Map.of(self.bpf, "runq_tgids"), Map.of(self.bpf, "runq_pids")
-        want: set[int] = set()
-        for k in tgids.keys():
-            tasks = self.ctx.hostfs.listdir(f"/proc/{k.pid}/task")
-            if not tasks:
-                tgids.delete(k)
-                continue
-            want.update(int(t) for t in tasks if t.isdigit())
-        have = set()
-        for k in pids.keys():
-            if k.pid in want:
-                have.add(k.pid)
-            else:
-                pids.delete(k)
-        for tid in want - have:  # new threads only: an existing entry may hold a live wake-up time
-            pids.update(pids.key(pid=tid), pids.value(v=0))
-
     def stop(self) -> None:
-        if self.bpf is None:
+        if self.dp is None:
             return
         self._release()
         log.info("latency probes detached")
@@ -524,11 +396,3 @@ class Latency(Capability):
 
         return export.render(status)
 
-
-def _flows_defines(cfg: "Config") -> dict[str, object]:
-    """Attribute header-matched tenants through the quota classifier's pinned flow map (quota starts first)."""
-    if not (cfg.quota.enabled and any(t.match.header for t in cfg.tenants)):
-        return {}
-    from qosagent.quota.datapath import pin_dir
-
-    return {"QOS_FLOWS_PIN": f'"{pin_dir(cfg)}/tenant_flows"', "QOS_FLOWS": cfg.quota.flow_entries}

@@ -44,7 +44,7 @@ class Placement(Capability):
         self.counters: dict[str, collections.Counter[str]] = {
             k: collections.Counter() for k in ("actions", "migrations", "pages_migrated", "drift", "errors")
         }
-        self._gpu_pids: set[int] = set()
+        self._gpu_pids: set[int] = set()  # NVML's compute processes, as of this tick's maintain()
         self._reconcile = Every(self.cfg.reconcile_interval)
         self._reconciling = False  # this tick reconciles: maintain() says, collect() discovers
         self.cgroups = HostCgroups(ctx.hostfs)  # the host's cgroup paths, also from a container's namespace
@@ -155,8 +155,20 @@ class Placement(Capability):
         """Whether this tick reconciles; if so, the page locality of the processes placed, read again where
         locality_interval has passed (their records show it), so that collect only reads."""
         now = self.ctx.clock()
+        gpu = self.ctx.gpu_state
+        if gpu is not None and gpu.available:
+            gpu_pids = {p.pid for g in gpu.gpus for p in g.processes}
+            if self.cfg.gpu_processes and gpu_pids != self._gpu_pids:
+                self._reconcile.again()  # a new GPU process is placed now, not a whole reconcile interval later
+            self._gpu_pids = gpu_pids
         self._reconciling = self._reconcile.due(now)
         if not self._reconciling:
+            return
+        if self._gpu_data_unknown(gpu):
+            # A process whose GPU list is missing this tick would look GPU-less and be moved off its GPU's node.
+            self._reconciling = False
+            self.counters["errors"]["gpu_data_unknown"] += 1
+            self.log.debug("reconcile skipped: GPU process lists unknown this tick")
             return
         for pid, rec in self.records.items():
             if now - rec.locality_at >= self.cfg.locality_interval and proc_start(self.ctx.hostfs, pid) == rec.start:
@@ -168,7 +180,12 @@ class Placement(Capability):
         procs: tuple[ProcInfo, ...] = ()
         gone: frozenset[int] = frozenset()
         reconcile = self._reconciling
+        gpus_of: dict[int, list[int]] = collections.defaultdict(list)
         if reconcile:
+            gpu = self.ctx.gpu_state
+            for g in gpu.gpus if gpu is not None and gpu.available else ():
+                for p in g.processes:
+                    gpus_of[p.pid].append(g.index)
             gpu_pids = self._gpu_pids if self.cfg.gpu_processes else set()
             procs = tuple(discover(self.ctx.hostfs, self.matcher, gpu_pids, own_pid=os.getpid(),
                                    cgroups=self.cgroups))
@@ -177,6 +194,7 @@ class Placement(Capability):
                              if pid not in seen and proc_start(self.ctx.hostfs, pid) != rec.start)
         return PlacementPart(
             mode=self.cfg.mode, topology=self.topology, reconcile=reconcile, procs=procs, gone=gone,
+            gpus={pid: tuple(sorted(g)) for pid, g in gpus_of.items()},
             records=tuple(r.as_dict() for r in sorted(self.records.values(), key=lambda r: r.pid)),
             counters={k: dict(v) for k, v in self.counters.items()},
             reserved_cpus=self.cfg.reserved_cpus,
@@ -184,25 +202,10 @@ class Placement(Capability):
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         view: PlacementPart | None = snapshot.part(self.name)
-        gpu = snapshot.part("gpu")
-        gpus_of: dict[int, list[int]] = collections.defaultdict(list)
-        if gpu is not None and gpu.available:
-            for g in gpu.gpus:
-                for p in g.processes:
-                    gpus_of[p.pid].append(g.index)
-            if self.cfg.gpu_processes and set(gpus_of) != self._gpu_pids:
-                # A new GPU process is found by the next tick, not a whole reconcile interval later.
-                self._reconcile.again()
-            self._gpu_pids = set(gpus_of)
         if view is None or not view.reconcile:
             return []
         assert self.topology is not None
-        if self._gpu_data_unknown(gpu):
-            # A process whose GPU list is missing this tick would look GPU-less and be moved off its GPU's node.
-            self.counters["errors"]["gpu_data_unknown"] += 1
-            self.log.debug("reconcile skipped: GPU process lists unknown this tick")
-            return []
-        targets = plan(view.procs, {p: tuple(sorted(g)) for p, g in gpus_of.items()}, self.topology, self.policy)
+        targets = plan(view.procs, view.gpus, self.topology, self.policy)
         procs = {p.pid: p for p in view.procs}
         out: list[Decision] = []
         # Forgetting comes first: a pid reused by a new process must lose the old one's record and originals

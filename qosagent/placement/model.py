@@ -4,7 +4,7 @@ its decisions carry to apply."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import ProcInfo
@@ -75,9 +75,10 @@ class PlacementPart:
 
     mode: str
     topology: Topology
-    reconcile: bool  # procs were discovered this tick
+    reconcile: bool  # procs were discovered this tick (not while NVML's process lists are unknown)
     procs: tuple[ProcInfo, ...]
     records: tuple[dict[str, Any], ...]
     gone: frozenset[int] = frozenset()  # tracked pids whose process exited (reconcile ticks only)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     reserved_cpus: str = ""  # placement.reserved_cpus, as configured
+    gpus: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # pid -> its GPUs (NVML), reconcile ticks

@@ -160,8 +160,6 @@ def followed(part: LatencyPart) -> dict[str, list[str]]:
 @pytest.mark.parametrize("mode", latency_modes())
 def test_pods_on_one_port_are_two_tenants_by_address_followed_as_they_come_and_go(cluster: Cluster,
                                                                                  mode: str) -> None:
-    from qosagent.ebpf.maps import Map
-
     c = cluster
     pod_a, _ = c.pod("poda", "pa", NODE_A, POD_A, 30.0)
     # A gateway's connection into pod A, open and used before the agent starts.
@@ -210,7 +208,7 @@ def test_pods_on_one_port_are_two_tenants_by_address_followed_as_they_come_and_g
         c.lab.delete("qa-" + c.lab.tag + "-podb")
         part = until(lambda: tick(cap), lambda p: "beta" not in followed(p))
         assert followed(part) == {"alpha": [POD_A]}, part.namespaces
-        addrs = {bytes(k.addr)[12:] for k in Map.of(cap.bpf, "lat_netns").keys()}
+        addrs = {bytes(k.addr)[12:] for k in cap.dp.map("lat_netns").keys()}
         assert addrs == {bytes([198, 18, 1, 1])}, addrs
         assert pod_a in c.lab.namespaces
 

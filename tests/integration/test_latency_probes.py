@@ -18,7 +18,8 @@ from qosagent.config import parse
 from qosagent.features import probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
-from qosagent.latency.capability import KPROBE_ARRIVAL, KPROBES, Latency
+from qosagent.latency.capability import Latency
+from qosagent.latency.datapath import KPROBE_ARRIVAL, KPROBES
 from qosagent.latency.model import LatencyPart
 from qosagent.tenants import tenant_id
 from tests.integration.latency_helpers import serving
@@ -162,17 +163,16 @@ def test_a_request_sent_during_a_response_is_counted_overlapped_not_timed(tracep
 
 @pytest.mark.privileged
 def test_reload_rewrites_the_tenant_maps_in_place(latency: Latency, servers: None) -> None:
-    from qosagent.ebpf.maps import Map
     from qosagent.ebpf.tenant_ports import read_claims
 
-    fd_before = Map.of(latency.bpf, "tenant_cidrs").fd
-    ports = Map.of(latency.bpf, "tenant_ports").fd
+    fd_before = latency.dp.map("tenant_cidrs").fd
+    ports = latency.dp.map("tenant_ports").fd
     assert read_claims(ports) == {18014: (tenant_id("solo"), 0)}
     new = config("127.0.0.4/32", solo_port=18015, mode=latency.mode)
     latency.prepare(new).commit()
     latency.ctx.config = new
-    assert Map.of(latency.bpf, "tenant_cidrs").fd == fd_before
-    assert len(Map.of(latency.bpf, "tenant_cidrs").keys()) == 2  # lab's new address and edge's, nothing stale
+    assert latency.dp.map("tenant_cidrs").fd == fd_before
+    assert len(latency.dp.map("tenant_cidrs").keys()) == 2  # lab's new address and edge's, nothing stale
     assert read_claims(ports) == {18015: (tenant_id("solo"), 0)}  # solo's old port zeroed
     get(18011, "127.0.0.2", 2)  # lab's old address: unmatched now
     get(18011, "127.0.0.4", 1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 
 from qosagent import config as config_mod
@@ -14,6 +17,7 @@ from qosagent.placement.capability import Placement
 from qosagent.placement.config import Selector
 from qosagent.placement.discovery import Matcher, discover, parse_numa_maps, proc_start, read_cpuset
 from qosagent.placement.model import Place
+from qosagent.snapshot import Snapshot
 from qosagent.status import render
 from testkit.placement_trees import cpuset, proc_entry, two_socket_8gpu
 
@@ -157,8 +161,7 @@ def test_fake_gpu_process_list_drives_discovery(tmp_path) -> None:
     fake.gpus[1].processes = [GpuProcess(200, 1 << 30)]
     agent, clock = _agent(tmp_path, "  gpu_processes: true\n  selectors: [{unit: vllm.service}]", fake)
     assert agent.verdicts["placement"].state is State.ACTIVE, agent.verdicts
-    agent.tick()  # the GPU list is seen here; the process only on a GPU is found on the next tick
-    agent.tick()
+    agent.tick()  # maintain sees the tick's GPU list before collect: a process only on a GPU is found at once
     pins = {d.inputs["pid"]: d for d in agent.decisions if d.action == "pin"}
     assert sorted(pins) == [100, 200]
     assert pins[100].new == "48-95" and pins[100].inputs["gpus"] == [5] and not pins[100].applied
@@ -276,6 +279,33 @@ def test_unknown_gpu_process_list_postpones_the_reconcile(tmp_path) -> None:
     agent.tick()
     ((d),) = agent.decisions
     assert d.inputs["pid"] == 200 and d.new == "48-95"
+    agent.stop()
+
+
+def test_decide_is_pure_the_same_snapshot_gives_the_same_decisions_and_changes_nothing(tmp_path) -> None:
+    fake = FakeBackend.preset("h200x8")
+    fake.open()
+    fake.gpus[5].processes = [GpuProcess(100, 1 << 30)]
+    agent, clock = _agent(tmp_path, "  gpu_processes: true\n  selectors: [{unit: vllm.service}]", fake)
+    cap = next(c for c in agent.capabilities if isinstance(c, Placement))
+    agent.tick()
+    fake.gpus[1].processes = [GpuProcess(200, 1 << 30)]  # a new GPU process: a reconcile is wanted
+    fake.fail("processes", "gpu_lost", 3)  # and one GPU's list unknown: a reconcile to skip
+    clock.t += cap.cfg.reconcile_interval
+    cap.ctx.gpu_state = gpu = fake.sample()
+    cap.maintain()
+    part = cap.collect()
+    for reconcile in (False, True):  # the skip as maintain decided it, and a reconcile forced on this part
+        snap = Snapshot.build(2, clock.t, 0.0, {"gpu": gpu, "placement": replace(part, reconcile=reconcile)})
+
+        def state() -> tuple:
+            return (copy.deepcopy(cap.records), copy.deepcopy(cap.counters), dict(cap.store.entries),
+                    set(cap._gpu_pids), vars(cap._reconcile).copy(), cap._reconciling)
+
+        before = state()
+        first, second = cap.decide(snap), cap.decide(snap)
+        assert [replace(d, wall_time=0) for d in first] == [replace(d, wall_time=0) for d in second]
+        assert state() == before
     agent.stop()
 
 

@@ -1,0 +1,175 @@
+"""The loaded latency program (bpf/latency.c) and its maps: compiled for a probe's plan, its tenant and port maps
+written from a MapsPlan, its histogram and counter rows read each tick.
+
+The hooks that need a cgroup (cgroupwatch.py, links.py, adopt.py) are the capability's to wire; this is the program
+they are loaded from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+from qosagent.capability import CapabilityError
+from qosagent.latency import bpfmaps as bm
+from qosagent.latency import slots
+from qosagent.latency.model import Plan
+from qosagent.latency.slots import MapsPlan
+
+if TYPE_CHECKING:
+    from qosagent.config import Config
+    from qosagent.ebpf.maps import Map
+    from qosagent.hostfs import HostFS
+
+# The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency.c says why no kretprobes).
+KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
+# The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the
+# tracepoint was put in, TCP's data-ready callback.
+KPROBE_ARRIVAL = ("sock_def_readable", "kp_data_ready")
+
+
+class Datapath:
+    """One loaded program: what its tenant maps say (`slots`: tenant id -> row) and how a tick reads its rows."""
+
+    def __init__(self, bpf: Any, nslots: int, runq: bool):
+        from qosagent.ebpf.maps import Map
+        from qosagent.ebpf.tenant_ports import TenantPorts
+
+        self.bpf = bpf
+        self.nslots = nslots  # LAT_SLOTS of the loaded program
+        self.runq = runq
+        self.slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
+        self._rows = bm.RowParser()
+        self._ports = TenantPorts(Map.of(bpf, "tenant_ports").fd)  # a fresh map: all zero
+        hist, counters = Map.of(bpf, "lat_hist"), Map.of(bpf, "lat_counters")
+        self._hist_fd, self._counters_fd = hist.fd, counters.fd
+        # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
+        # many, so the buffer must hold them.
+        self._counters_size = ctypes.sizeof(counters.value)
+        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the ranges each tick reads (_plan_reads)
+        self._reads: tuple[Any, Any, Any] | None = None
+
+    @classmethod
+    def load(cls, cfg: "Config", plan: Plan) -> "Datapath":
+        """Compile the program for plan, sized for cfg's tenants, and attach its kprobes (kprobe mode); the
+        tracepoints bcc attaches itself. CapabilityError, with nothing left loaded, where that fails."""
+        from qosagent.ebpf.loader import BpfError, compile_program
+
+        defines: dict[str, object] = {}
+        if plan.runq:
+            defines["QOS_RUNQ"] = 1
+        if plan.mode == "sockops":
+            defines["QOS_SOCKOPS"] = 1
+        else:
+            if plan.mode == "kprobe":
+                defines["QOS_KPROBE"] = 1
+            if plan.arrival:
+                defines["QOS_ARRIVAL"] = 1
+            if plan.egress:
+                defines["QOS_EGRESS"] = 1
+            defines["LAT_SOCK_BUCKETS_LOG2"] = (cfg.latency.socket_slots // 4).bit_length() - 1
+        nslots = bm.slots_for(len(cfg.tenants))
+        defines["LAT_SLOTS"] = nslots
+        defines.update(_flows_defines(cfg))
+        bpf = None
+        try:
+            bpf = compile_program("latency", defines)
+            if plan.mode == "kprobe":
+                for fn, prog in KPROBES:
+                    bpf.attach_kprobe(event=fn.encode(), fn_name=prog.encode())
+                if plan.arrival:
+                    bpf.attach_kprobe(event=KPROBE_ARRIVAL[0].encode(), fn_name=KPROBE_ARRIVAL[1].encode())
+        except BpfError as e:
+            raise CapabilityError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching
+            if bpf is not None:
+                bpf.cleanup()
+            raise CapabilityError(f"attaching the latency probes failed: {e}") from None
+        return cls(bpf, nslots, plan.runq)
+
+    def map(self, name: str) -> "Map":
+        from qosagent.ebpf.maps import Map
+
+        return Map.of(self.bpf, name)
+
+    # ---- the tenant and port maps ------------------------------------------------------------------------
+    def plan(self, cfg: "Config") -> MapsPlan:
+        """What cfg makes of the tenant and port maps, keeping the slots tenants have; writes nothing."""
+        try:
+            return slots.plan(cfg, self.slots, self.nslots)
+        except ValueError as e:
+            raise CapabilityError(str(e)) from None
+
+    def write(self, m: MapsPlan) -> None:
+        """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
+        from qosagent.ebpf.maps import sync
+        from qosagent.ebpf.tenant_ports import sync_cidrs
+
+        lat_slots = self.map("lat_slots")
+        sync(lat_slots, ((lat_slots.key(tenant=tid), lat_slots.value(slot=slot)) for tid, slot in m.slots.items()))
+        self.slots = dict(m.slots)
+        self._plan_reads()
+        for name, want in (("watched_ports", m.watched), ("lat_mux_ports", m.mux)):
+            ports = self.map(name)
+            sync(ports, ((ports.key(port=p), ports.value(on=1)) for p in want))
+        self._ports.sync({p: (tid, 0) for p, tid in m.ports.items()})
+        sync_cidrs(self.map("tenant_cidrs"), m.cidrs)
+
+    # ---- each tick ---------------------------------------------------------------------------------------
+    def read_raw(self) -> bm.Raw:
+        assert self._reads is not None
+        rows, runq, counters = self._reads
+        hist = list(enumerate(rows.read()))
+        if runq is not None:
+            hist.append((runq.first, runq.read()[0]))
+        return bm.assemble(hist, enumerate(counters.read()), self._by_slot, bm.KINDS * self.nslots, self._rows)
+
+    def _plan_reads(self) -> None:
+        """What each tick reads, worked out when the slots change (start, reload) rather than every tick: the rows
+        and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
+        A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
+        tick; a lookup per row would cost a syscall each."""
+        from qosagent.ebpf.maps import ArrayRange
+
+        self._by_slot = {slot: tid for tid, slot in self.slots.items()}
+        used = max(self._by_slot) + 1
+        self._reads = (ArrayRange(self._hist_fd, 0, bm.KINDS * used, bm.ROW_SIZE),
+                       ArrayRange(self._hist_fd, bm.KINDS * self.nslots, 1, bm.ROW_SIZE) if self.runq else None,
+                       ArrayRange(self._counters_fd, 0, used, self._counters_size))
+
+    # ---- its programs ------------------------------------------------------------------------------------
+    def attached(self) -> int:
+        """Tracepoints and kprobes attached (the cgroup hooks are counted by their owners)."""
+        return len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
+
+    def traced(self) -> list[str]:
+        """The programs on every socket's path that attach by tracepoint or kprobe; the run-queue probes are left
+        out: a wakeup of a new task needs a fork, which one connection does not make."""
+        return [k.decode() for k in self.bpf.funcs if k.startswith((b"tracepoint__", b"raw_tracepoint__", b"kp_"))
+                and not k.startswith(b"tracepoint__sched__")]
+
+    def fds(self, names: list[str]) -> dict[str, int]:
+        return {n: self.bpf.funcs[n.encode()].fd for n in names}
+
+    def program_ids(self, fs: "HostFS") -> list[dict[str, Any]]:
+        """Kernel ids of the loaded programs (what `bpftool prog show id N` finds), for status and the stop test."""
+        out = []
+        for name, fn in sorted(self.bpf.funcs.items()):
+            info = fs.try_read(f"/proc/self/fdinfo/{fn.fd}") or ""
+            for line in info.splitlines():
+                if line.startswith("prog_id:"):
+                    out.append({"name": name.decode() if isinstance(name, bytes) else name,
+                                "id": int(line.split()[1])})
+        return out
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+
+
+def _flows_defines(cfg: "Config") -> dict[str, object]:
+    """Attribute header-matched tenants through the quota classifier's pinned flow map (quota starts first)."""
+    if not (cfg.quota.enabled and any(t.match.header for t in cfg.tenants)):
+        return {}
+    from qosagent.quota.datapath import pin_dir
+
+    return {"QOS_FLOWS_PIN": f'"{pin_dir(cfg)}/tenant_flows"', "QOS_FLOWS": cfg.quota.flow_entries}
