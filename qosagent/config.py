@@ -64,7 +64,7 @@ class TenantMatch(Section):
 
     @property
     def per_namespace(self) -> bool:
-        """Matched per serving network namespace (process, pods): quota's quota_netns, not the shared maps."""
+        """Matched per serving network namespace (process, pods): quota_netns and lat_netns, not the shared maps."""
         return self.process is not None or self.pods is not None
 
     @property
