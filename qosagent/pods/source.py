@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from qosagent.placement.cgroupns import KINDS
 from qosagent.placement.discovery import cgroup_paths
-from qosagent.pods.cri import CriClient, CriError, connect
+from qosagent.pods.cri import DEFAULT_SOCKETS, CriClient, CriError, connect
 from qosagent.pods.model import Pod, PodsView, pod_of_cgroup
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ class PodSource:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.cfg.timeout * 2 + 1)
+            # A refresh's longest: Version on each socket it may try, then the listing, each with its deadline.
+            self._thread.join(self.cfg.timeout * (len(DEFAULT_SOCKETS) + 1) + 1)
         self._close()
 
     def _close(self) -> None:
@@ -58,6 +59,11 @@ class PodSource:
 
     def refresh(self) -> None:
         """One listing: the thread's step (tests call it directly)."""
+        self._list()
+        if self._stop.is_set():  # a refresh that outlived stop()'s wait must not leave a client open
+            self._close()
+
+    def _list(self) -> None:
         try:
             if self._client is None:
                 self._client, version = connect(self.fs, self.cfg.runtime_socket, self.cfg.timeout)

@@ -253,3 +253,10 @@ def test_an_unexpected_error_is_counted_and_the_listing_goes_on(runtime, tmp_pat
     src.refresh()  # connects afresh
     assert src.view().reason == "" and src._client is not None
     src.stop()
+
+
+def test_a_refresh_that_ends_after_stop_leaves_no_client(runtime, tmp_path: Path) -> None:
+    src = source(tmp_path, Clock())
+    src.stop()  # as when stop()'s wait for the thread ran out while it was still connecting
+    src.refresh()
+    assert src.view().pods is not None and src._client is None
