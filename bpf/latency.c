@@ -34,13 +34,13 @@ BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs
 BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
 #include "qos_tenant.h"
 
-/* Process tenants (match.process): connections to a serving network namespace (a pod), by the local address and
- * port of the server's socket. The key is the address because it is what every mode sees where a connection is
- * established: the inet_sock_set_state tracepoint (tracepoint and kprobe modes) carries the socket's addresses and
- * ports, never its namespace, and bpf_get_netns_cookie is refused to tracing programs; sock_ops and the adopting
- * ingress programs see the same addresses. Pods hold addresses of their own; loopback and link-local ones are never
- * entered (every namespace has them), so a pod's requests to itself over lo stay unmatched, as quota, which sees a
- * pod's traffic on its host-side veth, never sees them either. Written by the agent (qosagent/latency/pods.py) from
+/* Process and pods tenants (match.process, match.pods): connections to a serving network namespace (a pod), by the
+ * local address and port of the server's socket. The key is the address because it is what every mode sees where a
+ * connection is established: the inet_sock_set_state tracepoint (tracepoint and kprobe modes) carries the socket's
+ * addresses and ports, never its namespace, and bpf_get_netns_cookie is refused to tracing programs; sock_ops and the
+ * adopting ingress programs see the same addresses. Pods hold addresses of their own; loopback and link-local ones are
+ * never entered (every namespace has them), so a pod's requests to itself over lo stay unmatched, as quota, which sees
+ * a pod's traffic on its host-side veth, never sees them either. Written by the agent (qosagent/latency/pods.py) from
  * the addresses of the namespaces where watched ports listen, a tenant of any watched port under each of them: one
  * lookup per connection, and none while lat_netns_conf says the map is empty. */
 struct lat_netns_key {
@@ -279,7 +279,7 @@ static __always_inline void lat_note_process(void)
 }
 
 /* A fresh socket's state: its tenant, and whether its port is multiplexed. The tenant is resolved in the quota
- * classifier's order: the port claimed alone, the serving namespace (process tenants), the client's address.
+ * classifier's order: the port claimed alone, the serving namespace (process and pods tenants), the client's address.
  * client and local are 16-byte addresses, IPv4 ones mapped; ports in host byte order. */
 static __always_inline void lat_init_sock(struct lat_sock *s, __u16 lport, __u16 rport, const __u8 *client,
                                           const __u8 *local)

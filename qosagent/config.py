@@ -64,7 +64,7 @@ class TenantMatch(Section):
 
     @property
     def per_namespace(self) -> bool:
-        """Matched per serving network namespace (process, pods): quota's quota_netns, not the shared maps."""
+        """Matched per serving network namespace (process, pods): quota_netns and lat_netns, not the shared maps."""
         return self.process is not None or self.pods is not None
 
     @property
@@ -250,6 +250,10 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
             problems.append((f"{here}.match.process", "cannot be combined with cidrs or header"))
         if m.pods is not None and (m.cidrs or m.header or m.process is not None):
             problems.append((f"{here}.match.pods", "cannot be combined with cidrs, header or process"))
+        if m.pods is not None and not cfg.quota.namespaces:
+            # A pod is found through the serving namespaces quota follows; without them the rule matches nothing.
+            problems.append((f"{here}.match.pods", "needs quota.namespaces (a pod's serving network namespace is "
+                             "what its requests are matched by)"))
         # A port alone claims every connection on it; two tenants cannot both claim one.
         if m.claims_ports:
             for p in m.ports:

@@ -160,12 +160,16 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
         hit = cache.read.get(ino) if cache is not None else None
         ports: set[int] | frozenset[int] | None = None
         addrs: frozenset[bytes] = frozenset()
+        reader = pids[0]
         if hit is not None and now - hit[0] < (RECHECK_SERVING if hit[1] & watched else RECHECK_IDLE):
             ports, addrs = hit[1], hit[2]
         else:
             for pid in pids:
                 ports = _listening(fs, pid)
                 if ports is not None:
+                    # The one that answered names the namespace: an earlier one has exited since it was listed,
+                    # and quota would find no veth through its gone /proc/PID/ns/net.
+                    reader = pid
                     addrs = local_addresses(fs, pid) if ports & watched else frozenset()
                     break
             if cache is not None and ports is not None:
@@ -176,7 +180,7 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
         if with_cmdlines:
             cmdlines = tuple(c.replace("\0", " ").strip() for c in
                              (fs.try_read(f"/proc/{p}/cmdline") for p in pids) if c)
-        out[ino] = ServingNs(ino, pids[0], frozenset(ports & watched), cmdlines, addrs, tuple(pids))
+        out[ino] = ServingNs(ino, reader, frozenset(ports & watched), cmdlines, addrs, tuple(pids))
     if cache is not None:
         for gone in cache.read.keys() - members.keys():
             del cache.read[gone]

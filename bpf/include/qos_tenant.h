@@ -1,7 +1,7 @@
 /* Tenant resolution shared by the latency probes and the quota classifier, so that a tenant's latency and its
  * quota describe the same traffic. Rules, in order:
  *   1. the local port, when one tenant claims it alone (tenant_ports);
- *   (between 1 and 2, each program's own rule for process tenants, by serving network namespace: quota by the
+ *   (between 1 and 2, each program's own rule for process and pods tenants, by serving network namespace: quota by the
  *    host-side veth a request leaves through (quota_netns), latency by the socket's local address (lat_netns))
  *   2. the client address, longest prefix first, among the CIDRs bound to that local port, then among the CIDRs
  *      bound to any watched port (tenant_cidrs, port 0);

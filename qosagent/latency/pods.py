@@ -1,4 +1,5 @@
-"""Process tenants (match.process) in latency: a pod's connections attributed by the address they were made to.
+"""Process and pods tenants (match.process, match.pods) in latency: a pod's connections attributed by the address
+they were made to.
 
 The quota classifier tells serving network namespaces apart by the host-side veth a request leaves through; the
 latency probes see a connection where it is established (the inet_sock_set_state tracepoint, sock_ops, or the first
@@ -90,7 +91,7 @@ class PodTenants:
         wanted = len(want)
         if wanted > MAX_ENTRIES:
             if wanted != self.overflow:
-                log.warning("%d (address, port) entries for process tenants, room for %d: connections to the "
+                log.warning("%d (address, port) entries for process and pods tenants, room for %d: connections to the "
                             "addresses left out count as unmatched", wanted, MAX_ENTRIES)
             want = dict(sorted(want.items())[:MAX_ENTRIES])
         self.overflow = wanted if wanted > MAX_ENTRIES else 0
@@ -120,7 +121,7 @@ class PodTenants:
             log.info("network namespace %d no longer serves here: its addresses removed", ino)
         if shared and {show(a) for a in shared} != {a for n in self.followed for a in n["shared"]}:
             log.warning("addresses held by more than one serving network namespace cannot tell their "
-                        "process tenants apart; their connections count as unmatched: %s",
+                        "process and pods tenants apart; their connections count as unmatched: %s",
                         ", ".join(sorted(map(show, shared))))
         self.written, self.followed = want, followed
         return True

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from qosagent.placement.cgroupns import KINDS
 from qosagent.placement.discovery import cgroup_paths
-from qosagent.pods.cri import CriClient, CriError, connect
+from qosagent.pods.cri import DEFAULT_SOCKETS, CriClient, CriError, connect
 from qosagent.pods.model import Pod, PodsView, pod_of_cgroup
 
 if TYPE_CHECKING:
@@ -42,10 +42,15 @@ class PodSource:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.cfg.timeout * 2 + 1)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+            # A refresh's longest: Version on each socket it may try, then the listing, each with its deadline.
+            self._thread.join(self.cfg.timeout * (len(DEFAULT_SOCKETS) + 1) + 1)
+        self._close()
+
+    def _close(self) -> None:
+        # Taken before closing: stop() may run while a thread past its join deadline fails and closes too.
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -54,22 +59,28 @@ class PodSource:
 
     def refresh(self) -> None:
         """One listing: the thread's step (tests call it directly)."""
+        self._list()
+        if self._stop.is_set():  # a refresh that outlived stop()'s wait must not leave a client open
+            self._close()
+
+    def _list(self) -> None:
         try:
             if self._client is None:
                 self._client, version = connect(self.fs, self.cfg.runtime_socket, self.cfg.timeout)
                 self._runtime = f"{version} at {self._client.shown}"
                 log.info("listing READY pod sandboxes from %s every %gs", self._runtime, self.cfg.refresh)
             pods = self._client.ready_pods()
-        except CriError as e:
+        # Anything else too (grpc raises ValueError on a closed channel, its own errors are not all RpcError): an
+        # exception out of here would end the thread, and the pods would go unknown for good with nothing counted.
+        except Exception as e:  # noqa: BLE001
+            why = str(e) if isinstance(e, CriError) else f"listing pods: {type(e).__name__}: {e}"
             with self._lock:
                 self._errors += 1
-                first, self._failing = not self._failing, str(e)
+                first, self._failing = not self._failing, why
             if first:
                 log.warning("cannot list pods (%s); the last list holds for %gs, then pods are unknown",
-                            e, self.cfg.stale_after)
-            if self._client is not None:  # the runtime may come back elsewhere (a restart, another default)
-                self._client.close()
-                self._client = None
+                            why, self.cfg.stale_after)
+            self._close()  # the runtime may come back elsewhere (a restart, another default)
             return
         with self._lock:
             self._pods, self._at = {p.uid: p for p in pods}, self.clock()

@@ -41,8 +41,12 @@ class Node:
         self.lab, self.tmp = lab, tmp
         self.netns = lab.netns("node")
         self.runtime = Containerd(tmp / "containerd", self.netns, lab.tag, SUBNET)
-        self.runtime.start()
-        self.runtime.ctr("images", "import", str(pause_image(tmp)))
+        try:
+            self.runtime.start()
+            self.runtime.ctr("images", "import", str(pause_image(tmp)))
+        except BaseException:
+            self.runtime.close()  # the fixture never gets this Node to close: a started containerd would stay
+            raise
 
     def pod(self, name: str, labels: dict[str, str], namespace: str = "qa") -> tuple[str, str, int]:
         """(uid, address, pause pid) of a new READY pod sandbox."""
@@ -109,6 +113,10 @@ def test_the_client_reads_ready_pods_from_containerd(node) -> None:
         other, _, _ = node.pod("batch-0", {"app": "batch"}, namespace="jobs")
         pods = {p.uid: p for p in c.ready_pods()}
         assert set(pods) == {uid, other}
+        # Their network namespaces are mounted under the runtime's state dir, where its sweep finds them.
+        state = f"{node.runtime.base}/state/"
+        assert sum(m.split()[1].startswith(state) and "/netns/" in m.split()[1]
+                   for m in Path("/proc/mounts").read_text().splitlines()) == 2
         p = pods[uid]
         assert (p.namespace, p.name) == ("qa", "chat-0") and p.sandbox == node.runtime.sandboxes[0]
         # containerd adds labels of its own to what the kubelet asked for; ours are all there.

@@ -87,3 +87,10 @@ def test_missing_file_is_a_config_error(tmp_path) -> None:
 def test_cidrs_are_normalized() -> None:
     cfg = parse_text("tenants: [{name: a, tier: gold, match: {cidrs: [10.1.2.3/8, '2001:db8::1/32']}}]", "x")
     assert cfg.tenants[0].match.cidrs == ["10.0.0.0/8", "2001:db8::/32"]
+
+
+def test_pods_tenants_need_quota_namespaces() -> None:
+    text = ("quota: {enabled: true, interfaces: [lo], namespaces: false}\nlatency: {ports: [8000]}\n"
+            "tenants:\n- {name: a, tier: gold, match: {pods: {namespace: ml}}}\n")
+    assert ("tenants[0].match.pods", "needs quota.namespaces (a pod's serving network namespace is what its "
+            "requests are matched by)") in problems(text)

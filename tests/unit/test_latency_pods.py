@@ -153,7 +153,7 @@ def test_more_entries_than_the_map_holds_are_cut_with_a_warning_not_a_failed_wri
     pods = PodTenants({"netns.serving": fol}, None, m, conf)  # type: ignore[arg-type]
     assert pods.follow(RULES, [8000], 1.0, {})
     assert len(m.entries()) == 2 and conf.entries == 2
-    assert "3 (address, port) entries for process tenants, room for 2" in caplog.text
+    assert "3 (address, port) entries for process and pods tenants, room for 2" in caplog.text
     caplog.clear()
     pods.follow(RULES, [8000], 2.0, {})
     assert "room for" not in caplog.text  # said once, not every second

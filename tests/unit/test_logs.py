@@ -29,6 +29,7 @@ def _leading_text(node: ast.expr) -> str:
 
 def test_no_message_repeats_its_components_name() -> None:
     doubled = []
+    checked = 0
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text()
         named = re.search(r'getLogger\("qosagent\.([a-z_]+)"\)', text)
@@ -44,6 +45,9 @@ def test_no_message_repeats_its_components_name() -> None:
                     or (isinstance(target, ast.Attribute) and target.attr == "log")):
                 continue
             lead = _leading_text(node.args[0])
+            checked += bool(lead)
             if any(lead.startswith(f"{c}: ") for c in components):
                 doubled.append(f"{path.relative_to(SRC.parent)}:{node.lineno}: {lead[:40]!r}")
+    # The walk must have found the agent's messages, or the check below holds of nothing.
+    assert checked > 50, checked
     assert not doubled, "messages that repeat the component the formatter adds:\n" + "\n".join(doubled)

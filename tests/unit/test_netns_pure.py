@@ -210,3 +210,19 @@ def test_one_scan_serves_every_capability_that_asks_within_a_period(tmp_path, mo
     (tmp_path / "proc" / "10" / "net" / "tcp").write_text(TCP.replace("0100007F:1F90", "0100007F:2328"))
     assert f.current([8000, 9000], True, now=11.2)[a.ino].ports == {8000}  # the same ports asked: as scanned
     assert f.current([8000, 9000, 9001], True, now=11.3)[a.ino].ports == {8000, 9000}
+
+
+def test_a_namespace_is_named_by_the_process_that_answered(tmp_path, monkeypatch) -> None:
+    from qosagent import netns
+    from qosagent.hostfs import HostFS
+
+    fake_proc(tmp_path, 1, "host", TCP, "init")
+    fake_proc(tmp_path, 10, "a", TCP, "sleep 1")
+    fake_proc(tmp_path, 11, "a", TCP, "vllm serve")
+    for f in ("tcp", "fib_trie"):  # pid 10 exits between the listing of /proc and the reading of its sockets
+        (tmp_path / "proc" / "10" / "net" / f).unlink()
+    listdir = netns.os.listdir
+    monkeypatch.setattr(netns.os, "listdir", lambda p: sorted(listdir(p)))  # /proc lists pids in order
+    (a,) = netns.serving_namespaces(HostFS(tmp_path), [8000], (tmp_path / "ns" / "host").stat().st_ino,
+                                    False).values()
+    assert a.pid == 11 and a.pids == (10, 11) and a.addrs, a

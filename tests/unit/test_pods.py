@@ -237,3 +237,26 @@ def test_pods_metrics_pass_promtool() -> None:
     if shutil.which("promtool"):
         out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_an_unexpected_error_is_counted_and_the_listing_goes_on(runtime, tmp_path: Path, caplog) -> None:
+    """grpc raises ValueError, not an RpcError, on a closed channel: that must not end the pods thread."""
+    clock = Clock()
+    src = source(tmp_path, clock)
+    src.refresh()
+    assert src._client is not None
+    src._client.close()
+    src.refresh()  # never raises
+    v = src.view()
+    assert v.errors == 1 and v.pods is not None and "listing pods: ValueError" in v.reason, v
+    assert src._client is None
+    src.refresh()  # connects afresh
+    assert src.view().reason == "" and src._client is not None
+    src.stop()
+
+
+def test_a_refresh_that_ends_after_stop_leaves_no_client(runtime, tmp_path: Path) -> None:
+    src = source(tmp_path, Clock())
+    src.stop()  # as when stop()'s wait for the thread ran out while it was still connecting
+    src.refresh()
+    assert src.view().pods is not None and src._client is None
