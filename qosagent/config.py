@@ -250,10 +250,12 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
             problems.append((f"{here}.match.process", "cannot be combined with cidrs or header"))
         if m.pods is not None and (m.cidrs or m.header or m.process is not None):
             problems.append((f"{here}.match.pods", "cannot be combined with cidrs, header or process"))
-        if m.pods is not None and not cfg.quota.namespaces:
-            # A pod is found through the serving namespaces quota follows; without them the rule matches nothing.
-            problems.append((f"{here}.match.pods", "needs quota.namespaces (a pod's serving network namespace is "
-                             "what its requests are matched by)"))
+        if m.pods is not None and not (cfg.quota.enabled and cfg.quota.namespaces):
+            # Quota learns the pods from the runtime and finds their serving namespaces (latency takes each
+            # namespace's pod from there): without it the rule matches nothing, in quota and latency alike.
+            problems.append((f"{here}.match.pods", "needs quota.enabled and quota.namespaces (quota learns the pods "
+                             "from the container runtime and follows their serving network namespaces, which is "
+                             "what their requests are matched by)"))
         # A port alone claims every connection on it; two tenants cannot both claim one.
         if m.claims_ports:
             for p in m.ports:

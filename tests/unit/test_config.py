@@ -89,8 +89,10 @@ def test_cidrs_are_normalized() -> None:
     assert cfg.tenants[0].match.cidrs == ["10.0.0.0/8", "2001:db8::/32"]
 
 
-def test_pods_tenants_need_quota_namespaces() -> None:
-    text = ("quota: {enabled: true, interfaces: [lo], namespaces: false}\nlatency: {ports: [8000]}\n"
+@pytest.mark.parametrize("quota", ["{enabled: true, interfaces: [lo], namespaces: false}", "{enabled: false}"])
+def test_pods_tenants_need_quota_following_namespaces(quota: str) -> None:
+    text = (f"quota: {quota}\nlatency: {{ports: [8000]}}\n"
             "tenants:\n- {name: a, tier: gold, match: {pods: {namespace: ml}}}\n")
-    assert ("tenants[0].match.pods", "needs quota.namespaces (a pod's serving network namespace is what its "
-            "requests are matched by)") in problems(text)
+    assert ("tenants[0].match.pods", "needs quota.enabled and quota.namespaces (quota learns the pods from the "
+            "container runtime and follows their serving network namespaces, which is what their requests are "
+            "matched by)") in problems(text)

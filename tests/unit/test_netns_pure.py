@@ -70,7 +70,7 @@ def test_pods_and_process_rules_feed_one_resolution_in_config_order() -> None:
 
 
 def cfg(*tenants: dict) -> config.Config:
-    return config.parse({"tenants": list(tenants)}, "test")
+    return config.parse({"quota": {"enabled": True}, "tenants": list(tenants)}, "test")
 
 
 def test_a_process_tenants_ports_are_not_claimed_everywhere() -> None:
