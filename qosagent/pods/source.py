@@ -23,7 +23,12 @@ log = logging.getLogger("qosagent.pods")
 
 
 class PodSource:
-    def __init__(self, cfg: "PodsConfig", fs: "HostFS", clock: Callable[[], float] = time.monotonic):
+    """after: the source this one replaces (a reload's new pods settings, pods tenants back after none). Its last
+    list is where this one starts, with its age, so pods never go unknown for a follow while this thread lists
+    (stale_after still bounds it); its count of failed listings goes on, as a counter must within a process."""
+
+    def __init__(self, cfg: "PodsConfig", fs: "HostFS", clock: Callable[[], float] = time.monotonic,
+                 after: "PodSource | None" = None):
         self.cfg, self.fs, self.clock = cfg, fs, clock
         self._lock = threading.Lock()
         self._pods: dict[str, Pod] | None = None
@@ -34,28 +39,41 @@ class PodSource:
         self._client: CriClient | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if after is not None:
+            with after._lock:
+                self._errors = after._errors
+                # Another socket's list is not this runtime's pods (runtime_socket needs a restart: a safeguard).
+                if after.cfg.runtime_socket == cfg.runtime_socket:
+                    self._pods, self._at, self._runtime, self._failing = \
+                        after._pods, after._at, after._runtime, after._failing
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="qosagent-pods", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Signals the thread, which closes its channel as it ends. Only wait (the agent's own stop) waits for it:
+        a refresh in flight can take a runtime deadline per call, which no tick or reload commit may sit through."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is None:
+            self._close()
+        elif wait:
             # A refresh's longest: Version on each socket it may try, then the listing, each with its deadline.
             self._thread.join(self.cfg.timeout * (len(DEFAULT_SOCKETS) + 1) + 1)
-        self._close()
 
     def _close(self) -> None:
-        # Taken before closing: stop() may run while a thread past its join deadline fails and closes too.
-        client, self._client = self._client, None
+        with self._lock:  # taken before closing: only one of two closers gets it
+            client, self._client = self._client, None
         if client is not None:
             client.close()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.refresh()
-            self._stop.wait(self.cfg.refresh)
+        try:
+            while not self._stop.is_set():
+                self.refresh()
+                self._stop.wait(self.cfg.refresh)
+        finally:
+            self._close()
 
     def refresh(self) -> None:
         """One listing: the thread's step (tests call it directly)."""

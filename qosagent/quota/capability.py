@@ -141,6 +141,7 @@ class Quota(Capability):
         self._follow_every = Every(netns.NETNS_EVERY)
         # Pods tenants only: the runtime's pods (listed on their own thread) and the host's view of cgroups.
         self.pods: "PodSource | None" = None
+        self._pods_before: "PodSource | None" = None  # the last one stopped: where the next one starts from
         self.pods_view: PodsView | None = None
         self.ns_pods: dict[int, Pod] = {}  # serving namespace -> its pod, as the last follow found them
         self._cgroups: "HostCgroups | None" = None
@@ -212,7 +213,7 @@ class Quota(Capability):
             self.attached = interfaces(cfg)
             for line in self.datapath.attach(self.attached):
                 log.info("%s", line)
-            self._follow()
+            self._follow(starting=True)
         except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
             self._failed_start()
             self._stop_pods()
@@ -273,12 +274,12 @@ class Quota(Capability):
                          interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others),
                          namespaces=self.followed, pods=_pods_status(self.pods_view))
 
-    def _follow(self) -> None:
+    def _follow(self, starting: bool = False) -> None:
         d = self.datapath
         assert d is not None
         cfg = self.ctx.config
         rules = netns.ns_rules(cfg.tenants)
-        view = self._pods(any(r.by_pod for r in rules))
+        view = self._pods(any(r.by_pod for r in rules), starting)
         found: dict[int, netns.ServingNs] = {}
         veths: dict[int, list[tuple[int, str]]] = {}
         if cfg.quota.namespaces:
@@ -320,9 +321,10 @@ class Quota(Capability):
             "egress": [n for _, n in vs], "pod": pods[ino].ref if pods[ino] else None, "tenants": shown[ino],
         } for ino, vs in sorted(veths.items()))
 
-    def _pods(self, wanted: bool) -> PodsView | None:
+    def _pods(self, wanted: bool, starting: bool = False) -> PodsView | None:
         """The pods now, when a tenant matches pods: their source started with the first such tenant (at start, or
-        by a reload) and stopped with the last."""
+        by a reload) and stopped with the last. Only start lists before the first follow; in a tick the new source
+        starts from the last one's list and lists on its thread (a dead runtime must not hold the tick)."""
         if not wanted:
             self._stop_pods()
             return None
@@ -330,8 +332,10 @@ class Quota(Capability):
             from qosagent.placement.cgroupns import HostCgroups
             from qosagent.pods.source import PodSource
 
-            self.pods = PodSource(self.ctx.config.pods, self.ctx.hostfs, self.ctx.clock)
-            self.pods.refresh()  # the first list before the first namespace is resolved; then on its thread
+            self.pods = PodSource(self.ctx.config.pods, self.ctx.hostfs, self.ctx.clock, self._pods_before)
+            self._pods_before = None
+            if starting:
+                self.pods.refresh()
             self.pods.start()
             self._cgroups = self._cgroups or HostCgroups(self.ctx.hostfs)
         self.pods_view = view = self.pods.view()
@@ -350,10 +354,11 @@ class Quota(Capability):
         # Every process of a pod shares its network namespace and lies in its cgroup: one is enough.
         return pod_of_pid(self.ctx.hostfs, self._cgroups, ns.pid, tokens)
 
-    def _stop_pods(self) -> None:
+    def _stop_pods(self, wait: bool = False) -> None:
         src, self.pods, self.pods_view = self.pods, None, None
         if src is not None:
-            src.stop()
+            src.stop(wait)
+            self._pods_before = src
 
     def prepare(self, config: Config) -> Change:
         d = self.datapath
@@ -402,7 +407,7 @@ class Quota(Capability):
         """A clean stop hands over: the filter keeps the program and the pins keep the limits, so the next agent
         adopts them with no moment unenforced (adaptive overrides expire with the heartbeat). With
         ctx.detach_on_exit it removes everything instead."""
-        self._stop_pods()
+        self._stop_pods(wait=True)  # the agent's exit: no pods thread left mid-call
         d = self.datapath
         if d is None:
             return

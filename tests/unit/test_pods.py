@@ -155,8 +155,8 @@ def test_the_thread_lists_on_its_own_and_stops(runtime, tmp_path: Path) -> None:
     while src.view().pods is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert src.view().pods is not None
-    src.stop()
-    assert src._thread is not None and not src._thread.is_alive()
+    src.stop(wait=True)
+    assert src._thread is not None and not src._thread.is_alive() and src._client is None
 
 
 def test_no_runtime_names_every_socket_tried(tmp_path: Path) -> None:
@@ -260,3 +260,98 @@ def test_a_refresh_that_ends_after_stop_leaves_no_client(runtime, tmp_path: Path
     src.stop()  # as when stop()'s wait for the thread ran out while it was still connecting
     src.refresh()
     assert src.view().pods is not None and src._client is None
+
+
+def test_a_new_source_starts_from_the_last_list_and_keeps_counting_errors(runtime, tmp_path: Path) -> None:
+    clock = Clock()
+    old = source(tmp_path, clock)
+    old.refresh()
+    runtime.mode = "error"
+    old.refresh()
+    old.stop()
+    clock.t += 4
+    new = PodSource(PodsConfig(runtime_socket="/cri.sock", refresh="2s", timeout="200ms", stale_after="10s"),
+                    HostFS(tmp_path), clock, after=old)
+    v = new.view()  # before it lists: the last list with its age, which stale_after still bounds
+    assert list(v.pods or {}) == [UID] and v.age == 4 and v.errors == 1 and "runtime restarting" in v.reason
+    new.refresh()
+    assert new.view().errors == 2  # a counter: never back to zero because the source was replaced
+    clock.t += 7
+    assert new.view().pods is None  # 11s old: unknown, as it would have been without the reload
+    other = PodSource(PodsConfig(runtime_socket="/other.sock"), HostFS(tmp_path), clock, after=new)
+    assert other.view().pods is None and other.view().errors == 2  # another socket's pods are not carried
+    new.stop()
+
+
+def test_a_reload_never_waits_on_a_hung_runtime_nor_forgets_the_pods(runtime, tmp_path: Path) -> None:
+    """After a reload the first follow takes the previous list while the new source connects on its thread, and
+    each thread closes its own channel."""
+    import threading
+    import time
+
+    from qosagent import config
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.quota.capability import Quota
+
+    def pods_config(refresh: str) -> config.Config:
+        # A deadline far longer than the guard below: a tick that waited on the runtime is caught, not raced.
+        return config.parse({"pods": {"runtime_socket": "/cri.sock", "refresh": refresh, "timeout": "20s",
+                                      "stale_after": "60s"}}, "test")
+
+    clock = Clock()
+    q = Quota(AgentContext(config=pods_config("20s"), hostfs=HostFS(tmp_path), gpu=NoGpu(), clock=clock))
+    assert list(q._pods(True, starting=True).pods or {}) == [UID]  # type: ignore[union-attr]
+    old = q.pods
+    assert old is not None
+    deadline = time.monotonic() + 10  # the thread's own first list, then it sleeps for refresh (20s)
+    while sum(n == "ListPodSandbox" for n, _ in runtime.requests) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runtime.mode = "error"
+    old.refresh()
+    runtime.mode, runtime.hang = "hang", 120.0  # answers only when the test releases it
+    q.ctx.config = pods_config("30s")
+    q._stop_pods()  # what a reload commit does with new pods settings
+    done = threading.Event()
+    views = []
+
+    def tick() -> None:
+        views.append(q._pods(True))
+        done.set()
+
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        assert done.wait(10), "the tick waited on the runtime"
+        (v,) = views
+        assert v is not None and list(v.pods or {}) == [UID] and v.errors == 1
+        assert q.pods is not None and q.pods is not old and q.pods.cfg.refresh == 30
+    finally:
+        runtime._release.set()
+    q._stop_pods(wait=True)
+    assert old._thread is not None and q._pods_before is not None and q._pods_before._thread is not None
+    old._thread.join(30)
+    assert not old._thread.is_alive() and not q._pods_before._thread.is_alive()
+    assert old._client is None and q._pods_before._client is None
+
+
+def test_stop_does_not_wait_for_a_call_in_flight_and_the_thread_closes_its_channel(runtime, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    runtime.mode, runtime.hang = "hang", 120.0
+    src = PodSource(PodsConfig(runtime_socket="/cri.sock", refresh="20s", timeout="20s", stale_after="60s"),
+                    HostFS(tmp_path), Clock())
+    src.start()
+    deadline = time.monotonic() + 10
+    while not runtime.requests and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the thread's first call hangs in the runtime
+    assert runtime.requests
+    stopped = threading.Event()
+    threading.Thread(target=lambda: (src.stop(), stopped.set()), daemon=True).start()
+    try:
+        assert stopped.wait(10), "stop() waited for the hung call (deadline 20s)"
+        assert src._thread is not None and src._thread.is_alive()  # still in its call: nobody waited for it
+    finally:
+        runtime._release.set()
+    src._thread.join(30)
+    assert not src._thread.is_alive() and src._client is None
