@@ -12,7 +12,9 @@ from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.placement import applier
 from qosagent.placement.capability import Placement
-from qosagent.placement.model import Drop, Record
+from qosagent.placement.discovery import ProcInfo
+from qosagent.placement.model import Drop, Place, Record
+from qosagent.placement.planner import Target
 from qosagent.snapshot import Decision
 from testkit.placement_trees import proc_entry
 
@@ -96,3 +98,20 @@ def test_a_process_gone_during_release_is_forgotten(tmp_path, monkeypatch, pinne
     _release(pinned)
     assert pinned.counters["errors"]["exited"] == 1
     assert pinned.store.entries == {} and 42 not in pinned.records and _saved(tmp_path) == {}
+
+
+def test_a_failed_restore_of_a_selected_process_is_retried(tmp_path, monkeypatch, pinned: Placement) -> None:
+    """The plan stops pinning it (its GPU's node unknown): the same keep-until-written rule as a release."""
+    restore = FlakyRestore(PermissionError(errno.EPERM, "Operation not permitted"))
+    monkeypatch.setattr(applier, "restore", restore)
+    proc = ProcInfo(42, ORIG.start, "vllm", "vllm serve", "/", None, "selectors[0]")
+    place = Place("restore", proc, Target(42, None, None, "GPU node unknown"), "GPU node unknown")
+    decision = Decision("placement", "pid 42 (vllm)", "restore", "4", None, "GPU node unknown", command=place)
+    pinned.apply([decision])
+    assert pinned.counters["errors"]["permission"] == 1
+    assert pinned.store.entries == {42: ORIG} and _saved(tmp_path) == {42: ORIG}
+    assert pinned.records[42].cpus == frozenset({4}), "still pinned, so the next reconcile decides restore again"
+    pinned.apply([decision])
+    assert len(restore.calls) == 2
+    assert pinned.store.entries == {} and _saved(tmp_path) == {}
+    assert pinned.records[42].last_action == "restore" and pinned.records[42].cpus is None
