@@ -284,12 +284,11 @@ static __always_inline void lat_note_process(void)
 static __always_inline void lat_init_sock(struct lat_sock *s, __u16 lport, __u16 rport, const __u8 *client,
                                           const __u8 *local)
 {
-    __u8 via;
-    s->tenant = qos_tenant_by_port(lport, &via);
+    s->tenant = qos_tenant_by_port(lport);
     if (s->tenant == QOS_UNMATCHED)
         s->tenant = lat_tenant_by_netns(lport, local);
     if (s->tenant == QOS_UNMATCHED)
-        s->tenant = qos_tenant_by_addr(lport, client, &via);
+        s->tenant = qos_tenant_by_addr(lport, client, 0);
     s->slot = lat_slot_of(s->tenant);
 #ifdef QOS_FLOWS_PIN
     if (s->tenant == QOS_UNMATCHED) {

@@ -21,16 +21,21 @@ class FakePod:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     ready: bool = True
-    sandbox: str = ""
+
+
+def field_map(number: int, entries: Mapping[str, str]) -> bytes:
+    """map<string, string>: a repeated message of key = 1, value = 2. The agent only reads maps (wire.map_entry)."""
+    return b"".join(wire.field_bytes(number, wire.field_str(1, k) + wire.field_str(2, v))
+                    for k, v in sorted(entries.items()))
 
 
 def pod_sandbox(p: FakePod) -> bytes:
     meta = wire.field_str(1, p.name) + wire.field_str(2, p.uid) + wire.field_str(3, p.namespace) + \
         wire.field_varint(4, 1)
-    return (wire.field_str(1, p.sandbox or f"sb-{p.uid}") + wire.field_bytes(2, meta) +
+    return (wire.field_str(1, f"sb-{p.uid}") + wire.field_bytes(2, meta) +
             wire.field_varint(3, 0 if p.ready else 1) +
             wire.varint(4 << 3 | wire.VARINT) + wire.varint(1_700_000_000_000_000_000) +  # created_at (int64)
-            wire.field_map(5, p.labels) + wire.field_map(6, {"note": "annotations are not read"}))
+            field_map(5, p.labels) + field_map(6, {"note": "annotations are not read"}))
 
 
 class FakeRuntime:
@@ -84,7 +89,7 @@ def run_pod_sandbox_request(name: str, uid: str, namespace: str, labels: Mapping
     meta = wire.field_str(1, name) + wire.field_str(2, uid) + wire.field_str(3, namespace)
     linux = wire.field_str(1, cgroup_parent)  # LinuxPodSandboxConfig.cgroup_parent
     config = (wire.field_bytes(1, meta) + wire.field_str(2, name) + wire.field_str(3, log_dir) +
-              wire.field_map(6, labels) + wire.field_bytes(8, linux))
+              field_map(6, labels) + wire.field_bytes(8, linux))
     return wire.field_bytes(1, config)  # RunPodSandboxRequest.config
 
 

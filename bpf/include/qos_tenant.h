@@ -30,16 +30,14 @@ static __always_inline struct qos_port_tenant *qos_port_claim(__u16 lport)
     return c && c->tenant != QOS_UNMATCHED ? c : 0;
 }
 
-static __always_inline __u32 qos_tenant_by_port(__u16 lport, __u8 *via)
+static __always_inline __u32 qos_tenant_by_port(__u16 lport)
 {
     struct qos_port_tenant *c = qos_port_claim(lport);
-    if (c) {
-        *via = QOS_VIA_PORT;
-        return c->tenant;
-    }
-    return QOS_UNMATCHED;
+    return c ? c->tenant : QOS_UNMATCHED;
 }
 
+/* via, where given, says the tenant came from a CIDR: the quota classifier keeps it in its flow table for
+ * `qosagent status`; the latency probes have no use for it and pass 0. */
 static __always_inline __u32 qos_tenant_by_addr(__u16 lport, const __u8 *raddr, __u8 *via)
 {
     struct qos_cidr_key ck = {};
@@ -51,11 +49,11 @@ static __always_inline __u32 qos_tenant_by_addr(__u16 lport, const __u8 *raddr, 
         ck.port = 0;
         t = tenant_cidrs.lookup(&ck);
     }
-    if (t) {
+    if (!t)
+        return QOS_UNMATCHED;
+    if (via)
         *via = QOS_VIA_CIDR;
-        return t->tenant;
-    }
-    return QOS_UNMATCHED;
+    return t->tenant;
 }
 
 #endif

@@ -61,7 +61,8 @@ class Latency(Capability):
         self.watch: CgroupWatch | None = None  # sockops mode: the hooks on the cgroup2 root and serving cgroups
         self._egress_root_link: int | None = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
         self.adopter: adopt.Adopter | None = None  # connections open before their port was watched
-        self._pods: PodTenants | None = None  # process tenants by their serving namespaces' addresses (lat_netns)
+        # process and pods tenants by their serving namespaces' addresses (lat_netns)
+        self._pods: PodTenants | None = None
 
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
@@ -233,7 +234,8 @@ class Latency(Capability):
         return [ns.pid for ns in self._serving_namespaces(ports)]
 
     def _follow_pods(self, m: MapsPlan) -> None:
-        """Process tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and go."""
+        """Process and pods tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and
+        go."""
         assert self._pods is not None
         self._pods.follow(m.namespace_rules, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()})
 

@@ -68,7 +68,8 @@ def show(addr: bytes) -> str:
 
 
 class PodTenants:
-    """lat_netns kept as the serving namespaces and the config's process rules say; `followed` is what status shows."""
+    """lat_netns kept as the serving namespaces and the config's process and pods rules say; `followed` is what status
+    shows."""
 
     def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map", conf: "Map"):
         self.services, self.fs, self.table, self.conf = services, fs, table, conf

@@ -9,6 +9,7 @@ write, on disk under state_dir, and put back on stop (or by `qosagent detach` af
 from __future__ import annotations
 
 import collections
+import errno
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -309,11 +310,24 @@ class Placement(Capability):
             self.counters["errors"]["state_dir"] += 1
             self.log.warning("cannot save original affinities: %s", e)
 
+    def _restore(self, pid: int, orig: applier.Original) -> applier.AffinityResult:
+        """The original back, forgotten only once written: a failed write keeps it (memory and state file) for a
+        later tick, stop() or `qosagent detach`. A process gone is nothing to restore (applier.Exited)."""
+        try:
+            res = applier.restore(self.ctx.hostfs, pid, orig)
+        except OSError as e:
+            if e.errno in (errno.ESRCH, errno.ENOENT):
+                raise applier.Exited(f"pid {pid} exited") from None
+            raise
+        self.store.entries.pop(pid, None)
+        return res
+
     def _drop(self, c: Drop) -> None:
-        self.records.pop(c.pid, None)
-        orig = self.store.entries.pop(c.pid, None)
+        orig = self.store.entries.get(c.pid)
         if c.release and orig is not None:
-            applier.restore(self.ctx.hostfs, c.pid, orig)
+            self._restore(c.pid, orig)  # on failure the record stays too, so a later reconcile releases again
+        self.store.entries.pop(c.pid, None)
+        self.records.pop(c.pid, None)
 
     def _place(self, c: Place, at: float) -> None:
         fs = self.ctx.hostfs
@@ -326,8 +340,7 @@ class Placement(Capability):
             rec.node, rec.cpus, rec.applied, rec.verified = None, None, False, None
             return
         if c.action == "restore":
-            orig = self.store.entries.pop(pid)
-            rec.threads = applier.restore(fs, pid, orig).threads
+            rec.threads = self._restore(pid, self.store.entries[pid]).threads
             rec.node, rec.cpus, rec.applied, rec.verified = None, None, True, None
             return
         rec.node, rec.cpus = t.node, t.cpus

@@ -62,13 +62,11 @@ def list_ready_request() -> bytes:
 
 def _pod(buf: bytes) -> tuple[Pod, int]:
     """(the pod, its state) from a PodSandbox message."""
-    sandbox = name = uid = namespace = ""
+    name = uid = namespace = ""
     state = SANDBOX_READY
     labels: dict[str, str] = {}
     for n, v in wire.fields(buf):
-        if n == 1:
-            sandbox = wire.text(v)
-        elif n == 2 and isinstance(v, bytes):  # PodSandboxMetadata
+        if n == 2 and isinstance(v, bytes):  # PodSandboxMetadata
             for m, x in wire.fields(v):
                 if m == 1:
                     name = wire.text(x)
@@ -81,7 +79,7 @@ def _pod(buf: bytes) -> tuple[Pod, int]:
         elif n == 5:
             k, val = wire.map_entry(v)
             labels[k] = val
-    return Pod(uid=uid, namespace=namespace, name=name, labels=labels, sandbox=sandbox), state
+    return Pod(uid=uid, namespace=namespace, name=name, labels=labels), state
 
 
 def parse_ready_pods(buf: bytes) -> list[Pod]:

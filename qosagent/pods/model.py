@@ -12,7 +12,6 @@ class Pod:
     namespace: str
     name: str
     labels: Mapping[str, str] = field(default_factory=dict, compare=False)
-    sandbox: str = ""  # the runtime's sandbox id
 
     @property
     def ref(self) -> str:

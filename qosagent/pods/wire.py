@@ -8,7 +8,7 @@ do, so a runtime that sends fields this does not know is still understood.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 
@@ -57,11 +57,6 @@ def field_str(number: int, value: str) -> bytes:
 
 def field_varint(number: int, value: int) -> bytes:
     return varint(number << 3 | VARINT) + varint(value) if value else b""
-
-
-def field_map(number: int, entries: Mapping[str, str]) -> bytes:
-    """map<string, string>: a repeated message of key = 1, value = 2."""
-    return b"".join(field_bytes(number, field_str(1, k) + field_str(2, v)) for k, v in sorted(entries.items()))
 
 
 def fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:

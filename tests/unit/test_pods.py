@@ -53,7 +53,7 @@ def test_ready_pods_parsed_not_ready_and_uidless_ones_left_out() -> None:
             FakePod("u2", "ml", "old", ready=False), FakePod("", "ml", "nouid")]
     buf = b"".join(wire.field_bytes(1, pod_sandbox(p)) for p in pods) + wire.field_str(2, "next-page-token")
     got = cri.parse_ready_pods(buf)
-    assert got == [Pod(UID, "ml", "vllm-0", sandbox=f"sb-{UID}")]
+    assert got == [Pod(UID, "ml", "vllm-0")]
     assert dict(got[0].labels) == {"app": "vllm", "pod-template-hash": "abc"}
 
 
