@@ -146,10 +146,11 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
             click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
     if strict and failed:
         sys.exit(1)
-    if cfg.quota.enabled:
-        from qosagent.quota.capability import pods_problem
+    if any(cls.enabled(cfg) for cls in registry() if cls.name in ("latency", "quota")):
+        from qosagent.pods.service import problem as pods_problem
 
-        # Tenants that match pods are what the config asks for: without a runtime to learn them from, an error.
+        # Tenants that match pods are what the config asks for: without a runtime to learn them from, an error,
+        # whichever of quota and latency would use them.
         problem = pods_problem(cfg, fs)
         if problem is not None:
             click.echo(f"{config_path or config_mod.DEFAULT_SOURCE}: {problem}", err=True)

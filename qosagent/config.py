@@ -59,7 +59,7 @@ class TenantMatch(Section):
     # `ports` (default: every watched port): quota by the host-side veth, latency by the namespace's addresses.
     process: Regex | None = None
     # Requests into the network namespace of a pod the container runtime lists (namespace, labels), on `ports`
-    # (default: every watched port). Latency takes each namespace's pod from quota, which lists them.
+    # (default: every watched port). One listing of the runtime serves quota and latency (docs/configuration.md).
     pods: PodMatch | None = None
 
     @property
@@ -250,12 +250,11 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
             problems.append((f"{here}.match.process", "cannot be combined with cidrs or header"))
         if m.pods is not None and (m.cidrs or m.header or m.process is not None):
             problems.append((f"{here}.match.pods", "cannot be combined with cidrs, header or process"))
-        if m.pods is not None and not (cfg.quota.enabled and cfg.quota.namespaces):
-            # Quota learns the pods from the runtime and finds their serving namespaces (latency takes each
-            # namespace's pod from there): without it the rule matches nothing, in quota and latency alike.
-            problems.append((f"{here}.match.pods", "needs quota.enabled and quota.namespaces (quota learns the pods "
-                             "from the container runtime and follows their serving network namespaces, which is "
-                             "what their requests are matched by)"))
+        if m.pods is not None and cfg.quota.enabled and not cfg.quota.namespaces:
+            # The agent learns the pods whichever capability runs (latency attributes them by address); quota
+            # classifies a pod's requests only in the serving namespaces it follows: without them it enforces nothing.
+            problems.append((f"{here}.match.pods", "needs quota.namespaces while quota is enabled (quota classifies "
+                             "a pod's requests at the host-side veths of the serving network namespaces it follows)"))
         # A port alone claims every connection on it; two tenants cannot both claim one.
         if m.claims_ports:
             for p in m.ports:

@@ -119,6 +119,9 @@ class Agent:
             except Exception:  # noqa: BLE001 - a failing stop must not keep the others from rolling back
                 log.exception("%s: stop failed", cap.name)
         self.capabilities = []
+        pods = self.ctx.services.pop("pods", None)
+        if pods is not None:
+            pods.stop(wait=True)  # shared by quota and latency: stopped after both, no thread left mid-call
         for srv in self._servers:
             srv.close()
         self._servers = []
@@ -311,6 +314,9 @@ class Agent:
                 "ready_seconds": self.stats.ready_seconds,
             },
         }
+        pods = self.ctx.services.get("pods")
+        if pods is not None and pods.view is not None:
+            out["pods"] = pods.status()  # the runtime's pods, as quota and latency both take them
         for cap in self.capabilities:
             try:
                 out[cap.name] = cap.status(snap)

@@ -116,6 +116,10 @@ def render(status: dict[str, Any]) -> str:
     err = status.get("self", {}).get("last_reload_error")
     if err:
         lines.append(f"\nlast reload refused: {err}")
+    if status.get("pods"):
+        from qosagent.pods import service as pods_service
+
+        lines.append("\n" + pods_service.render(status["pods"]))
     for cls in registry():
         part = status.get(cls.name)
         if part:

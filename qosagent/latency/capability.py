@@ -121,7 +121,8 @@ class Latency(Capability):
     def start(self, plan: Plan) -> None:
         self.mode, self.arrival, self.egress, self.runq = plan.mode, plan.arrival, plan.egress, plan.runq
         self.dp = dp = Datapath.load(self.ctx.config, plan)
-        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, dp.map("lat_netns"), dp.map("lat_netns_conf"))
+        self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, dp.map("lat_netns"), dp.map("lat_netns_conf"),
+                                self.ctx.clock)
         self._maps = None
         adopt.set_listing(dp.bpf, True)
         self._write_maps(dp.plan(self.ctx.config))
@@ -237,7 +238,9 @@ class Latency(Capability):
         """Process and pods tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and
         go."""
         assert self._pods is not None
-        self._pods.follow(m.namespace_rules, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()})
+        # The pods settings in force (a reload's new ones from the next follow on); only start lists before the first.
+        self._pods.follow(m.namespace_rules, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()},
+                          self.ctx.config.pods, starting=self._maps is None)
 
     def prepare(self, config: "Config") -> Change:
         if self.dp is None:

@@ -22,10 +22,12 @@ import struct
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from qosagent import netns
+from qosagent.pods import service as pods_service
 
 if TYPE_CHECKING:
     from qosagent.ebpf.maps import Map
     from qosagent.hostfs import HostFS
+    from qosagent.pods.config import PodsConfig
     from qosagent.pods.model import Pod
 
 log = logging.getLogger("qosagent.latency")
@@ -71,24 +73,26 @@ class PodTenants:
     """lat_netns kept as the serving namespaces and the config's process and pods rules say; `followed` is what status
     shows."""
 
-    def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map", conf: "Map"):
-        self.services, self.fs, self.table, self.conf = services, fs, table, conf
+    def __init__(self, services: dict[str, Any], fs: "HostFS", table: "Map", conf: "Map",
+                 clock: Callable[[], float]):
+        self.services, self.fs, self.table, self.conf, self.clock = services, fs, table, conf, clock
         self.written: dict[Key, int] = {}
         self.overflow = 0  # entries wanted when more than MAX_ENTRIES, as last warned of
         self.followed: tuple[dict[str, Any], ...] = ()
 
     def follow(self, rules: Iterable[netns.NsRule], watched: Iterable[int], now: float,
-               names: Mapping[int, str]) -> bool:
+               names: Mapping[int, str], pods_config: "PodsConfig", starting: bool = False) -> bool:
         """Bring lat_netns up to date; True when it changed. Without process or pods rules nothing is scanned for
-        it. A namespace's pod comes from quota (services["netns.pods"]), which lists the runtime's pods: without
-        quota no pods rule matches, and those connections are unmatched."""
+        it. A namespace's pod comes from the agent's one listing of the runtime's pods (services["pods"]), the one
+        quota uses too: any serving namespace, with or without quota, a veth or a classified port."""
         from qosagent.ebpf.maps import sync
 
         rules, watched = list(rules), list(watched)
         found = (netns.follower(self.services, self.fs).current(watched, any(not r.by_pod for r in rules), now)
                  if rules else {})
-        pod_in = self.services.get("netns.pods") or (lambda ino: None)
-        want, tenants, shared = entries(found, rules, watched, pod_in)
+        pods = pods_service.shared(self.services, self.fs, self.clock)
+        pods.current(any(r.by_pod for r in rules), pods_config, starting)
+        want, tenants, shared = entries(found, rules, watched, lambda ino: pods.pod_of(found[ino]))
         wanted = len(want)
         if wanted > MAX_ENTRIES:
             if wanted != self.overflow:
@@ -99,7 +103,7 @@ class PodTenants:
         followed = tuple({
             "netns": ino, "pid": found[ino].pid, "addresses": sorted(map(show, found[ino].addrs - shared)),
             "shared": sorted(map(show, found[ino].addrs & shared)),
-            "pod": pod.ref if (pod := pod_in(ino)) is not None else None,
+            "pod": pod.ref if (pod := pods.pod_of(found[ino])) is not None else None,
             "tenants": {str(p or "any"): names.get(t, str(t)) for p, t in by_port.items()},
         } for ino, by_port in sorted(tenants.items()))
         if want == self.written and followed == self.followed:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from qosagent import netns
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
-from qosagent.pods.model import Pod, PodsView, by_cgroup_token
+from qosagent.pods import service as pods_service
 from qosagent.quota import datapath as dp
 from qosagent.quota import tc
 from qosagent.quota.model import QuotaPart, TenantQuota
@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from qosagent.features import Features
-    from qosagent.hostfs import HostFS
-    from qosagent.placement.cgroupns import HostCgroups
-    from qosagent.pods.source import PodSource
 
 log = logging.getLogger("qosagent.quota")
 
@@ -54,31 +51,6 @@ def interfaces(cfg: Config) -> list[str]:
         if ips and (bound & ips or bound & {"0.0.0.0", "::"}):
             out.append(name)
     return out
-
-
-def pods_problem(cfg: Config, fs: "HostFS", found: list[str] | None = None) -> str | None:
-    """Why the tenants that match pods cannot learn them here (no runtime answers), or None; found gets what
-    answers."""
-    from qosagent.pods.cri import find_runtime
-
-    wanted = [f"tenants[{i}]" for i, t in enumerate(cfg.tenants) if t.match.pods is not None]
-    if not wanted:
-        return None
-    runtime, why = find_runtime(fs, cfg.pods.runtime_socket, cfg.pods.timeout)
-    if runtime is None:
-        return (f"{', '.join(wanted)} match pods, which the agent learns from the container runtime's CRI socket: "
-                f"{why} (set pods.runtime_socket, or mount the runtime's socket into the agent)")
-    if found is not None:
-        found.append(runtime)
-    return None
-
-
-def _pods_status(view: PodsView | None) -> dict[str, Any] | None:
-    if view is None:
-        return None
-    return {"runtime": view.runtime, "known": view.pods is not None,
-            "ready": None if view.pods is None else len(view.pods), "age_s": view.age, "errors": view.errors,
-            "reason": view.reason}
 
 
 def _baseline_buckets(cfg: Config) -> dict[int, tuple[Bucket | None, Bucket | None]]:
@@ -139,12 +111,6 @@ class Quota(Capability):
         self.egress: dict[int, list[tuple[int, str]]] = {}
         self.followed: tuple[dict[str, Any], ...] = ()
         self._follow_every = Every(netns.NETNS_EVERY)
-        # Pods tenants only: the runtime's pods (listed on their own thread) and the host's view of cgroups.
-        self.pods: "PodSource | None" = None
-        self._pods_before: "PodSource | None" = None  # the last one stopped: where the next one starts from
-        self.pods_view: PodsView | None = None
-        self.ns_pods: dict[int, Pod] = {}  # serving namespace -> its pod, as the last follow found them
-        self._cgroups: "HostCgroups | None" = None
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
@@ -194,7 +160,7 @@ class Quota(Capability):
             # A runtime not answering now (restarting with the node) is no reason to leave every tenant
             # unenforced: quota runs, and the pods' namespaces get their tenants once it answers (check fails).
             runtime: list[str] = []
-            problem = pods_problem(self.ctx.config, self.ctx.hostfs, runtime)
+            problem = pods_service.problem(self.ctx.config, self.ctx.hostfs, runtime)
             reason += f"; pods from {runtime[0]}" if runtime else f"; {problem}: no pods tenant until one answers"
         if q.namespaces:
             reason += "; serving network namespaces followed (egress of their host-side veths)"
@@ -216,14 +182,10 @@ class Quota(Capability):
             self._follow(starting=True)
         except Exception as e:  # noqa: BLE001 - bcc, netlink and bpf() all raise their own kinds
             self._failed_start()
-            self._stop_pods()
             raise CapabilityError(f"cannot load or attach the classifier: {e}") from e
         if self.datapath.adopted:
             log.info("adopted pinned quota state at %s", self.datapath.path)
         self.ctx.services["quota.limits"] = LimitsWriter(self)
-        # The pods of the serving namespaces as the last follow found them, for latency's pods tenants: the runtime's
-        # listing and the cgroup matching live here, and are not done twice.
-        self.ctx.services["netns.pods"] = self.pod_in
 
     def maintain(self) -> None:
         # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
@@ -272,14 +234,15 @@ class Quota(Capability):
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
                          unmatched_counts=r.counts.get(UNMATCHED_ID, (0, 0, 0, 0)), passed=dict(r.stats),
                          interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others),
-                         namespaces=self.followed, pods=_pods_status(self.pods_view))
+                         namespaces=self.followed)
 
     def _follow(self, starting: bool = False) -> None:
         d = self.datapath
         assert d is not None
         cfg = self.ctx.config
         rules = netns.ns_rules(cfg.tenants)
-        view = self._pods(any(r.by_pod for r in rules), starting)
+        pods = pods_service.shared(self.ctx.services, self.ctx.hostfs, self.ctx.clock)
+        pods.current(any(r.by_pod for r in rules), cfg.pods, starting)
         found: dict[int, netns.ServingNs] = {}
         veths: dict[int, list[tuple[int, str]]] = {}
         if cfg.quota.namespaces:
@@ -289,10 +252,8 @@ class Quota(Capability):
             found = {ino: ns for ino, ns in found.items() if ns.ports & classified}
             with tc.IPRoute() as ipr:
                 veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
-        tokens = by_cgroup_token(view.pods.values()) if view is not None and view.pods is not None else None
-        pods = {ino: self._pod_of(found[ino], tokens) for ino in veths}
-        self.ns_pods = {ino: pod for ino, pod in pods.items() if pod is not None}
-        tenants = {ino: netns.namespace_tenants(rules, found[ino], pods[ino]) for ino in veths}
+        pod = {ino: pods.pod_of(found[ino]) for ino in veths}
+        tenants = {ino: netns.namespace_tenants(rules, found[ino], pod[ino]) for ino in veths}
         entries = {(idx, port): tid for ino, vs in veths.items() for idx, _ in vs
                    for port, tid in tenants[ino].items()}
         d.set_netns(entries)
@@ -304,13 +265,13 @@ class Quota(Capability):
         for ino in veths.keys() - self.egress.keys():
             ns = found[ino]
             log.info("following network namespace %d (pid %d, ports %s%s) through %s%s", ino, ns.pid,
-                     ",".join(map(str, sorted(ns.ports))), f", pod {pods[ino].ref}" if pods[ino] else "",
+                     ",".join(map(str, sorted(ns.ports))), f", pod {pod[ino].ref}" if pod[ino] else "",
                      ", ".join(n for _, n in veths[ino]), "".join(f"; port {p}: tenant {t}"
                                                                   for p, t in shown[ino].items()))
         for ino in veths.keys() & self.egress.keys():
             if before.get(ino) != shown[ino]:  # its pod became known, or unknown, or changed its labels
                 log.info("network namespace %d%s: tenants now %s", ino,
-                         f" (pod {pods[ino].ref})" if pods[ino] else "",
+                         f" (pod {pod[ino].ref})" if pod[ino] else "",
                          ", ".join(f"port {p}: {t}" for p, t in shown[ino].items()) or "by port and CIDR")
         for ino in self.egress.keys() - veths.keys():
             log.info("network namespace %d no longer serves here (gone, or its veth is): its rules removed", ino)
@@ -318,47 +279,8 @@ class Quota(Capability):
         # As status shows them: worked out here, when they change, not in every tick's collect.
         self.followed = tuple({
             "netns": ino, "pid": found[ino].pid, "ports": sorted(found[ino].ports),
-            "egress": [n for _, n in vs], "pod": pods[ino].ref if pods[ino] else None, "tenants": shown[ino],
+            "egress": [n for _, n in vs], "pod": pod[ino].ref if pod[ino] else None, "tenants": shown[ino],
         } for ino, vs in sorted(veths.items()))
-
-    def _pods(self, wanted: bool, starting: bool = False) -> PodsView | None:
-        """The pods now, when a tenant matches pods: their source started with the first such tenant (at start, or
-        by a reload) and stopped with the last. Only start lists before the first follow; in a tick the new source
-        starts from the last one's list and lists on its thread (a dead runtime must not hold the tick)."""
-        if not wanted:
-            self._stop_pods()
-            return None
-        if self.pods is None:
-            from qosagent.placement.cgroupns import HostCgroups
-            from qosagent.pods.source import PodSource
-
-            self.pods = PodSource(self.ctx.config.pods, self.ctx.hostfs, self.ctx.clock, self._pods_before)
-            self._pods_before = None
-            if starting:
-                self.pods.refresh()
-            self.pods.start()
-            self._cgroups = self._cgroups or HostCgroups(self.ctx.hostfs)
-        self.pods_view = view = self.pods.view()
-        return view
-
-    def pod_in(self, ino: int) -> Pod | None:
-        """The pod of serving network namespace ino, when a pods tenant made the agent list them and one holds it."""
-        return self.ns_pods.get(ino)
-
-    def _pod_of(self, ns: netns.ServingNs, tokens: Mapping[str, Pod] | None) -> Pod | None:
-        """ns's pod among the known ones (tokens: by_cgroup_token; None while they are unknown)."""
-        if tokens is None or self._cgroups is None:
-            return None
-        from qosagent.pods.source import pod_of_pid
-
-        # Every process of a pod shares its network namespace and lies in its cgroup: one is enough.
-        return pod_of_pid(self.ctx.hostfs, self._cgroups, ns.pid, tokens)
-
-    def _stop_pods(self, wait: bool = False) -> None:
-        src, self.pods, self.pods_view = self.pods, None, None
-        if src is not None:
-            src.stop(wait)
-            self._pods_before = src
 
     def prepare(self, config: Config) -> Change:
         d = self.datapath
@@ -380,8 +302,6 @@ class Quota(Capability):
     def _write(self, w: "_Written") -> None:
         d = self.datapath
         assert d is not None
-        if self.pods is not None and self.pods.cfg != w.config.pods:
-            self._stop_pods()  # listed again under the new pods settings at the next follow
         d.write_config(w.config, _baseline_buckets(w.config))
         d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in w.overrides.items()})
         for line in d.attach(w.interfaces, [n for vs in self.egress.values() for _, n in vs]):
@@ -407,13 +327,11 @@ class Quota(Capability):
         """A clean stop hands over: the filter keeps the program and the pins keep the limits, so the next agent
         adopts them with no moment unenforced (adaptive overrides expire with the heartbeat). With
         ctx.detach_on_exit it removes everything instead."""
-        self._stop_pods(wait=True)  # the agent's exit: no pods thread left mid-call
         d = self.datapath
         if d is None:
             return
         self.datapath = None
         self.ctx.services.pop("quota.limits", None)
-        self.ctx.services.pop("netns.pods", None)
         q = self.ctx.config.quota
         path = d.path
         d.close()
@@ -473,12 +391,6 @@ class Quota(Capability):
         for reason, n in sorted(part.passed.items()):
             passed.add_metric([reason], n)
         yield passed
-        if part.pods is not None:
-            yield CounterMetricFamily("qosagent_quota_pods_list_errors", "Failed listings of the container "
-                                      "runtime's pods (pods tenants)", value=part.pods["errors"])
-            if part.pods["age_s"] is not None:
-                yield GaugeMetricFamily("qosagent_quota_pods_list_age_seconds", "Age of the pods tenants' list of "
-                                        "pods (unknown past pods.stale_after)", value=part.pods["age_s"])
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
         part = snapshot.part("quota")
@@ -491,7 +403,6 @@ class Quota(Capability):
         return {
             "interfaces": list(part.interfaces),
             "namespaces": [dict(n) for n in part.namespaces],
-            "pods": None if part.pods is None else dict(part.pods),
             "pins": part.pins,
             "others_on_hook": list(part.others_on_hook),
             "unmatched_packets": part.unmatched_packets,
@@ -513,11 +424,6 @@ class Quota(Capability):
                  f"unmatched packets {status.get('unmatched_packets', 0)}"]
         for o in status.get("others_on_hook") or []:
             lines.append(f"  {o}")
-        pods = status.get("pods")
-        if pods:
-            lines.append(f"  pods from {pods['runtime'] or 'no runtime yet'}: " + (
-                f"{pods['ready']} READY, listed {pods['age_s']:.1f}s ago" if pods["known"] else
-                f"unknown ({pods['reason']})") + (f"; {pods['errors']} failed listings" if pods["errors"] else ""))
         for n in status.get("namespaces") or []:
             who = ", ".join(f"port {p}: {t}" for p, t in n["tenants"].items()) or "tenants by port and CIDR"
             pod = f", pod {n['pod']}" if n.get("pod") else ""

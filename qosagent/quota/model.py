@@ -35,5 +35,3 @@ class QuotaPart:
     others_on_hook: tuple[str, ...] = ()  # other filters and programs on the same hook, as probe found them
     # Serving network namespaces followed: netns, pid, ports, the host-side veths classified, tenants by port.
     namespaces: tuple[Mapping[str, Any], ...] = ()
-    # With pods tenants: the runtime listing them, whether they are known, how many READY, age, failed listings.
-    pods: Mapping[str, Any] | None = None

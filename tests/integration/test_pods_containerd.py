@@ -161,9 +161,12 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     def quota() -> dict:
         return request(socket, {"cmd": "status"})["quota"]
 
-    def wait(cond, what: str, timeout: float = 10.0) -> dict:
+    def pods() -> dict:
+        return request(socket, {"cmd": "status"})["pods"]  # the agent's, not quota's: latency uses them too
+
+    def wait(cond, what: str, timeout: float = 10.0, part=quota) -> dict:
         deadline = time.monotonic() + timeout
-        while not cond(q := quota()) and time.monotonic() < deadline:
+        while not cond(q := part()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert cond(q), f"{what}: {json.dumps(q, indent=1)}\n{log.read_text()[-3000:]}"
         return q
@@ -172,10 +175,11 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     by_pod = {n["pod"]: n for n in q["namespaces"]}
     assert by_pod["qa/chat-0"]["tenants"] == {"any": "chat"}
     assert by_pod["qa/batch-0"]["tenants"] == {"8000": "batch"}
-    assert q["pods"]["known"] and q["pods"]["ready"] == 2 and q["pods"]["runtime"].startswith("containerd 1.6")
-    from qosagent.quota.capability import Quota
+    p = pods()
+    assert p["known"] and p["ready"] == 2 and p["runtime"].startswith("containerd 1.6"), p
+    from qosagent.status import render
 
-    shown = Quota.render(q)  # what `qosagent status` prints
+    shown = render(request(socket, {"cmd": "status"}))  # what `qosagent status` prints
     assert "pods from containerd 1.6.20" in shown and "2 READY" in shown, shown
     assert "pod qa/chat-0) egress of veth" in shown and ": port any: chat" in shown, shown
 
@@ -206,15 +210,64 @@ def test_pods_tenants_enforced_by_labels_and_unknown_when_the_runtime_stops_answ
     try:
         time.sleep(1.5)
         assert all(n["tenants"] for n in quota()["namespaces"])  # within stale_after: still enforced
-        q = wait(lambda q: not q["pods"]["known"], "pods unknown", timeout=8)
-        assert q["pods"]["errors"] > 0 and "stale_after" in q["pods"]["reason"]
+        p = wait(lambda p: not p["known"], "pods unknown", timeout=8, part=pods)
+        assert p["errors"] > 0 and "stale_after" in p["reason"]
         wait(lambda q: not any(n["tenants"] for n in q["namespaces"]), "tenants gone with the pods")
     finally:
         os.kill(node.runtime.proc.pid, signal.SIGCONT)
-    wait(lambda q: q["pods"]["known"] and all(n["tenants"] for n in q["namespaces"]), "pods known again")
+    wait(lambda p: p["known"], "pods known again", part=pods)
+    wait(lambda q: all(n["tenants"] for n in q["namespaces"]), "tenants back with the pods")
     text = log.read_text()
     assert "pods: cannot list pods" in text and "answers again" in text
     assert agent.stop() == 0, text
+
+
+def test_latency_alone_tells_pods_apart_by_labels(node, tmp_path) -> None:
+    """Quota off: the agent still lists the pods (its own service, not quota's), and latency attributes each pod's
+    requests to its pods tenant by the namespace's address."""
+    _, chat_ip, chat_pid = node.pod("chat-0", {"app": "chat"})
+    _, batch_ip, batch_pid = node.pod("batch-0", {"app": "batch"})
+    node.serve_in(chat_pid, chat_ip, 8000)
+    node.serve_in(batch_pid, batch_ip, 8000)
+    socket, log, conf = str(tmp_path / "status.sock"), tmp_path / "agent.log", tmp_path / "qosagent.yaml"
+    conf.write_text(yaml.safe_dump({
+        "interval": "100ms", "state_dir": str(tmp_path), "status": {"socket": socket},
+        "metrics": {"enabled": False}, "bpf": {"pin_root": f"/sys/fs/bpf/qosagent-test-{node.lab.tag}"},
+        "latency": {"enabled": True, "ports": [8000], "runqueue": {"enabled": False}},
+        "quota": {"enabled": False},
+        "pods": {"runtime_socket": node.runtime.socket, "refresh": "500ms", "timeout": "300ms"},
+        "tenants": [
+            {"name": "chat", "tier": "silver", "match": {"pods": {"namespace": "qa", "labels": {"app": "chat"}}}},
+            {"name": "batch", "tier": "bronze", "match": {"pods": {"labels": {"app": "batch"}}, "ports": [8000]}},
+        ],
+    }))
+    from testkit.agent import AgentProcess
+
+    agent = AgentProcess(conf, socket, log, prefix=["nsenter", f"--net=/run/netns/{node.netns}"],
+                         args=("--detach-on-exit",))
+    node.lab.agents.append(agent)
+    agent.start()
+    deadline = time.monotonic() + 10
+    while len((st := request(socket, {"cmd": "status"}))["latency"]["namespaces"]) < 2 and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert st["capabilities"]["quota"]["state"] == "disabled", st["capabilities"]
+    assert {n["pod"]: n["tenants"] for n in st["latency"]["namespaces"]} == {
+        "qa/chat-0": {"any": "chat"}, "qa/batch-0": {"8000": "batch"}}, (st["latency"], log.read_text()[-3000:])
+    assert st["pods"]["known"] and st["pods"]["ready"] == 2, st["pods"]
+    loads = [node.lab.load(node.netns, chat_ip, 8000, NODE, threads=2, duration=2, timeout=15),
+             node.lab.load(node.netns, batch_ip, 8000, NODE, threads=4, duration=2, timeout=15)]
+    res = [json.loads(p.communicate(timeout=60)[0]) for p in loads]
+    done = {"chat": len(res[0]["done"]), "batch": len(res[1]["done"])}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        seen = {x["tenant"]: x["requests"] for x in request(socket, {"cmd": "status"})["latency"]["tenants"]}
+        if all(seen.get(n, 0) >= d for n, d in done.items()):
+            break
+        time.sleep(0.1)
+    assert done["chat"] > 0 and done["batch"] > 0, done
+    assert {n: seen.get(n, 0) for n in done} == done and seen.get("unmatched", 0) == 0, (seen, done)
+    assert agent.stop() == 0, log.read_text()
 
 
 def test_a_runtime_that_answers_only_after_the_agent_started_systemd_driver(root, bpf, tmp_path) -> None:
@@ -255,7 +308,7 @@ def test_a_runtime_that_answers_only_after_the_agent_started_systemd_driver(root
             time.sleep(0.1)
             st = request(socket, {"cmd": "status"})
         (n,) = q["namespaces"]
-        assert n["pod"] is None and n["tenants"] == {} and not q["pods"]["known"], q
+        assert n["pod"] is None and n["tenants"] == {} and not st["pods"]["known"], st
         with FakeRuntime(str(cri_socket), [FakePod(uid, "qa", "chat-0", {"app": "chat"})]):
             while time.monotonic() < deadline + 10:
                 (n,) = request(socket, {"cmd": "status"})["quota"]["namespaces"]

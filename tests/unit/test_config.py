@@ -89,10 +89,13 @@ def test_cidrs_are_normalized() -> None:
     assert cfg.tenants[0].match.cidrs == ["10.0.0.0/8", "2001:db8::/32"]
 
 
-@pytest.mark.parametrize("quota", ["{enabled: true, interfaces: [lo], namespaces: false}", "{enabled: false}"])
-def test_pods_tenants_need_quota_following_namespaces(quota: str) -> None:
-    text = (f"quota: {quota}\nlatency: {{ports: [8000]}}\n"
-            "tenants:\n- {name: a, tier: gold, match: {pods: {namespace: ml}}}\n")
-    assert ("tenants[0].match.pods", "needs quota.enabled and quota.namespaces (quota learns the pods from the "
-            "container runtime and follows their serving network namespaces, which is what their requests are "
-            "matched by)") in problems(text)
+def test_pods_tenants_need_quota_namespaces_only_while_quota_is_on() -> None:
+    def text(quota: str) -> str:
+        return (f"quota: {quota}\nlatency: {{ports: [8000]}}\n"
+                "tenants:\n- {name: a, tier: gold, match: {pods: {namespace: ml}}}\n")
+
+    assert ("tenants[0].match.pods", "needs quota.namespaces while quota is enabled (quota classifies a pod's "
+            "requests at the host-side veths of the serving network namespaces it follows)") in \
+        problems(text("{enabled: true, interfaces: [lo], namespaces: false}"))
+    # Latency learns the pods itself (the agent's one listing): a pods tenant with quota off is valid.
+    assert parse_text(text("{enabled: false}"), "x").tenants[0].match.pods is not None

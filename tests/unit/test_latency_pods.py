@@ -9,6 +9,7 @@ import logging
 import struct
 
 from qosagent.latency import adopt
+from qosagent.pods.config import PodsConfig
 from qosagent.latency.pods import PodTenants, entries
 from qosagent.netns import NsRule, ServingNs
 
@@ -104,24 +105,26 @@ class FakeFollower:
 def test_the_map_follows_namespaces_as_they_come_and_go(caplog) -> None:
     caplog.set_level(logging.INFO, "qosagent.latency")
     fol, m, conf = FakeFollower(), FakeMap(), FakeConf()
-    pods = PodTenants({"netns.serving": fol}, None, m, conf)  # type: ignore[arg-type]
+    pods = PodTenants({"netns.serving": fol}, None, m, conf, lambda: 0.0)  # type: ignore[arg-type]
     names = {11: "alpha", 22: "beta"}
-    assert not pods.follow([], [8000], 0.0, names) and fol.asked == 0  # no process rule: nothing scanned
+    assert not pods.follow([], [8000], 0.0, names, PodsConfig()) and fol.asked == 0  # no process rule: nothing scanned
     fol.found = {1: ns(1, "uvicorn --host 198.18.1.1", A)}
-    assert pods.follow(RULES, [8000], 1.0, names)
+    assert pods.follow(RULES, [8000], 1.0, names, PodsConfig())
     assert m.entries() == {(A, 8000): 11} and conf.entries == 1
     assert pods.followed == ({"netns": 1, "pid": 10, "addresses": ["198.18.1.1"], "shared": [], "pod": None,
                               "tenants": {"8000": "alpha"}},)
     fol.found[2] = ns(2, "uvicorn --host 198.18.2.1", B)
-    assert pods.follow(RULES, [8000], 2.0, names)
+    assert pods.follow(RULES, [8000], 2.0, names, PodsConfig())
     assert m.entries() == {(A, 8000): 11, (B, 8000): 22} and conf.entries == 2
     writes = m.writes
-    assert not pods.follow(RULES, [8000], 3.0, names) and m.writes == writes  # nothing new: nothing written
+    # nothing new: nothing written
+    assert not pods.follow(RULES, [8000], 3.0, names, PodsConfig()) and m.writes == writes
     del fol.found[1]
-    assert pods.follow(RULES, [8000], 4.0, names)
+    assert pods.follow(RULES, [8000], 4.0, names, PodsConfig())
     assert m.entries() == {(B, 8000): 22} and [n["netns"] for n in pods.followed] == [2]
     assert "network namespace 1 no longer serves here" in caplog.text
-    assert pods.follow([], [8000], 5.0, names) and m.entries() == {} and pods.followed == ()  # rules gone: emptied
+    # rules gone: emptied
+    assert pods.follow([], [8000], 5.0, names, PodsConfig()) and m.entries() == {} and pods.followed == ()
     assert conf.entries == 0  # and the kernel looks no more
 
 
@@ -150,10 +153,10 @@ def test_more_entries_than_the_map_holds_are_cut_with_a_warning_not_a_failed_wri
     monkeypatch.setattr(pods_mod, "MAX_ENTRIES", 2)
     fol, m, conf = FakeFollower(), FakeMap(), FakeConf()
     fol.found = {1: ns(1, "uvicorn --host 198.18.1.1", A), 2: ns(2, "uvicorn --host 198.18.2.1", B, C)}
-    pods = PodTenants({"netns.serving": fol}, None, m, conf)  # type: ignore[arg-type]
-    assert pods.follow(RULES, [8000], 1.0, {})
+    pods = PodTenants({"netns.serving": fol}, None, m, conf, lambda: 0.0)  # type: ignore[arg-type]
+    assert pods.follow(RULES, [8000], 1.0, {}, PodsConfig())
     assert len(m.entries()) == 2 and conf.entries == 2
     assert "3 (address, port) entries for process and pods tenants, room for 2" in caplog.text
     caplog.clear()
-    pods.follow(RULES, [8000], 2.0, {})
+    pods.follow(RULES, [8000], 2.0, {}, PodsConfig())
     assert "room for" not in caplog.text  # said once, not every second

@@ -169,13 +169,16 @@ def test_no_runtime_names_every_socket_tried(tmp_path: Path) -> None:
                           "/run/crio/crio.sock: UNAVAILABLE"), why
 
 
-def test_check_fails_with_pods_tenants_and_no_runtime(tmp_path: Path) -> None:
+@pytest.mark.parametrize("caps", ["quota: {enabled: true, interfaces: [lo]}\nlatency: {enabled: false, ports: [8000]}",
+                                  "quota: {enabled: false}\nlatency: {enabled: true, ports: [8000]}"])
+def test_check_fails_with_pods_tenants_and_no_runtime(tmp_path: Path, caps: str) -> None:
+    """Whichever of quota and latency would use the pods."""
     from click.testing import CliRunner
 
     from qosagent.cli import main
 
     conf = tmp_path / "c.yaml"
-    conf.write_text("quota: {enabled: true, interfaces: [lo]}\nlatency: {enabled: false, ports: [8000]}\n"
+    conf.write_text(f"{caps}\n"
                     "tenants:\n- {name: a, tier: gold, match: {pods: {namespace: ml}}, quota: {rps: 5}}\n"
                     "pods: {runtime_socket: /run/nothing.sock}\n")
     r = CliRunner().invoke(main, ["check", "--config", str(conf), "--host-root", str(tmp_path)])
@@ -190,19 +193,23 @@ PODS = {"runtime": "containerd 1.6.20 (CRI v1) at /run/containerd/containerd.soc
 
 def test_status_shows_the_runtime_and_each_namespace_pod() -> None:
     from qosagent.quota.capability import Quota
+    from qosagent.status import render
 
-    st = {"interfaces": ["lo"], "pins": "/p", "unmatched_packets": 0, "tenants": [], "pods": PODS,
+    st = {"interfaces": ["lo"], "pins": "/p", "unmatched_packets": 0, "tenants": [],
           "namespaces": [{"netns": 4026532, "pid": 7, "ports": [8000], "egress": ["veth1"], "pod": "ml/vllm-0",
                           "tenants": {"any": "chat"}},
                          {"netns": 4026533, "pid": 8, "ports": [8000], "egress": ["veth2"], "pod": None,
                           "tenants": {}}]}
     text = Quota.render(st)
-    assert ("  pods from containerd 1.6.20 (CRI v1) at /run/containerd/containerd.sock: 2 READY, listed 0.5s ago; "
-            "3 failed listings") in text
     assert "  netns 4026532 (pid 7, ports 8000, pod ml/vllm-0) egress of veth1: port any: chat" in text
     assert "  netns 4026533 (pid 8, ports 8000) egress of veth2: tenants by port and CIDR" in text
-    st["pods"] = {**PODS, "known": False, "ready": None, "reason": "the last list is 31s old"}
-    assert "unknown (the last list is 31s old); 3 failed listings" in Quota.render(st)
+    # The runtime's view is the agent's, not quota's: shown with quota off too.
+    agent = {"time": 0, "capabilities": {"quota": {"state": "disabled"}}, "pods": PODS}
+    assert ("\npods from containerd 1.6.20 (CRI v1) at /run/containerd/containerd.sock: 2 READY, listed 0.5s ago; "
+            "3 failed listings") in render(agent)
+    agent["pods"] = {**PODS, "known": False, "ready": None, "reason": "the last list is 31s old"}
+    assert "unknown (the last list is 31s old); 3 failed listings" in render(agent)
+    assert "pods from" not in render({"time": 0})
 
 
 def test_pods_metrics_pass_promtool() -> None:
@@ -211,29 +218,26 @@ def test_pods_metrics_pass_promtool() -> None:
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from qosagent import config
-    from qosagent.capability import AgentContext
-    from qosagent.gpu.backend import NoGpu
-    from qosagent.quota.capability import Quota
-    from qosagent.quota.model import QuotaPart
-    from qosagent.snapshot import Snapshot
+    from qosagent.pods import service
 
-    q = Quota(AgentContext(config=config.parse({}, "test"), hostfs=HostFS("/"), gpu=NoGpu()))
-
-    def scrape(part: QuotaPart) -> str:
+    def scrape(st: dict | None, deprecated: bool = True) -> str:
         class C:
             def collect(self):
-                return q.metrics(Snapshot.build(1, 0.0, 0.0, {"quota": part}))
+                return service.metrics(st, deprecated)
 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(C())  # type: ignore[arg-type]
         return generate_latest(reg).decode()
 
-    text = scrape(QuotaPart(pods=PODS))
-    assert "qosagent_quota_pods_list_errors_total 3.0" in text
-    assert "qosagent_quota_pods_list_age_seconds 0.5" in text
-    assert "pods_list" not in scrape(QuotaPart())  # no pods tenant: no pods metrics
-    assert "pods_list_age" not in scrape(QuotaPart(pods={**PODS, "age_s": None}))  # never listed
+    text = scrape(PODS)
+    assert "qosagent_pods_list_errors_total 3.0" in text
+    assert "qosagent_pods_list_age_seconds 0.5" in text
+    # The names of when quota listed the pods, as deprecated copies until metrics.deprecated_names is off.
+    assert "qosagent_quota_pods_list_errors_total 3.0" in text and "qosagent_quota_pods_list_age_seconds 0.5" in text
+    assert "# HELP qosagent_quota_pods_list_errors_total Deprecated: the name of qosagent_pods_list_errors" in text
+    assert "quota_pods" not in scrape(PODS, deprecated=False)
+    assert scrape(None) == ""  # no pods tenant: no pods metrics
+    assert "pods_list_age" not in scrape({**PODS, "age_s": None})  # never listed
     if shutil.which("promtool"):
         out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -289,20 +293,16 @@ def test_a_reload_never_waits_on_a_hung_runtime_nor_forgets_the_pods(runtime, tm
     import threading
     import time
 
-    from qosagent import config
-    from qosagent.capability import AgentContext
-    from qosagent.gpu.backend import NoGpu
-    from qosagent.quota.capability import Quota
+    from qosagent.pods.service import Pods
 
-    def pods_config(refresh: str) -> config.Config:
+    def pods_config(refresh: str) -> PodsConfig:
         # A deadline far longer than the guard below: a tick that waited on the runtime is caught, not raced.
-        return config.parse({"pods": {"runtime_socket": "/cri.sock", "refresh": refresh, "timeout": "20s",
-                                      "stale_after": "60s"}}, "test")
+        return PodsConfig(runtime_socket="/cri.sock", refresh=refresh, timeout="20s", stale_after="60s")
 
     clock = Clock()
-    q = Quota(AgentContext(config=pods_config("20s"), hostfs=HostFS(tmp_path), gpu=NoGpu(), clock=clock))
-    assert list(q._pods(True, starting=True).pods or {}) == [UID]  # type: ignore[union-attr]
-    old = q.pods
+    p = Pods(HostFS(tmp_path), clock)
+    assert list(p.current(True, pods_config("20s"), starting=True).pods or {}) == [UID]  # type: ignore[union-attr]
+    old = p.source
     assert old is not None
     deadline = time.monotonic() + 10  # the thread's own first list, then it sleeps for refresh (20s)
     while sum(n == "ListPodSandbox" for n, _ in runtime.requests) < 2 and time.monotonic() < deadline:
@@ -310,13 +310,11 @@ def test_a_reload_never_waits_on_a_hung_runtime_nor_forgets_the_pods(runtime, tm
     runtime.mode = "error"
     old.refresh()
     runtime.mode, runtime.hang = "hang", 120.0  # answers only when the test releases it
-    q.ctx.config = pods_config("30s")
-    q._stop_pods()  # what a reload commit does with new pods settings
     done = threading.Event()
     views = []
 
     def tick() -> None:
-        views.append(q._pods(True))
+        views.append(p.current(True, pods_config("30s")))  # the first follow after a reload with new pods settings
         done.set()
 
     threading.Thread(target=tick, daemon=True).start()
@@ -324,14 +322,54 @@ def test_a_reload_never_waits_on_a_hung_runtime_nor_forgets_the_pods(runtime, tm
         assert done.wait(10), "the tick waited on the runtime"
         (v,) = views
         assert v is not None and list(v.pods or {}) == [UID] and v.errors == 1
-        assert q.pods is not None and q.pods is not old and q.pods.cfg.refresh == 30
+        assert p.source is not None and p.source is not old and p.source.cfg.refresh == 30
     finally:
         runtime._release.set()
-    q._stop_pods(wait=True)
-    assert old._thread is not None and q._pods_before is not None and q._pods_before._thread is not None
+    p.stop(wait=True)
+    assert old._thread is not None and p._before is not None and p._before._thread is not None
     old._thread.join(30)
-    assert not old._thread.is_alive() and not q._pods_before._thread.is_alive()
-    assert old._client is None and q._pods_before._client is None
+    assert not old._thread.is_alive() and not p._before._thread.is_alive()
+    assert old._client is None and p._before._client is None
+
+
+def test_one_listing_serves_every_capability_and_matches_each_namespace_once(runtime, tmp_path: Path) -> None:
+    """services["pods"]: quota and latency share one source and one cgroup reading per namespace and listing; the
+    source stops with the last pods tenant and a later one starts from its list."""
+    from qosagent.netns import ServingNs
+    from qosagent.pods import service
+
+    (tmp_path / "sys/fs/cgroup/unified").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/unified/cgroup.controllers").write_text("")
+    (tmp_path / "proc/77").mkdir(parents=True)
+    (tmp_path / "proc/77/cgroup").write_text(f"0::{CGROUPFS}\n")
+    (tmp_path / "proc/88").mkdir(parents=True)
+    (tmp_path / "proc/88/cgroup").write_text("0::/system.slice/nginx.service\n")
+    services: dict = {}
+    clock = Clock()
+    cfg = PodsConfig(runtime_socket="/cri.sock", refresh="20s", timeout="1s", stale_after="60s")
+    quota = service.shared(services, HostFS(tmp_path), clock)
+    latency = service.shared(services, HostFS(tmp_path), clock)
+    assert quota is latency and services["pods"] is quota
+    pod_ns, host_ns = ServingNs(1, 77, frozenset({8000})), ServingNs(2, 88, frozenset({8000}))
+    try:
+        assert quota.pod_of(pod_ns) is None  # nothing listed: no pod, no error
+        quota.current(True, cfg, starting=True)
+        lists = sum(n == "ListPodSandbox" for n, _ in runtime.requests)
+        assert lists >= 1
+        pod = quota.pod_of(pod_ns)
+        assert pod is not None and pod.ref == "ml/vllm-0" and pod.labels == {"app": "vllm"}
+        assert quota.pod_of(host_ns) is None
+        (tmp_path / "proc/77/cgroup").write_text("0::/elsewhere\n")  # read once per listing: not again
+        latency.current(True, cfg)
+        assert latency.pod_of(pod_ns) is pod
+        assert latency.status() == {**(quota.status() or {}), "ready": 1, "known": True}
+        assert latency.source is quota.source  # one source: the runtime is asked once, not per capability
+        first = quota.source
+        assert quota.current(False, cfg) is None and quota.source is None and quota.pod_of(pod_ns) is None
+        v = quota.current(True, cfg)  # a pods tenant back (a reload): the last list, before this one lists
+        assert v is not None and list(v.pods or {}) == [UID] and quota.source is not first
+    finally:
+        quota.stop(wait=True)
 
 
 def test_stop_does_not_wait_for_a_call_in_flight_and_the_thread_closes_its_channel(runtime, tmp_path: Path) -> None:

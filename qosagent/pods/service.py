@@ -1,0 +1,152 @@
+"""The node's pods as one agent-wide service (AgentContext.services["pods"]), beside the serving-namespace Follower:
+one PodSource asks the runtime, and a namespace's pod is matched by its cgroup once per listing, for quota's
+classifier and latency's attribution alike, whichever of them runs. The agent stops it when it stops."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from qosagent.pods.model import Pod, PodsView, by_cgroup_token
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from qosagent.config import Config
+    from qosagent.hostfs import HostFS
+    from qosagent.netns import ServingNs
+    from qosagent.placement.cgroupns import HostCgroups
+    from qosagent.pods.config import PodsConfig
+    from qosagent.pods.source import PodSource
+
+log = logging.getLogger("qosagent.pods")
+
+# The families' names while quota listed the pods, kept as deprecated copies while metrics.deprecated_names is on
+# (a dashboard on the old name goes on working; the pods are no longer quota's, so neither is the name).
+RENAMED = {"qosagent_pods_list_errors": "qosagent_quota_pods_list_errors",
+           "qosagent_pods_list_age_seconds": "qosagent_quota_pods_list_age_seconds"}
+
+
+def problem(cfg: "Config", fs: "HostFS", found: list[str] | None = None) -> str | None:
+    """Why the tenants that match pods cannot learn them here (no runtime answers), or None; found gets what
+    answers."""
+    from qosagent.pods.cri import find_runtime
+
+    wanted = [f"tenants[{i}]" for i, t in enumerate(cfg.tenants) if t.match.pods is not None]
+    if not wanted:
+        return None
+    runtime, why = find_runtime(fs, cfg.pods.runtime_socket, cfg.pods.timeout)
+    if runtime is None:
+        return (f"{', '.join(wanted)} match pods, which the agent learns from the container runtime's CRI socket: "
+                f"{why} (set pods.runtime_socket, or mount the runtime's socket into the agent)")
+    if found is not None:
+        found.append(runtime)
+    return None
+
+
+class Pods:
+    """The runtime's pods while a tenant matches pods: their source started with the first such tenant (at start,
+    or by a reload) and stopped with the last, or replaced when the pods settings change (it starts from the last
+    one's list: PodSource `after`). Only a capability's start lists before its first follow; in a tick a new source
+    lists on its thread (a dead runtime must not hold the tick)."""
+
+    def __init__(self, fs: "HostFS", clock: Callable[[], float]):
+        self.fs, self.clock = fs, clock
+        self.source: "PodSource | None" = None
+        self._before: "PodSource | None" = None  # the last one stopped: where the next one starts from
+        self.view: PodsView | None = None
+        self._cgroups: "HostCgroups | None" = None
+        # Per listing (the view's own mapping): its cgroup tokens, and each namespace's pod as its process showed it.
+        self._listing: Any = None
+        self._tokens: dict[str, Pod] = {}
+        self._matched: dict[int, tuple[int, Pod | None]] = {}
+
+    def current(self, wanted: bool, cfg: "PodsConfig", starting: bool = False) -> PodsView | None:
+        """The pods now, for the caller's rules (wanted: one matches pods) and pods settings."""
+        if self.source is not None and (not wanted or self.source.cfg != cfg):
+            self.stop()
+        if not wanted:
+            return None
+        if self.source is None:
+            from qosagent.placement.cgroupns import HostCgroups
+            from qosagent.pods.source import PodSource
+
+            self.source = PodSource(cfg, self.fs, self.clock, self._before)
+            self._before = None
+            if starting:
+                self.source.refresh()
+            self.source.start()
+            self._cgroups = self._cgroups or HostCgroups(self.fs)
+        self.view = self.source.view()
+        return self.view
+
+    def pod_of(self, ns: "ServingNs") -> Pod | None:
+        """ns's pod among those of the last view (None while they are unknown). Every process of a pod shares its
+        network namespace and lies in its cgroup: one is read, once per listing however many capabilities ask."""
+        view = self.view
+        if view is None or view.pods is None or self._cgroups is None:
+            return None
+        if view.pods is not self._listing:
+            self._listing, self._tokens, self._matched = view.pods, by_cgroup_token(view.pods.values()), {}
+        hit = self._matched.get(ns.ino)
+        if hit is None or hit[0] != ns.pid:
+            from qosagent.pods.source import pod_of_pid
+
+            hit = self._matched[ns.ino] = (ns.pid, pod_of_pid(self.fs, self._cgroups, ns.pid, self._tokens))
+        return hit[1]
+
+    def stop(self, wait: bool = False) -> None:
+        src, self.source, self.view = self.source, None, None
+        self._listing, self._tokens, self._matched = None, {}, {}
+        if src is not None:
+            src.stop(wait)
+            self._before = src
+
+    def status(self) -> dict[str, Any] | None:
+        v = self.view
+        if v is None:
+            return None
+        return {"runtime": v.runtime, "known": v.pods is not None,
+                "ready": None if v.pods is None else len(v.pods), "age_s": v.age, "errors": v.errors,
+                "reason": v.reason}
+
+
+def shared(services: dict[str, Any], fs: "HostFS", clock: Callable[[], float]) -> Pods:
+    """The agent's one Pods (services["pods"]), made by whichever capability asks first; the agent stops it."""
+    p = services.get("pods")
+    if p is None:
+        p = services["pods"] = Pods(fs, clock)
+    return p
+
+
+def render(st: dict[str, Any]) -> str:
+    return f"pods from {st['runtime'] or 'no runtime yet'}: " + (
+        f"{st['ready']} READY, listed {st['age_s']:.1f}s ago" if st["known"] else
+        f"unknown ({st['reason']})") + (f"; {st['errors']} failed listings" if st["errors"] else "")
+
+
+def metrics(st: dict[str, Any] | None, deprecated: bool) -> Iterable["Metric"]:
+    import copy
+
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if st is None:
+        return
+    fams: list[Any] = [CounterMetricFamily("qosagent_pods_list_errors", "Failed listings of the container runtime's "
+                                           "pods (pods tenants)", value=st["errors"])]
+    if st["age_s"] is not None:
+        fams.append(GaugeMetricFamily("qosagent_pods_list_age_seconds", "Age of the pods tenants' list of pods "
+                                      "(unknown past pods.stale_after)", value=st["age_s"]))
+    for fam in fams:
+        yield fam
+        if deprecated:
+            from qosagent.latency.export import DEPRECATED_NAMES_REMOVED_IN
+
+            old = RENAMED[fam.name]
+            alias = copy.copy(fam)
+            alias.name = old
+            alias.documentation = (f"Deprecated: the name of {fam.name} while quota listed the pods, removed in "
+                                   f"{DEPRECATED_NAMES_REMOVED_IN} (metrics.deprecated_names: false drops it now). "
+                                   f"{fam.documentation}")
+            alias.samples = [s._replace(name=old + s.name[len(fam.name):]) for s in fam.samples]
+            yield alias
