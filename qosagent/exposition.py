@@ -13,8 +13,9 @@ classic buckets and, where a NativeHistogramMetricFamily has one for the series,
 
 from __future__ import annotations
 
+import copy
 import struct
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
@@ -216,3 +217,25 @@ def _family_of(m: Metric) -> Iterable[bytes]:
 def encode(metrics: Iterable[Metric]) -> bytes:
     """The delimited protobuf exposition of metrics (a registry's collect())."""
     return b"".join(f for m in metrics for f in _family_of(m))
+
+
+# Families renamed in 0.2.0 are also exposed under their old names, as deprecated copies, while
+# metrics.deprecated_names is on (the default): dashboards on the old names go on working for one release.
+DEPRECATED_NAMES_REMOVED_IN = "0.3.0"
+
+
+def with_deprecated(fams: Iterable[Metric], renamed: Mapping[str, str], was: str) -> Iterator[Metric]:
+    """Each family, followed by its copy under its old name (renamed: new -> old) where it has one: the same
+    samples, its HELP saying which name replaces it (`was`: when the old one was its name) and when it goes."""
+    for fam in fams:
+        yield fam
+        old = renamed.get(fam.name)
+        if old is None:
+            continue
+        alias = copy.copy(fam)  # a native histogram's series come along (read-only)
+        alias.name = old
+        alias.documentation = (f"Deprecated: the name of {fam.name} {was}, removed in "
+                               f"{DEPRECATED_NAMES_REMOVED_IN} (metrics.deprecated_names: false drops it now). "
+                               f"{fam.documentation}")
+        alias.samples = [s._replace(name=old + s.name[len(fam.name):]) for s in fam.samples]
+        yield alias

@@ -5,7 +5,6 @@ All three read the same LatencyPart, so a scrape and `qosagent status` taken on 
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from typing import Any, Iterable, Iterator
@@ -18,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 
+from qosagent import exposition
 from qosagent.exposition import NativeHistogramMetricFamily
 from qosagent.hist import Histogram, export_bounds_ns
 from qosagent.latency import bpfmaps as bm
@@ -58,9 +58,8 @@ SIGNALS = {
 }
 
 
-# The families' names before they were grouped under qosagent_latency_ (0.2.0): each is also exposed under its old
-# name, as a deprecated copy, while metrics.deprecated_names is on (the default), until 0.3.0 removes them.
-DEPRECATED_NAMES_REMOVED_IN = "0.3.0"
+# The families' names before they were grouped under qosagent_latency_ (0.2.0), kept as deprecated copies
+# (exposition.with_deprecated).
 RENAMED = {
     **{f"qosagent_latency_{name}_seconds": f"qosagent_{name}_seconds" for name in SIGNALS},
     **{f"qosagent_latency_{name}_window_seconds": f"qosagent_{name}_window_seconds" for name in SIGNALS},
@@ -74,20 +73,7 @@ RENAMED = {
 
 
 def with_deprecated(fams: Iterable[Metric]) -> Iterator[Metric]:
-    """Each family, followed by its copy under its old name (RENAMED) where it has one: the same samples, its
-    HELP saying which name replaces it and when it goes."""
-    for fam in fams:
-        yield fam
-        old = RENAMED.get(fam.name)
-        if old is None:
-            continue
-        alias = copy.copy(fam)  # a native histogram's series come along (read-only)
-        alias.name = old
-        alias.documentation = (f"Deprecated: the name of {fam.name} before 0.2.0, removed in "
-                               f"{DEPRECATED_NAMES_REMOVED_IN} (metrics.deprecated_names: false drops it now). "
-                               f"{fam.documentation}")
-        alias.samples = [s._replace(name=old + s.name[len(fam.name):]) for s in fam.samples]
-        yield alias
+    return exposition.with_deprecated(fams, RENAMED, "before 0.2.0")
 
 
 def add_histogram(fam: NativeHistogramMetricFamily, lv: list[str], h: Histogram, bounds_ns: tuple[int, ...]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from qosagent import exposition
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
 
 if TYPE_CHECKING:
@@ -126,8 +127,6 @@ def render(st: dict[str, Any]) -> str:
 
 
 def metrics(st: dict[str, Any] | None, deprecated: bool) -> Iterable["Metric"]:
-    import copy
-
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     if st is None:
@@ -137,16 +136,4 @@ def metrics(st: dict[str, Any] | None, deprecated: bool) -> Iterable["Metric"]:
     if st["age_s"] is not None:
         fams.append(GaugeMetricFamily("qosagent_pods_list_age_seconds", "Age of the pods tenants' list of pods "
                                       "(unknown past pods.stale_after)", value=st["age_s"]))
-    for fam in fams:
-        yield fam
-        if deprecated:
-            from qosagent.latency.export import DEPRECATED_NAMES_REMOVED_IN
-
-            old = RENAMED[fam.name]
-            alias = copy.copy(fam)
-            alias.name = old
-            alias.documentation = (f"Deprecated: the name of {fam.name} while quota listed the pods, removed in "
-                                   f"{DEPRECATED_NAMES_REMOVED_IN} (metrics.deprecated_names: false drops it now). "
-                                   f"{fam.documentation}")
-            alias.samples = [s._replace(name=old + s.name[len(fam.name):]) for s in fam.samples]
-            yield alias
+    yield from exposition.with_deprecated(fams, RENAMED, "while quota listed the pods") if deprecated else fams
