@@ -70,6 +70,15 @@ UNCHANGED = Change()
 T = TypeVar("T")
 
 
+def shared_service(services: dict[str, Any], name: str, make: Callable[[], T]) -> T:
+    """services[name], made by whichever capability asks first: one instance that several capabilities share (the
+    serving-namespace scan, the runtime's pods), whichever of them the config enables."""
+    found = services.get(name)
+    if found is None:
+        found = services[name] = make()
+    return found
+
+
 def rewrite(write: Callable[[T], None], new: T, old: T, what: str) -> Change:
     """The Change of a capability whose reload is one write of what a config makes of its state: new on commit,
     old on undo, and old back when the commit fails part-way (then CapabilityError naming `what`)."""

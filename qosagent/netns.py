@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from qosagent.capability import shared_service
 from qosagent.hostfs import HostFS
 from qosagent.pods.model import selects
 from qosagent.schedule import Every
@@ -287,7 +288,4 @@ class Follower:
 
 def follower(services: dict[str, Any], fs: HostFS) -> Follower:
     """The agent's one Follower (AgentContext.services["netns.serving"]), made by whichever capability asks first."""
-    f = services.get("netns.serving")
-    if f is None:
-        f = services["netns.serving"] = Follower(fs)
-    return f
+    return shared_service(services, "netns.serving", lambda: Follower(fs))

@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent import exposition
+from qosagent.capability import shared_service
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
 
 if TYPE_CHECKING:
@@ -114,10 +115,7 @@ class Pods:
 
 def shared(services: dict[str, Any], fs: "HostFS", clock: Callable[[], float]) -> Pods:
     """The agent's one Pods (services["pods"]), made by whichever capability asks first; the agent stops it."""
-    p = services.get("pods")
-    if p is None:
-        p = services["pods"] = Pods(fs, clock)
-    return p
+    return shared_service(services, "pods", lambda: Pods(fs, clock))
 
 
 def render(st: dict[str, Any]) -> str:
