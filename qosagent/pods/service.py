@@ -77,7 +77,7 @@ class Pods:
             self._before = None
             if starting:
                 self.source.refresh()
-            self.source.start()
+            self.source.start(listed=starting)
             self._cgroups = self._cgroups or HostCgroups(self.fs)
         self.view = self.source.view()
         return self.view

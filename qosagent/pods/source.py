@@ -47,8 +47,10 @@ class PodSource:
                     self._pods, self._at, self._runtime, self._failing = \
                         after._pods, after._at, after._runtime, after._failing
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="qosagent-pods", daemon=True)
+    def start(self, listed: bool = False) -> None:
+        """listed: the caller has just refreshed (a capability's start), so the thread's first listing is one
+        refresh period away, not a second one at once."""
+        self._thread = threading.Thread(target=self._run, args=(listed,), name="qosagent-pods", daemon=True)
         self._thread.start()
 
     def stop(self, wait: bool = False) -> None:
@@ -67,8 +69,10 @@ class PodSource:
         if client is not None:
             client.close()
 
-    def _run(self) -> None:
+    def _run(self, listed: bool) -> None:
         try:
+            if listed:
+                self._stop.wait(self.cfg.refresh)
             while not self._stop.is_set():
                 self.refresh()
                 self._stop.wait(self.cfg.refresh)
