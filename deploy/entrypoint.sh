@@ -24,7 +24,8 @@ if [ ! -d "$modules/$kver/build/include" ]; then
     fi
   fi
   if [ ! -d "$modules/$kver/build/include" ]; then
-    build=$(ls -d "$fallback"/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+    # The image's headers are its architecture's flavour (-amd64, -arm64) beside the shared -common ones.
+    build=$(ls -d "$fallback"/linux-headers-* 2>/dev/null | grep -v -- '-common$' | sort -V | tail -n 1)
     common=$(ls -d "$fallback"/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1)
     if [ -z "$build" ] || [ -z "$common" ]; then
       say "no kernel headers for $kver on the node and none in the image ($fallback); BPF programs cannot compile"

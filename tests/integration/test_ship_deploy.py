@@ -1,66 +1,164 @@
-"""deploy/: the Kubernetes manifests validate offline and agree with each other, the unit and the agent; the alert
-rules pass promtool; the image's entrypoint picks kernel headers like scripts/setup.sh."""
+"""deploy/: the Kubernetes manifests build with kustomize, validate offline on every Kubernetes minor from 1.28, and
+agree with each other, the unit and the agent; the alert rules pass promtool; the image's entrypoint picks kernel
+headers like scripts/setup.sh; the Dockerfile passes hadolint."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from qosagent import config as config_mod
 from tests.conftest import REPO, require
 from tests.integration.test_ship_systemd import unit_settings
 
 K8S = REPO / "deploy" / "kubernetes"
+COMPONENTS = K8S / "components"
 # Prometheus-operator kinds: kubernetes-validate carries only the core API's schemas, so these are checked by what
 # consumes them (promtool for the rules; the Service they select, below).
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# The oldest minor the manifests support: still in vendors' support windows (EKS, AKS, GKE extended).
+OLDEST_MINOR = 28
 
 
-def manifests() -> list[dict[str, Any]]:
-    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    docs = []
-    for name in kust["resources"]:
-        docs += [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
-    return docs
+def minors() -> list[str]:
+    """Every minor from OLDEST_MINOR to the newest kubernetes-validate has schemas for."""
+    newest = int(kubernetes_validate.utils.latest_version().split(".")[1])
+    return [f"1.{m}" for m in range(OLDEST_MINOR, newest + 1)]
 
 
-def by_kind(kind: str) -> dict[str, Any]:
-    (doc,) = [d for d in manifests() if d["kind"] == kind]
+def kustomize(path: Path) -> list[dict[str, Any]]:
+    require(shutil.which("kubectl") is not None, "kubectl not installed")
+    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@functools.cache
+def _built(path: str) -> tuple[dict[str, Any], ...]:
+    return tuple(kustomize(Path(path)))
+
+
+def manifests(path: Path = K8S) -> list[dict[str, Any]]:
+    return copy.deepcopy(list(_built(str(path))))
+
+
+def with_components(tmp_path: Path, *components: str, base: Path = K8S) -> list[dict[str, Any]]:
+    """The base with the named components, as an operator's overlay would compose them."""
+    overlay = tmp_path / ("overlay-" + "-".join(components or ("none",)))
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(base, overlay)],
+        "components": [os.path.relpath(COMPONENTS / c, overlay) for c in components]}))
+    return kustomize(overlay)
+
+
+def by_kind(kind: str, docs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    (doc,) = [d for d in (manifests() if docs is None else docs) if d["kind"] == kind]
     return doc
 
 
-def test_kustomization_lists_every_manifest() -> None:
-    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
-    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+def test_every_manifest_and_component_is_used() -> None:
+    """No manifest lies beside the kustomizations unlisted (it would never be applied, nor validated here)."""
+    for kust in K8S.rglob("kustomization.yaml"):
+        listed = yaml.safe_load(kust.read_text())
+        names = set(listed.get("resources", [])) | {f for g in listed.get("configMapGenerator", [])
+                                                      for f in g.get("files", [])}
+        here = {p.name for p in kust.parent.glob("*.yaml")} - {"kustomization.yaml"}
+        assert here <= names, (kust, here - names)
+    assert {p.name for p in COMPONENTS.iterdir()} == {
+        "kubernetes-1.28", "kube-prometheus-stack", "placement", "writable-sys"}
 
 
-@pytest.mark.parametrize("doc", [d for d in manifests() if d["kind"] not in CRD_KINDS],
-                         ids=lambda d: d["kind"])
-def test_core_manifests_validate_strictly(doc: dict[str, Any]) -> None:
-    kubernetes_validate.validate(doc, "1.30", strict=True)
+def _core(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] not in CRD_KINDS]
+
+
+@pytest.mark.parametrize("minor", minors())
+def test_manifests_validate_strictly_on_every_minor(minor: str, tmp_path: Path) -> None:
+    """1.30 and later take the base as it is; 1.28 and 1.29 with components/kubernetes-1.28. Every shipped overlay
+    and component is validated on every minor it is for."""
+    old = int(minor.split(".")[1]) < 30
+    variants = {"base": with_components(tmp_path, "kubernetes-1.28") if old else manifests(),
+                "all components": with_components(tmp_path, *(["kubernetes-1.28"] if old else []), "placement",
+                                                  "writable-sys", "kube-prometheus-stack")}
+    if not old:
+        variants["node pools"] = manifests(K8S / "overlays" / "node-pools")
+    for name, docs in variants.items():
+        for doc in _core(docs):
+            try:
+                kubernetes_validate.validate(doc, minor, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                raise AssertionError(f"{name}: {doc['kind']} {doc['metadata']['name']} on {minor}: {e}") from e
+
+
+def test_the_base_needs_the_old_minor_component_before_1_30() -> None:
+    """The reason components/kubernetes-1.28 exists: 1.29's schema has no appArmorProfile field."""
+    with pytest.raises(kubernetes_validate.ValidationError, match="appArmorProfile"):
+        kubernetes_validate.validate(by_kind("DaemonSet"), "1.29", strict=True)
+
+
+def test_old_minor_component_sets_apparmor_by_annotation(tmp_path: Path) -> None:
+    pod = by_kind("DaemonSet", with_components(tmp_path, "kubernetes-1.28"))["spec"]["template"]
+    assert "appArmorProfile" not in pod["spec"]["containers"][0]["securityContext"]
+    assert pod["metadata"]["annotations"] == {"container.apparmor.security.beta.kubernetes.io/qosagent": "unconfined"}
+    assert _container()["securityContext"]["appArmorProfile"] == {"type": "Unconfined"}
 
 
 def test_strict_validation_catches_a_misplaced_field() -> None:
     ds = copy.deepcopy(by_kind("DaemonSet"))
     ds["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/healthz"
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(ds, "1.30", strict=True)
+        kubernetes_validate.validate(ds, minors()[-1], strict=True)
 
 
-def test_kustomize_builds_the_base() -> None:
-    require(shutil.which("kubectl") is not None, "kubectl not installed")
-    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True)
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(out.stdout) if d)
-    assert kinds == sorted(d["kind"] for d in manifests())
+def test_node_critical_priority_is_admitted_outside_kube_system() -> None:
+    """GKE refuses system-node-critical pods outside kube-system unless a ResourceQuota there covers the class."""
+    ds, quota = by_kind("DaemonSet"), by_kind("ResourceQuota")
+    cls = ds["spec"]["template"]["spec"]["priorityClassName"]
+    assert quota["metadata"]["namespace"] == ds["metadata"]["namespace"] != "kube-system"
+    (expr,) = quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert expr == {"scopeName": "PriorityClass", "operator": "In", "values": [cls]}
+
+
+def test_kube_prometheus_stack_component_labels_what_its_selectors_pick(tmp_path: Path) -> None:
+    docs = with_components(tmp_path, "kube-prometheus-stack")
+    for kind in CRD_KINDS:
+        assert by_kind(kind, docs)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert all("release" not in by_kind(k)["metadata"]["labels"] for k in CRD_KINDS)
+
+
+def test_node_pools_each_get_their_own_config_and_nodes() -> None:
+    docs = manifests(K8S / "overlays" / "node-pools")
+    daemonsets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "DaemonSet"}
+    maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    assert set(daemonsets) == {"qosagent-gpu", "qosagent-cpu"}
+    assert [d["kind"] for d in docs].count("Service") == 1  # one headless Service (and scrape) for every pool
+    for name, ds in daemonsets.items():
+        pod = ds["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "config"]
+        cfg = config_mod.parse_text(maps[vol["configMap"]["name"]]["data"]["config.yaml"], name)
+        caps = set(pod["containers"][0]["securityContext"]["capabilities"]["add"])
+        assert ({"SYS_NICE", "SYS_PTRACE"} <= caps) == cfg.placement.enabled, name
+    gpu, cpu = (daemonsets[n]["spec"]["template"]["spec"] for n in ("qosagent-gpu", "qosagent-cpu"))
+    assert gpu["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    (term,) = cpu["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]}]
 
 
 def _container() -> dict[str, Any]:
@@ -78,11 +176,32 @@ def test_configmap_is_the_embedded_default_listening_on_the_node() -> None:
     assert cm.metrics.listen == "0.0.0.0:9464"
 
 
-def test_daemonset_holds_the_units_capabilities_and_no_more() -> None:
-    sc = _container()["securityContext"]
+def test_daemonset_holds_the_units_capabilities_and_no_more(tmp_path: Path) -> None:
+    """The base grants what an agent without placement needs; with components/placement it holds exactly what the
+    unit's bounding set does. No service-account token: the agent asks the API server nothing."""
     unit_caps = {c.removeprefix("CAP_") for c in unit_settings()["CapabilityBoundingSet"][0].split()}
-    assert set(sc["capabilities"]["add"]) == unit_caps and sc["capabilities"]["drop"] == ["ALL"]
+    sc = _container()["securityContext"]
+    assert set(sc["capabilities"]["add"]) == unit_caps - {"SYS_NICE", "SYS_PTRACE"}
+    assert sc["capabilities"]["drop"] == ["ALL"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    placed = by_kind("DaemonSet", with_components(tmp_path, "placement"))["spec"]["template"]["spec"]
+    assert set(placed["containers"][0]["securityContext"]["capabilities"]["add"]) == unit_caps
+    assert by_kind("DaemonSet")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_host_sys_is_writable_only_with_its_component(tmp_path: Path) -> None:
+    def sys_mount(docs: list[dict[str, Any]]) -> dict[str, Any]:
+        c = by_kind("DaemonSet", docs)["spec"]["template"]["spec"]["containers"][0]
+        (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/host/sys"]
+        return m
+    assert sys_mount(manifests())["readOnly"] is True
+    assert sys_mount(with_components(tmp_path, "writable-sys"))["readOnly"] is False
+
+
+def test_header_mounts_never_hold_the_pod() -> None:
+    """A node without /usr/src must still start the pod, so that the entrypoint's generic-headers fallback runs."""
+    vols = {v["name"]: v for v in by_kind("DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["host-usr-src"]["hostPath"]["type"] == "DirectoryOrCreate"
 
 
 def test_probes_ports_and_mounts_agree() -> None:
@@ -205,6 +324,51 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+
+def test_fleet_alerts_fire_when_agents_or_gpu_data_are_missing(tmp_path: Path) -> None:
+    """The alerts that need no agent to speak: none scraped at all, nodes the DaemonSet misses, GPU nodes (from
+    kube-state-metrics) whose agent has no GPU data."""
+    ksm = 'job="kube-state-metrics", namespace="qosagent", daemonset="qosagent-gpu"'
+    tests = {"rule_files": [str(rules_file(tmp_path))], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": f"kube_daemonset_status_desired_number_scheduled{{{ksm}}}", "values": "4x30"},
+            {"series": f"kube_daemonset_status_number_available{{{ksm}}}", "values": "4x5 3x25"},
+            {"series": 'kube_node_status_capacity{job="kube-state-metrics", node="gpu-1", resource="nvidia_com_gpu"}',
+             "values": "8x30"},
+            {"series": 'kube_node_status_capacity{job="kube-state-metrics", node="gpu-2", resource="nvidia_com_gpu"}',
+             "values": "8x30"},
+            {"series": 'kube_node_status_capacity{job="kube-state-metrics", node="cpu-1", resource="cpu"}',
+             "values": "64x30"},
+            {"series": 'qosagent_gpu_data_available{job="qosagent", instance="a:9464", node="gpu-1"}',
+             "values": "0x30"},
+            {"series": 'qosagent_gpu_data_available{job="qosagent", instance="b:9464", node="gpu-2"}',
+             "values": "1x30"},
+            {"series": 'qosagent_gpu_data_available{job="qosagent", instance="c:9464", node="cpu-1"}',
+             "values": "0x30"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "15m", "alertname": "QosagentAbsent",
+             "exp_alerts": [{"exp_labels": {"severity": "warning", "job": "qosagent"}}]},
+            {"eval_time": "10m", "alertname": "QosagentNotOnEveryNode", "exp_alerts": []},
+            {"eval_time": "25m", "alertname": "QosagentNotOnEveryNode", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "qosagent", "daemonset": "qosagent-gpu"}}]},
+            {"eval_time": "20m", "alertname": "QosagentGpuNodeWithoutGpuData", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "node": "gpu-1"}}]},
+        ],
+    }]}
+    annotations = {r["alert"]: r.get("annotations", {}) for g in by_kind("PrometheusRule")["spec"]["groups"]
+                   for r in g["rules"] if "alert" in r}
+    for case in tests["tests"][0]["alert_rule_test"]:
+        for exp in case["exp_alerts"]:
+            exp["exp_annotations"] = {
+                k: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: exp["exp_labels"][m[1]],
+                          v.replace("{{ $value }}", "1")) for k, v in annotations[case["alertname"]].items()}
+    path = tmp_path / "fleet_rules_test.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    r = promtool("test", "rules", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+
 ENTRYPOINT = REPO / "deploy" / "entrypoint.sh"
 
 
@@ -241,3 +405,31 @@ def test_entrypoint_falls_back_to_the_images_headers_with_a_warning(tmp_path: Pa
 def test_entrypoint_without_any_headers_says_so(tmp_path: Path) -> None:
     r = headers(tmp_path, node_headers=False, image_headers=False)
     assert r.returncode == 1 and "cannot compile" in r.stderr
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    """The image is not built here (no container engine): the Dockerfile is linted instead."""
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    require(Path(hadolint).exists(), "hadolint not installed (make setup-test)")
+    r = subprocess.run([hadolint, "--no-color", str(REPO / "deploy" / "Dockerfile")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_image_requirements_pin_every_dependency_with_hashes() -> None:
+    """deploy/requirements.txt (scripts/pin-image-requirements.sh) covers pyproject's runtime and pods dependencies,
+    each at a version the project accepts, each with a hash: a dependency added to pyproject alone fails here."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["pods"]]
+    pinned: dict[str, str] = {}
+    for line in (REPO / "deploy" / "requirements.txt").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        spec, *hashes = line.split()
+        name, _, version = spec.partition("==")
+        assert version and hashes and all(re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", h) for h in hashes), line
+        pinned[canonicalize_name(name)] = version
+    for req in wanted:
+        name = canonicalize_name(req.name)
+        assert name in pinned, f"{req.name} is not pinned in deploy/requirements.txt"
+        assert req.specifier.contains(pinned[name]), f"{req.name}=={pinned[name]} does not satisfy {req.specifier}"

@@ -144,7 +144,7 @@ def dashboard_exprs() -> list[str]:
 
 
 def rule_exprs() -> list[str]:
-    rule = yaml.safe_load((REPO / "deploy" / "kubernetes" / "prometheusrule.yaml").read_text())
+    rule = yaml.safe_load((REPO / "deploy" / "kubernetes" / "common" / "prometheusrule.yaml").read_text())
     return [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
 
 
