@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, TypeVar
 
+from qosagent import services as services_mod
 from qosagent.hostfs import HostFS
+from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
 if TYPE_CHECKING:
@@ -68,15 +70,7 @@ class Change:
 UNCHANGED = Change()
 
 T = TypeVar("T")
-
-
-def shared_service(services: dict[str, Any], name: str, make: Callable[[], T]) -> T:
-    """services[name], made by whichever capability asks first: one instance that several capabilities share (the
-    serving-namespace scan, the runtime's pods), whichever of them the config enables."""
-    found = services.get(name)
-    if found is None:
-        found = services[name] = make()
-    return found
+S = TypeVar("S", bound=Service)
 
 
 def rewrite(write: Callable[[T], None], new: T, old: T, what: str) -> Change:
@@ -104,7 +98,8 @@ class AgentContext:
     hostfs: HostFS
     gpu: "GpuBackend"
     clock: Callable[[], float] = time.monotonic
-    # What one capability offers another, by a dotted name (e.g. "quota.limits" -> tenants.LimitsWriter).
+    # What one capability offers another, by a dotted name (e.g. "quota.limits" -> tenants.LimitsWriter), and the
+    # agent's services (qosagent/services.py) by theirs, which capabilities ask for with service().
     services: dict[str, Any] = field(default_factory=dict)
     # The verdicts of the capabilities probed (and started, in the agent) before this one, by name: what a
     # capability may count on from another at probe, in `qosagent check` as in the agent.
@@ -117,9 +112,19 @@ class AgentContext:
     detach_on_exit: bool = False
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qosagent"))
 
+    def service(self, kind: type[S]) -> S:
+        """The agent's one `kind`, shared with every other capability that uses it (see Capability.uses)."""
+        return services_mod.shared(self.services, kind, self.hostfs, self.clock)
+
 
 class Capability:
     name: ClassVar[str]
+    # The services (qosagent/services.py) it asks for: the daemon makes them before the first capability starts,
+    # and stops them after the last one stops.
+    uses: ClassVar[tuple[type[Service], ...]] = ()
+    # Whether it loads BPF programs: the daemon then mounts tracefs, bpffs and cgroup2 where missing, before any
+    # capability probes.
+    loads_bpf: ClassVar[bool] = False
 
     def __init__(self, ctx: AgentContext):
         self.ctx = ctx
@@ -136,12 +141,9 @@ class Capability:
 
     def start(self, plan: Any = None) -> None:
         """Load, attach, save originals, as the probe's verdict planned (`plan`). Raise CapabilityError with an
-        operator-facing message."""
-
-    def started(self, verdict: Verdict) -> Verdict:
-        """The verdict once started: start() may have found less than probe() promised (a program the kernel's
-        verifier refused, say) and carried on without it."""
-        return verdict
+        operator-facing message. The daemon sets self.verdict to the probe's before, and reports self.verdict after:
+        start lowers it where it found less than probe promised (a program the kernel's verifier refused, hooks
+        attached but never seen running) and carried on without it."""
 
     def maintain(self) -> None:
         """Periodic side effects (a heartbeat, re-listing what the kernel is told to watch, pruning links), each at
@@ -159,8 +161,8 @@ class Capability:
         """Write what was decided (nothing in dry-run)."""
 
     def settled(self, part: Any) -> Any:
-        """This tick's part as published once decide and apply have run: the collected one, unless the capability's
-        part is the report of its own decision (admission), so that metrics and status show what the audit shows."""
+        """This tick's part as published once decide and apply have run, for metrics and status: the collected
+        one, unless the part reports the capability's own decision, which then shows what the audit shows."""
         return part
 
     def prepare(self, config: "Config") -> Change:
@@ -192,16 +194,3 @@ class Capability:
         """Human text for this capability's status part (runs in the CLI, on the JSON)."""
         return ""
 
-
-def registry() -> list[type[Capability]]:
-    """All capabilities, in start and tick order: measurement first, then the ones that decide on it. Quota starts
-    before latency because latency reads quota's pinned flow map (header-matched tenants); servers (readings only)
-    before admission, which decides on them."""
-    from qosagent.admission.capability import Admission
-    from qosagent.dvfs.capability import Dvfs
-    from qosagent.latency.capability import Latency
-    from qosagent.placement.capability import Placement
-    from qosagent.quota.capability import Quota
-    from qosagent.servers.capability import Servers
-
-    return [Quota, Latency, Servers, Admission, Dvfs, Placement]

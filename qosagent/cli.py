@@ -81,7 +81,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
     except OSError as e:
         log.error("status socket: %s", e)
         sys.exit(1)
-    agent._servers.append(status_server)
+    agent.add_endpoint(status_server)
     status_server.start()
     if cfg.metrics.enabled:
         try:
@@ -90,7 +90,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
             log.error("metrics listen %s: %s", cfg.metrics.listen, e)
             agent.stop()
             sys.exit(1)
-        agent._servers.append(metrics_server)
+        agent.add_endpoint(metrics_server)
         metrics_server.start()
         scheme = "https" if cfg.metrics.tls else "http"
         log.info("metrics on %s://%s:%s/metrics", scheme, *metrics_server.address[:2])
@@ -114,18 +114,20 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
 @click.option("--strict", is_flag=True, help="Exit 1 when an enabled capability cannot run.")
 def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) -> None:
     """Validate the config and report what the host offers and what the agent will use. Changes nothing."""
-    from qosagent.capability import AgentContext, State, Verdict, registry
-    from qosagent.daemon import _gpu_backend
+    from qosagent import capabilities
+    from qosagent.capability import AgentContext, State, Verdict
+    from qosagent.daemon import gpu_backend
     from qosagent.features import probe
 
     cfg = load_config(config_path)
     fs = HostFS(host_root)
-    gpu = _gpu_backend(cfg)
+    gpu = gpu_backend(cfg)
     feats = probe(fs, f"{gpu.name}: " + (getattr(gpu, "reason", "") or f"{len(gpu.devices())} GPU(s)"))
     ctx = AgentContext(config=cfg, hostfs=fs, gpu=gpu)
     verdicts: dict[str, Verdict] = ctx.verdicts
-    for cls in registry():
-        if not cls.enabled(cfg):
+    enabled = capabilities.enabled(cfg)
+    for cls in capabilities.CAPABILITIES:
+        if cls not in enabled:
             verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
         else:
             verdicts[cls.name] = cls(ctx).probe(feats)
@@ -146,12 +148,10 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
             click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
     if strict and failed:
         sys.exit(1)
-    if any(cls.enabled(cfg) for cls in registry() if cls.name in ("latency", "quota")):
-        from qosagent.pods.service import problem as pods_problem
-
-        # Tenants that match pods are what the config asks for: without a runtime to learn them from, an error,
-        # whichever of quota and latency would use them.
-        problem = pods_problem(cfg, fs)
+    for svc in capabilities.services(enabled):
+        # What the config asks of a service (tenants that match pods need a runtime to learn them from) is an
+        # error here, whichever capability would use it.
+        problem = svc.problem(cfg, fs)
         if problem is not None:
             click.echo(f"{config_path or config_mod.DEFAULT_SOURCE}: {problem}", err=True)
             sys.exit(1)
@@ -216,13 +216,14 @@ def reload(config_path: str | None, host_root: str, socket_path: str | None) -> 
 @host_options
 def detach(config_path: str | None, host_root: str) -> None:
     """Remove everything a qosagent left on this host (filters, pins, frequency limits, affinities)."""
-    from qosagent.capability import AgentContext, registry
+    from qosagent.capabilities import CAPABILITIES
+    from qosagent.capability import AgentContext
     from qosagent.gpu.backend import NoGpu
 
     cfg = load_config(config_path)
     ctx = AgentContext(config=cfg, hostfs=HostFS(host_root), gpu=NoGpu())
     removed: list[str] = []
-    for cls in reversed(registry()):
+    for cls in reversed(CAPABILITIES):
         removed += cls.detach(ctx)
     for line in removed:
         click.echo(line)
@@ -235,11 +236,11 @@ def detach(config_path: str | None, host_root: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def topology(config_path: str | None, host_root: str, as_json: bool) -> None:
     """Show NUMA nodes, their CPUs and distances, and the GPUs and accelerators with the node each sits on."""
-    from qosagent.daemon import _gpu_backend
+    from qosagent.daemon import gpu_backend
     from qosagent.placement.topology import read_topology, render
 
     cfg = load_config(config_path)
-    gpu = _gpu_backend(cfg)
+    gpu = gpu_backend(cfg)
     try:
         topo = read_topology(HostFS(host_root), gpu.devices())
     finally:

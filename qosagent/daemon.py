@@ -13,15 +13,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, Sequence
 
+from qosagent import capabilities
 from qosagent import config as config_mod
 from qosagent import features as features_mod
-from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, registry
+from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.config import Config, ConfigError
 from qosagent.configbase import restart_changes
 from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu, make_backend
 from qosagent.hostfs import HostFS
+from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
 log = logging.getLogger("qosagent.daemon")
@@ -44,7 +46,14 @@ class SelfStats:
     ready_seconds: float | None = None
 
 
-def _gpu_backend(cfg: Config) -> GpuBackend:
+class Endpoint(Protocol):
+    """What serves the agent's state to the outside (the status socket, /metrics), closed when the agent stops."""
+
+    def close(self) -> None: ...
+
+
+def gpu_backend(cfg: Config) -> GpuBackend:
+    """The configured GPU backend, or NoGpu with the reason where it cannot be opened (the agent runs on)."""
     try:
         return make_backend(cfg.gpu.backend, cfg.gpu.fake_file)
     except GpuError as e:
@@ -53,13 +62,18 @@ def _gpu_backend(cfg: Config) -> GpuBackend:
 
 
 class Agent:
-    def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None):
+    def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None,
+                 kinds: Sequence[type[Capability]] | None = None):
         self.config = cfg
         self.config_path = config_path
         self.hostfs = hostfs
-        self.gpu = gpu if gpu is not None else _gpu_backend(cfg)
+        self.gpu = gpu if gpu is not None else gpu_backend(cfg)
         self.ctx = AgentContext(config=cfg, hostfs=hostfs, gpu=self.gpu)
+        # Every capability there is, in start and tick order (qosagent/capabilities.py); those running, started.
+        self.kinds: Sequence[type[Capability]] = capabilities.CAPABILITIES if kinds is None else kinds
         self.capabilities: list[Capability] = []
+        # The services the enabled capabilities use, made at start, stopped after the last capability.
+        self.services: list[Service] = []
         self.verdicts: dict[str, Verdict] = self.ctx.verdicts
         self.stats = SelfStats(started_monotonic=time.monotonic())
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=cfg.status.decisions_kept)
@@ -74,11 +88,16 @@ class Agent:
         # back at the first tick without one (a map read that failed once is not a standing fault).
         self._started: dict[str, Verdict] = {}
         self._tick_degraded: set[str] = set()
-        self._servers: list[Any] = []
+        self._endpoints: list[Endpoint] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
+    def add_endpoint(self, endpoint: Endpoint) -> None:
+        """endpoint (the status socket, the metrics server) is closed when the agent stops."""
+        self._endpoints.append(endpoint)
+
     def start(self) -> None:
-        if any(cls.enabled(self.config) for cls in registry() if cls.name in ("latency", "quota")):
+        enabled = capabilities.enabled(self.config, self.kinds)
+        if any(cls.loads_bpf for cls in enabled):
             try:
                 mounted = features_mod.ensure_mounted(self.hostfs)
                 if mounted:
@@ -87,8 +106,9 @@ class Agent:
                 log.warning("could not mount tracefs, bpffs or cgroup2: %s", e)
         nvml_state = f"{self.gpu.name}: {'no GPU data' if isinstance(self.gpu, NoGpu) else 'open'}"
         self.features = features_mod.probe(self.hostfs, nvml_state)
-        for cls in registry():
-            if not cls.enabled(self.config):
+        self.services = [self.ctx.service(kind) for kind in capabilities.services(enabled)]
+        for cls in self.kinds:
+            if cls not in enabled:
                 self.verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
                 continue
             cap = cls(self.ctx)
@@ -97,6 +117,7 @@ class Agent:
                 log.warning("%s unavailable: %s", cls.name, verdict.reason)
                 self.verdicts[cls.name] = verdict
                 continue
+            cap.verdict = verdict
             try:
                 cap.start(verdict.plan)
             except CapabilityError as e:
@@ -104,27 +125,31 @@ class Agent:
                 self.verdicts[cls.name] = Verdict(State.UNAVAILABLE, str(e))
                 cap.stop()
                 continue
-            verdict = cap.started(verdict)
-            cap.verdict = verdict
+            verdict = cap.verdict  # start may have found less than probe promised
             self.verdicts[cls.name] = verdict
             self._started[cls.name] = verdict
             self.capabilities.append(cap)
             log.info("%s %s%s", cls.name, verdict.state.value, f" ({verdict.reason})" if verdict.reason else "")
 
     def stop(self) -> None:
-        """Undo every capability in reverse start order; each stop runs even when another fails."""
+        """Undo every capability in reverse start order, then stop the services they shared; each stop runs even
+        when another fails."""
         for cap in reversed(self.capabilities):
             try:
                 cap.stop()
             except Exception:  # noqa: BLE001 - a failing stop must not keep the others from rolling back
                 log.exception("%s: stop failed", cap.name)
         self.capabilities = []
-        pods = self.ctx.services.pop("pods", None)
-        if pods is not None:
-            pods.stop(wait=True)  # shared by quota and latency: stopped after both, no thread left mid-call
-        for srv in self._servers:
-            srv.close()
-        self._servers = []
+        for svc in reversed(self.services):
+            try:
+                svc.stop()
+            except Exception:  # noqa: BLE001 - as a capability's: the rest still stop
+                log.exception("%s: stop failed", svc.name)
+            self.ctx.services.pop(svc.name, None)
+        self.services = []
+        for endpoint in self._endpoints:
+            endpoint.close()
+        self._endpoints = []
         self.gpu.close()
 
     # ---- one tick ----------------------------------------------------------------------------------------
@@ -148,6 +173,12 @@ class Agent:
                 failed.add(cap.name)
                 self._degrade(cap, f"collect failed: {e}", transient=True)
                 log.debug("%s collect failed", cap.name, exc_info=True)
+        for svc in self.services:
+            try:
+                parts[svc.name] = svc.collect()
+            except Exception:  # noqa: BLE001 - as a capability's: counted, the tick goes on without its part
+                self.stats.collect_errors[svc.name] += 1
+                log.debug("%s collect failed", svc.name, exc_info=True)
         snap = Snapshot.build(self.latest.seq + 1, t0, time.time(), parts)
         decided: list[Decision] = []
         for cap in self.capabilities:
@@ -314,9 +345,13 @@ class Agent:
                 "ready_seconds": self.stats.ready_seconds,
             },
         }
-        pods = self.ctx.services.get("pods")
-        if pods is not None and pods.view is not None:
-            out["pods"] = pods.status()  # the runtime's pods, as quota and latency both take them
+        for svc in self.services:
+            try:
+                shown = svc.status(snap.part(svc.name))
+            except Exception as e:  # noqa: BLE001 - status must answer even when one part is broken
+                shown = {"error": str(e)}
+            if shown:
+                out[svc.name] = shown
         for cap in self.capabilities:
             try:
                 out[cap.name] = cap.status(snap)

@@ -92,11 +92,11 @@ class AgentCollector:
             yield used
             yield total
             yield util
-        pods = a.ctx.services.get("pods")
-        if pods is not None:
-            from qosagent.pods import service as pods_service
-
-            yield from pods_service.metrics(pods.status(), a.config.metrics.deprecated_names)
+        for svc in a.services:
+            try:
+                yield from svc.metrics(snap.part(svc.name), a.config)
+            except Exception:  # noqa: BLE001 - as a capability's below
+                log.exception("%s: metrics failed", svc.name)
         for cap in a.capabilities:
             try:
                 yield from cap.metrics(snap)

@@ -1,7 +1,7 @@
 """Serving network namespaces: where a watched port listens outside the agent's own namespace (a pod behind a
 veth pair), the addresses each holds, the tenants its processes match, and the host-side veths that lead into each.
-One reading for every capability that follows pods (quota's classifier, latency's attribution): `Follower`, shared
-through AgentContext.services, scans /proc once per NETNS_EVERY however many ask.
+One reading for every capability that follows pods (quota's classifier, latency's attribution): `Follower`, one of the
+agent's services (qosagent/services.py), scans /proc once per NETNS_EVERY however many ask.
 
 Read from /proc through HostFS (the DaemonSet has hostPID): a process's /proc/PID/ns/net names its namespace by
 inode, /proc/PID/net/tcp{,6} lists that namespace's sockets. The host side of a veth into a namespace is the link
@@ -15,12 +15,12 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from qosagent.capability import shared_service
 from qosagent.hostfs import HostFS
 from qosagent.pods.model import selects
 from qosagent.schedule import Every
+from qosagent.services import Service
 from qosagent.tenants import tenant_id
 
 if TYPE_CHECKING:
@@ -258,10 +258,16 @@ def serving_ports(cfg: "Config") -> list[int]:
     return sorted(set(cfg.watched_ports()) | set(cfg.latency.multiplexed_ports))
 
 
-class Follower:
+class Follower(Service):
     """The serving namespaces as of the last scan, scanned again when NETNS_EVERY has passed or the watched ports or
     the need for command lines (process rules) changed: quota and latency each ask when they follow pods, and one
-    scan serves both."""
+    scan serves both. What each makes of the namespaces is in its own part; the scan has none of its own."""
+
+    name = "netns.serving"
+
+    @classmethod
+    def make(cls, fs: HostFS, clock: Callable[[], float]) -> "Follower":
+        return cls(fs)
 
     def __init__(self, fs: HostFS, own: int | None = None):
         self.fs = fs
@@ -285,7 +291,3 @@ class Follower:
             self._asked = asked
         return self.found
 
-
-def follower(services: dict[str, Any], fs: HostFS) -> Follower:
-    """The agent's one Follower (AgentContext.services["netns.serving"]), made by whichever capability asks first."""
-    return shared_service(services, "netns.serving", lambda: Follower(fs))

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from qosagent import capabilities
+
 if TYPE_CHECKING:
     from qosagent.daemon import Agent
 
@@ -101,9 +103,7 @@ def request(path: str, req: dict[str, Any], timeout: float = 15.0) -> dict[str, 
 
 
 def render(status: dict[str, Any]) -> str:
-    """The human view: agent line, capabilities, each capability's own table, recent decisions."""
-    from qosagent.capability import registry
-
+    """The human view: agent line, capabilities, the services', each capability's own table, recent decisions."""
     age = time.time() - float(status.get("time", 0))
     lines = [
         f"qosagent {status.get('version')}  config {status.get('config')}  tick {status.get('seq')} "
@@ -116,11 +116,11 @@ def render(status: dict[str, Any]) -> str:
     err = status.get("self", {}).get("last_reload_error")
     if err:
         lines.append(f"\nlast reload refused: {err}")
-    if status.get("pods"):
-        from qosagent.pods import service as pods_service
-
-        lines.append("\n" + pods_service.render(status["pods"]))
-    for cls in registry():
+    for svc in capabilities.services(capabilities.CAPABILITIES):
+        part = status.get(svc.name)
+        if part:
+            lines.append("\n" + svc.render(part))
+    for cls in capabilities.CAPABILITIES:
         part = status.get(cls.name)
         if part:
             text = cls.render(part)

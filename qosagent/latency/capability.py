@@ -21,6 +21,7 @@ from qosagent.latency.model import Hooks, LatencyPart, Plan, TenantLatency
 from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
+from qosagent.pods.service import Pods
 from qosagent.schedule import Every
 from qosagent.tenants import UNMATCHED_ID, TenantInfo
 
@@ -41,6 +42,8 @@ _EMPTY: dict[int, int] = {}
 
 class Latency(Capability):
     name = "latency"
+    uses = (netns.Follower, Pods)
+    loads_bpf = True
 
     def __init__(self, ctx: Any):
         super().__init__(ctx)
@@ -146,8 +149,11 @@ class Latency(Capability):
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
                  "on" if self.runq else "off", bm.watched(self.ctx.config))
+        self.verdict = self.verified(self.verdict)
 
-    def started(self, verdict: Verdict) -> Verdict:
+    def verified(self, verdict: Verdict) -> Verdict:
+        """verdict as what started bears out: lowered where the egress program could not be attached, or where a
+        hook attached on every socket's path was not seen running."""
         if self._egress_lost:
             why = f"time to first token and inter-token latency unavailable: {self._egress_error}"
             verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, why) if r))
@@ -226,7 +232,7 @@ class Latency(Capability):
         """The other network namespaces where one of ports listens (pods), from the agent's one scan, as the maps in
         force say (during a reload's commit, the new config's, which the context holds only after it)."""
         assert self._maps is not None
-        found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
+        found = self.ctx.service(netns.Follower).current(
             self._maps.watched, any(not r.by_pod for r in self._maps.namespace_rules), self.ctx.clock())
         return [ns for ns in found.values() if ns.ports & ports]
 

@@ -22,7 +22,8 @@ import struct
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from qosagent import netns
-from qosagent.pods import service as pods_service
+from qosagent.pods.service import Pods
+from qosagent import services as services_mod
 
 if TYPE_CHECKING:
     from qosagent.ebpf.maps import Map
@@ -83,14 +84,14 @@ class PodTenants:
     def follow(self, rules: Iterable[netns.NsRule], watched: Iterable[int], now: float,
                names: Mapping[int, str], pods_config: "PodsConfig", starting: bool = False) -> bool:
         """Bring lat_netns up to date; True when it changed. Without process or pods rules nothing is scanned for
-        it. A namespace's pod comes from the agent's one listing of the runtime's pods (services["pods"]), the one
+        it. A namespace's pod comes from the agent's one listing of the runtime's pods (the Pods service), the one
         quota uses too: any serving namespace, with or without quota, a veth or a classified port."""
         from qosagent.ebpf.maps import sync
 
         rules, watched = list(rules), list(watched)
-        found = (netns.follower(self.services, self.fs).current(watched, any(not r.by_pod for r in rules), now)
-                 if rules else {})
-        pods = pods_service.shared(self.services, self.fs, self.clock)
+        found = (services_mod.shared(self.services, netns.Follower, self.fs, self.clock).current(
+            watched, any(not r.by_pod for r in rules), now) if rules else {})
+        pods = services_mod.shared(self.services, Pods, self.fs, self.clock)
         pods.current(any(r.by_pod for r in rules), pods_config, starting)
         want, tenants, shared = entries(found, rules, watched, lambda ino: pods.pod_of(found[ino]))
         wanted = len(want)

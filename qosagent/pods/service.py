@@ -1,6 +1,6 @@
-"""The node's pods as one agent-wide service (AgentContext.services["pods"]), beside the serving-namespace Follower:
-one PodSource asks the runtime, and a namespace's pod is matched by its cgroup once per listing, for quota's
-classifier and latency's attribution alike, whichever of them runs. The agent stops it when it stops."""
+"""The node's pods as one agent-wide service (qosagent/services.py), beside the serving-namespace Follower: one
+PodSource asks the runtime, and a namespace's pod is matched by its cgroup once per listing, for quota's classifier
+and latency's attribution alike, whichever of them runs. The agent stops it when it stops."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent import exposition
-from qosagent.capability import shared_service
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
+from qosagent.services import Service
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -46,11 +46,22 @@ def problem(cfg: "Config", fs: "HostFS", found: list[str] | None = None) -> str 
     return None
 
 
-class Pods:
+class Pods(Service):
     """The runtime's pods while a tenant matches pods: their source started with the first such tenant (at start,
     or by a reload) and stopped with the last, or replaced when the pods settings change (it starts from the last
     one's list: PodSource `after`). Only a capability's start lists before its first follow; in a tick a new source
-    lists on its thread (a dead runtime must not hold the tick)."""
+    lists on its thread (a dead runtime must not hold the tick). Its Snapshot part is collect()'s dict, None while
+    no tenant matches pods."""
+
+    name = "pods"
+
+    @classmethod
+    def make(cls, fs: "HostFS", clock: Callable[[], float]) -> "Pods":
+        return cls(fs, clock)
+
+    @classmethod
+    def problem(cls, config: "Config", fs: "HostFS") -> str | None:
+        return problem(config, fs)
 
     def __init__(self, fs: "HostFS", clock: Callable[[], float]):
         self.fs, self.clock = fs, clock
@@ -66,7 +77,7 @@ class Pods:
     def current(self, wanted: bool, cfg: "PodsConfig", starting: bool = False) -> PodsView | None:
         """The pods now, for the caller's rules (wanted: one matches pods) and pods settings."""
         if self.source is not None and (not wanted or self.source.cfg != cfg):
-            self.stop()
+            self.stop(wait=False)
         if not wanted:
             return None
         if self.source is None:
@@ -97,14 +108,16 @@ class Pods:
             hit = self._matched[ns.ino] = (ns.pid, pod_of_pid(self.fs, self._cgroups, ns.pid, self._tokens))
         return hit[1]
 
-    def stop(self, wait: bool = False) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the source; with wait (the agent's stop) until its thread is out of any call to the runtime."""
         src, self.source, self.view = self.source, None, None
         self._listing, self._tokens, self._matched = None, {}, {}
         if src is not None:
             src.stop(wait)
             self._before = src
 
-    def status(self) -> dict[str, Any] | None:
+    def collect(self) -> dict[str, Any] | None:
+        """The pods as the capabilities' last follow saw them."""
         v = self.view
         if v is None:
             return None
@@ -112,16 +125,18 @@ class Pods:
                 "ready": None if v.pods is None else len(v.pods), "age_s": v.age, "errors": v.errors,
                 "reason": v.reason}
 
+    def status(self, part: dict[str, Any] | None) -> dict[str, Any] | None:
+        return part
 
-def shared(services: dict[str, Any], fs: "HostFS", clock: Callable[[], float]) -> Pods:
-    """The agent's one Pods (services["pods"]), made by whichever capability asks first; the agent stops it."""
-    return shared_service(services, "pods", lambda: Pods(fs, clock))
+    def metrics(self, part: dict[str, Any] | None, config: "Config") -> Iterable["Metric"]:
+        return metrics(part, config.metrics.deprecated_names)
 
-
-def render(st: dict[str, Any]) -> str:
-    return f"pods from {st['runtime'] or 'no runtime yet'}: " + (
-        f"{st['ready']} READY, listed {st['age_s']:.1f}s ago" if st["known"] else
-        f"unknown ({st['reason']})") + (f"; {st['errors']} failed listings" if st["errors"] else "")
+    @staticmethod
+    def render(status: dict[str, Any]) -> str:
+        st = status
+        return f"pods from {st['runtime'] or 'no runtime yet'}: " + (
+            f"{st['ready']} READY, listed {st['age_s']:.1f}s ago" if st["known"] else
+            f"unknown ({st['reason']})") + (f"; {st['errors']} failed listings" if st["errors"] else "")
 
 
 def metrics(st: dict[str, Any] | None, deprecated: bool) -> Iterable["Metric"]:

@@ -13,6 +13,7 @@ from qosagent import netns
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
 from qosagent.pods import service as pods_service
+from qosagent.pods.service import Pods
 from qosagent.quota import datapath as dp
 from qosagent.quota import tc
 from qosagent.quota.model import QuotaPart, TenantQuota
@@ -99,6 +100,8 @@ class LimitsWriter:
 
 class Quota(Capability):
     name = "quota"
+    uses = (netns.Follower, Pods)
+    loads_bpf = True
 
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)
@@ -241,12 +244,12 @@ class Quota(Capability):
         assert d is not None
         cfg = self.ctx.config
         rules = netns.ns_rules(cfg.tenants)
-        pods = pods_service.shared(self.ctx.services, self.ctx.hostfs, self.ctx.clock)
+        pods = self.ctx.service(Pods)
         pods.current(any(r.by_pod for r in rules), cfg.pods, starting)
         found: dict[int, netns.ServingNs] = {}
         veths: dict[int, list[tuple[int, str]]] = {}
         if cfg.quota.namespaces:
-            found = netns.follower(self.ctx.services, self.ctx.hostfs).current(
+            found = self.ctx.service(netns.Follower).current(
                 netns.serving_ports(cfg), any(not r.by_pod for r in rules), self.ctx.clock())
             classified = set(cfg.watched_ports())
             found = {ino: ns for ino, ns in found.items() if ns.ports & classified}

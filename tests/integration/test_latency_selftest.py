@@ -17,7 +17,7 @@ from tests.kernel_modes import latency_modes
 @pytest.mark.parametrize("mode", latency_modes())
 def test_hooks_seen_running_keep_the_verdict(bpf: None, mode: str) -> None:
     with started(mode) as cap:
-        v = cap.started(Verdict(State.ACTIVE, "as probed"))
+        v = cap.verified(Verdict(State.ACTIVE, "as probed"))
     assert v == Verdict(State.ACTIVE, "as probed")
 
 
@@ -33,7 +33,7 @@ def test_hooks_that_never_run_are_named_and_degrade(bpf: None, cgroup: str, mode
 
     monkeypatch.setattr(links, "cgroup_root", empty_root)
     with started(mode) as cap:
-        v = cap.started(Verdict(State.ACTIVE, ""))
+        v = cap.verified(Verdict(State.ACTIVE, ""))
     assert v.state is State.DEGRADED
     silent = "lat_egress_learn, lat_ingress_learn, lat_sockops" if mode == "sockops" else "lat_egress"
     assert f"self-test: {silent} did not run" in v.reason, v.reason

@@ -12,11 +12,12 @@ import pytest
 
 from testkit.agent import AgentThread
 
-from qosagent import capability, config
+from qosagent import capabilities, config
 from qosagent.capability import Capability, CapabilityError, Change, State, Verdict
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
+from qosagent.services import Service
 from qosagent.snapshot import Decision
 from qosagent.status import StatusServer, request
 
@@ -73,8 +74,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch):
     EVENTS.clear()
 
     def install(*caps: type) -> None:
-        monkeypatch.setattr(capability, "registry", lambda: list(caps))
-        monkeypatch.setattr("qosagent.daemon.registry", lambda: list(caps))
+        monkeypatch.setattr(capabilities, "CAPABILITIES", tuple(caps))
         monkeypatch.setattr("qosagent.daemon.features_mod.ensure_mounted", lambda fs: [])
 
     return install
@@ -214,6 +214,82 @@ def test_status_socket_is_root_only_and_answers(scripted, tmp_path) -> None:
     finally:
         srv.close()
     assert not os.path.exists(path)
+
+
+class Counted(Service):
+    """A service that counts its ticks: what the daemon makes, reads into the Snapshot, shows and stops."""
+
+    name = "counted"
+    made = 0
+
+    @classmethod
+    def make(cls, fs: Any, clock: Any) -> "Counted":
+        cls.made += 1
+        return cls()
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def collect(self) -> Any:
+        return {"asked": self.asked}
+
+    def metrics(self, part: Any, cfg: Any) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("qosagent_counted_asked", "Times asked", value=part["asked"])
+
+    def status(self, part: Any) -> Any:
+        return part
+
+    @staticmethod
+    def render(status: Any) -> str:
+        return f"asked {status['asked']} times"
+
+    def stop(self) -> None:
+        EVENTS.append("stop counted")
+
+
+def test_services_are_made_at_start_read_into_the_snapshot_and_stopped_last(scripted, tmp_path) -> None:
+    from prometheus_client import generate_latest
+
+    from qosagent.metrics import make_registry
+    from qosagent.status import render
+
+    user = make_cap("a")
+
+    class Asks(user):  # type: ignore[misc, valid-type]
+        uses = (Counted,)
+
+        def start(self, plan: Any) -> None:
+            super().start(plan)
+            assert Counted.made == 1, "made before the first capability that uses it starts"
+
+        def maintain(self) -> None:
+            self.ctx.service(Counted).asked += 1
+
+    Counted.made = 0
+    scripted(Asks, make_cap("b"))
+    a = agent(tmp_path)
+    a.start()
+    snap = a.tick()
+    assert snap.part("counted") == {"asked": 1} and Counted.made == 1
+    a.ctx.service(Counted).asked += 10  # after the tick: what it shows is the tick's, not the live service's
+    assert "qosagent_counted_asked 1.0" in generate_latest(make_registry(a)).decode()
+    st = a.status()
+    assert st["counted"] == {"asked": 1}
+    assert "asked 1 times" in render(st)
+    EVENTS.clear()
+    a.stop()
+    assert EVENTS == ["stop b", "stop a", "stop counted"]
+
+
+def test_a_service_no_enabled_capability_uses_is_not_made(scripted, tmp_path) -> None:
+    Counted.made = 0
+    scripted(make_cap("b"))
+    a = agent(tmp_path)
+    a.start()
+    a.tick()
+    assert Counted.made == 0 and "counted" not in a.status()
 
 
 def test_a_decision_reads_as_its_change() -> None:

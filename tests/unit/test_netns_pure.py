@@ -189,6 +189,7 @@ def fake_proc(root, pid: int, ns: str, tcp: str, cmd: str) -> None:
 def test_one_scan_serves_every_capability_that_asks_within_a_period(tmp_path, monkeypatch) -> None:
     from qosagent import netns
     from qosagent.hostfs import HostFS
+    from qosagent.services import shared
 
     fake_proc(tmp_path, 1, "host", TCP, "init")
     fake_proc(tmp_path, 10, "a", TCP, "vllm serve --served-model-name llama")
@@ -196,9 +197,9 @@ def test_one_scan_serves_every_capability_that_asks_within_a_period(tmp_path, mo
     real = netns.serving_namespaces
     monkeypatch.setattr(netns, "serving_namespaces", lambda *a, **k: scans.append(a) or real(*a, **k))
     services: dict = {}
-    f = netns.follower(services, HostFS(tmp_path))
+    f = shared(services, netns.Follower, HostFS(tmp_path), lambda: 0.0)
     f.own = (tmp_path / "ns" / "host").stat().st_ino
-    assert netns.follower(services, HostFS(tmp_path)) is f
+    assert shared(services, netns.Follower, HostFS(tmp_path), lambda: 0.0) is f
     (a,) = f.current([8000], True, now=10.0).values()
     assert a.addrs == {MAPPED + bytes([198, 18, 10, 1])} and a.cmdlines == ("vllm serve --served-model-name llama",)
     fake_proc(tmp_path, 20, "b", TCP, "vllm serve --served-model-name mistral")

@@ -334,6 +334,7 @@ def test_one_listing_serves_every_capability_and_matches_each_namespace_once(run
     source stops with the last pods tenant and a later one starts from its list."""
     from qosagent.netns import ServingNs
     from qosagent.pods import service
+    from qosagent.services import shared
 
     (tmp_path / "sys/fs/cgroup/unified").mkdir(parents=True)
     (tmp_path / "sys/fs/cgroup/unified/cgroup.controllers").write_text("")
@@ -344,8 +345,8 @@ def test_one_listing_serves_every_capability_and_matches_each_namespace_once(run
     services: dict = {}
     clock = Clock()
     cfg = PodsConfig(runtime_socket="/cri.sock", refresh="20s", timeout="1s", stale_after="60s")
-    quota = service.shared(services, HostFS(tmp_path), clock)
-    latency = service.shared(services, HostFS(tmp_path), clock)
+    quota = shared(services, service.Pods, HostFS(tmp_path), clock)
+    latency = shared(services, service.Pods, HostFS(tmp_path), clock)
     assert quota is latency and services["pods"] is quota
     pod_ns, host_ns = ServingNs(1, 77, frozenset({8000})), ServingNs(2, 88, frozenset({8000}))
     try:
@@ -359,7 +360,7 @@ def test_one_listing_serves_every_capability_and_matches_each_namespace_once(run
         (tmp_path / "proc/77/cgroup").write_text("0::/elsewhere\n")  # read once per listing: not again
         latency.current(True, cfg)
         assert latency.pod_of(pod_ns) is pod
-        assert latency.status() == {**(quota.status() or {}), "ready": 1, "known": True}
+        assert latency.collect() == {**(quota.collect() or {}), "ready": 1, "known": True}
         assert latency.source is quota.source  # one source: the runtime is asked once, not per capability
         first = quota.source
         assert quota.current(False, cfg) is None and quota.source is None and quota.pod_of(pod_ns) is None
