@@ -60,6 +60,24 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 "$VENV/bin/python" -c 'import bcc, pyroute2, qosagent' || { echo "setup: imports failed" >&2; exit 1; }
 
+# The oldest Python the agent supports (Ubuntu 22.04's 3.10): the unit suite runs on it too
+# (tests/integration/test_ship_python.py), in a venv of its own. Taken from PATH or, where the machine keeps its
+# interpreters under pyenv, from pyenv's versions; Debian 12 packages none.
+if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ] && [ ! -x .venv-py310/bin/python ]; then
+  py310=
+  # A pyenv shim answers `command -v` without running: ask the interpreter itself where it is.
+  if command -v python3.10 >/dev/null 2>&1; then py310=$(python3.10 -c 'import sys; print(sys.executable)' 2>/dev/null || true); fi
+  if [ -z "$py310" ] && command -v pyenv >/dev/null 2>&1; then
+    py310=$(ls -d "$(pyenv root)"/versions/3.10*/bin/python3.10 2>/dev/null | sort -V | tail -n 1)
+  fi
+  if [ -n "$py310" ]; then
+    "$py310" -m venv .venv-py310
+    .venv-py310/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  else
+    echo "setup: no Python 3.10 found; the unit suite will not run on the oldest supported Python" >&2
+  fi
+fi
+
 # The kernel matrix (tests/vm, `make test-kernels`): QEMU, virtme-ng and Debian 12's 6.1 kernel in a cache, never
 # installed on the host.
 if [ "${QOSAGENT_SETUP_VM:-0}" = 1 ]; then
