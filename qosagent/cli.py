@@ -13,6 +13,7 @@ import click
 
 from qosagent import __version__
 from qosagent import config as config_mod
+from qosagent import matchreport
 from qosagent.hostfs import HostFS
 
 EXIT_CONFIG = 2
@@ -133,12 +134,14 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
             verdicts[cls.name] = cls(ctx).probe(feats)
     gpu.close()
     failed = [n for n, v in verdicts.items() if v.state is State.UNAVAILABLE]
+    reports = matchreport.tenant_reports(cfg)
     if as_json:
         click.echo(json.dumps({
             "config": config_path or config_mod.DEFAULT_SOURCE,
             "config_valid": True,
             "host": feats.as_dict(),
             "capabilities": {n: v.as_dict() for n, v in verdicts.items()},
+            "tenants": [r.as_dict() for r in reports],
         }, indent=2))
     else:
         click.echo(f"config: {config_path or config_mod.DEFAULT_SOURCE}: valid")
@@ -146,6 +149,7 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
         click.echo("\nCAPABILITY   STATE        REASON")
         for n, v in verdicts.items():
             click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
+        click.echo("\n" + matchreport.render(reports))
     if strict and failed:
         sys.exit(1)
     for svc in capabilities.services(enabled):
