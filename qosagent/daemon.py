@@ -21,7 +21,8 @@ from qosagent import features as features_mod
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.config import Config, ConfigError
 from qosagent.configbase import restart_changes
-from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu, make_backend
+from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu
+from qosagent.gpu.choose import make_backend
 from qosagent.hostfs import HostFS
 from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot

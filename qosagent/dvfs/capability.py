@@ -24,6 +24,7 @@ from qosagent.dvfs.gpuclocks import GpuActuator
 from qosagent.dvfs.model import DvfsPart, GpuBandChange, PolicyView, SetFreq
 from qosagent.dvfs.rollback import Originals
 from qosagent.gpu.backend import GpuError, GpuState, NoGpu
+from qosagent.gpu.choose import make_backend
 from qosagent.schedule import Every
 from qosagent.snapshot import Decision, Snapshot
 
@@ -163,8 +164,6 @@ class Dvfs(Capability):
             return []
         gpu = ctx.gpu
         if any(k.startswith("gpu:") for k in left.entries) and isinstance(gpu, NoGpu):
-            from qosagent.gpu.backend import make_backend
-
             try:
                 gpu = make_backend(ctx.config.gpu.backend, ctx.config.gpu.fake_file)
             except GpuError as e:

@@ -7,11 +7,8 @@ NotSupported counter never hides the rest and a lost GPU never stops the loop.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Protocol
-
-log = logging.getLogger("qosagent.gpu")
 
 # Error kinds, named after NVML's return codes that the agent treats differently.
 NOT_SUPPORTED = "not_supported"
@@ -143,25 +140,3 @@ class NoGpu:
         raise GpuError(UNAVAILABLE, self.reason)
 
     power_limit_constraints = power_limit = set_power_limit = set_locked_clocks = reset_locked_clocks = _none  # type: ignore[assignment]
-
-
-def make_backend(kind: str, fake_file: str | None = None) -> GpuBackend:
-    """The backend config asks for, opened; 'auto' falls back to NoGpu with the reason logged once."""
-    if kind == "none":
-        return NoGpu("GPU backend disabled in config")
-    if kind == "fake":
-        from qosagent.gpu.fake import FakeBackend
-
-        backend: GpuBackend = FakeBackend.from_file(fake_file) if fake_file else FakeBackend.preset("h200x8")
-    else:
-        from qosagent.gpu.nvml import NvmlBackend
-
-        backend = NvmlBackend()
-    try:
-        backend.open()
-    except GpuError as e:
-        if kind == "auto":
-            log.info("no GPU data: %s", e)
-            return NoGpu(str(e))
-        raise
-    return backend
