@@ -1,4 +1,8 @@
-"""qosagent's command line: run, check, status, reload, detach (and capability commands such as topology)."""
+"""qosagent's command line: run, check, status, reload, detach (and capability commands such as topology).
+
+Each command imports what it runs inside its function: `qosagent reload` or `--help` must not load the agent
+(every capability, prometheus_client, the BPF loader) to send one request or print a page.
+"""
 
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS
+from qosagent.ebpf.maps import Map
+from qosagent.latency import links
+
 if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
     from qosagent.latency.cgroupwatch import CgroupWatch
@@ -189,8 +193,6 @@ class Adoption:
 def set_listing(bpf: Any, on: bool) -> None:
     """While on, the kernel notes connections established on watched ports in lat_fresh: those are hooked
     already, whatever the listing that runs meanwhile finds. On before the hooks or the ports change."""
-    from qosagent.ebpf.maps import Map
-
     try:
         conf = Map.of(bpf, "lat_adopt_conf")
     except KeyError:  # built without cgroup_skb programs (no cgroup v2): nothing adopts connections
@@ -226,8 +228,6 @@ class Adopter:
         if self.watch is None and self.root is None:
             # No cgroup_skb program to see a request arrive: nothing can adopt a connection.
             return Adoption(None, lambda k: False, lambda k: None)
-        from qosagent.ebpf.maps import Map
-
         tbl = Map.of(self.bpf, "lat_adopt")
 
         def write(k: bytes) -> bool:
@@ -252,8 +252,6 @@ class Adopter:
     def open(self, ports: set[int]) -> None:
         """Take the established connections on `ports` under observation: the kernel adopts each at its next
         request (bpf/latency.c, lat_adopt)."""
-        from qosagent.ebpf.maps import Map
-
         # Sockops mode links each connection's cgroup, which only sock_diag names.
         conns = established(self.fs, ports, cgroups=self.watch is not None, elsewhere=self.elsewhere(ports))
         fresh = ({bytes(k) for k in Map.of(self.bpf, "lat_fresh").keys()} if self.adoption.write is not None
@@ -279,8 +277,6 @@ class Adopter:
         if self.adoption.write is None:
             return
         pending = self.adoption.pending if pending is None else pending
-        from qosagent.ebpf.maps import Map
-
         conf = Map.of(self.bpf, "lat_adopt_conf")
         cur = conf.lookup(0)
         if bool(cur.adopting) != pending:
@@ -290,9 +286,6 @@ class Adopter:
             return
         if pending and self._link is None:
             from bcc import BPF
-
-            from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS
-            from qosagent.latency import links
 
             assert self.root is not None
             prog = self.bpf.load_func(b"lat_adopt_ingress", BPF.CGROUP_SKB)

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent import netns
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, State, Verdict, rewrite
+from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS
 from qosagent.hist import Histogram, Since
-from qosagent.latency import adopt, links, runq, selftest
+from qosagent.latency import adopt, export, links, runq, selftest
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.datapath import KPROBE_ARRIVAL, KPROBES, Datapath
@@ -178,8 +179,6 @@ class Latency(Capability):
         socket by the packet's addresses, whichever cgroup sends it; the root, or None where it could not be linked.
         Where it cannot be (a verifier of another kernel refusing the parser, say), the send hooks still time the
         headers and responses: TTFT and inter-token latency are unavailable, with the reason, and nothing else."""
-        from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS
-
         try:
             root = links.cgroup_root(self.ctx.hostfs)
             self._egress_root_link = links.link_root(self.ctx.hostfs, root, links.load_egress(self.dp.bpf).fd,
@@ -375,8 +374,6 @@ class Latency(Capability):
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: "Snapshot") -> Iterable["Metric"]:
-        from qosagent.latency import export
-
         part: LatencyPart | None = snapshot.part(self.name)
         adm = self.ctx.config.admission
         fams = export.families(part, part.hooks.attached if part is not None else 0, adm.signal, adm.quantile,
@@ -384,8 +381,6 @@ class Latency(Capability):
         yield from export.with_deprecated(fams) if self.ctx.config.metrics.deprecated_names else fams
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
-        from qosagent.latency import export
-
         part: LatencyPart | None = snapshot.part(self.name)
         if part is None:
             return {}
@@ -403,7 +398,5 @@ class Latency(Capability):
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
-        from qosagent.latency import export
-
         return export.render(status)
 

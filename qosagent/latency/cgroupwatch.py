@@ -13,6 +13,9 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent.capability import CapabilityError
+from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
+from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS, ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS
+from qosagent.ebpf.maps import Map
 from qosagent.latency import links
 
 if TYPE_CHECKING:
@@ -59,13 +62,6 @@ class CgroupWatch:
         servers listening on `ports`, and of `pods` (every process of the serving network namespaces). Raises
         CapabilityError; close() undoes what was done."""
         from bcc import BPF
-
-        from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
-        from qosagent.ebpf.libbpf import (
-            ATTACH_CGROUP_INET_EGRESS,
-            ATTACH_CGROUP_INET_INGRESS,
-            ATTACH_CGROUP_SOCK_OPS,
-        )
 
         try:
             sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
@@ -165,8 +161,6 @@ class CgroupWatch:
 
     def _prune(self) -> None:
         """Drop the links of cgroups that were removed (the kernel has detached them already)."""
-        from qosagent.ebpf.maps import Map
-
         with self._lock:
             if self._ingress is None:
                 return

@@ -11,6 +11,9 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 from qosagent.capability import CapabilityError
+from qosagent.ebpf.loader import BpfError, compile_program
+from qosagent.ebpf.maps import ArrayRange, Map, sync
+from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import slots
 from qosagent.latency.model import Plan
@@ -18,7 +21,6 @@ from qosagent.latency.slots import MapsPlan
 
 if TYPE_CHECKING:
     from qosagent.config import Config
-    from qosagent.ebpf.maps import Map
     from qosagent.hostfs import HostFS
 
 # The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency.c says why no kretprobes).
@@ -32,9 +34,6 @@ class Datapath:
     """One loaded program: what its tenant maps say (`slots`: tenant id -> row) and how a tick reads its rows."""
 
     def __init__(self, bpf: Any, nslots: int, runq: bool):
-        from qosagent.ebpf.maps import Map
-        from qosagent.ebpf.tenant_ports import TenantPorts
-
         self.bpf = bpf
         self.nslots = nslots  # LAT_SLOTS of the loaded program
         self.runq = runq
@@ -53,8 +52,6 @@ class Datapath:
     def load(cls, cfg: "Config", plan: Plan) -> "Datapath":
         """Compile the program for plan, sized for cfg's tenants, and attach its kprobes (kprobe mode); the
         tracepoints bcc attaches itself. CapabilityError, with nothing left loaded, where that fails."""
-        from qosagent.ebpf.loader import BpfError, compile_program
-
         defines: dict[str, object] = {}
         if plan.runq:
             defines["QOS_RUNQ"] = 1
@@ -88,8 +85,6 @@ class Datapath:
         return cls(bpf, nslots, plan.runq)
 
     def map(self, name: str) -> "Map":
-        from qosagent.ebpf.maps import Map
-
         return Map.of(self.bpf, name)
 
     # ---- the tenant and port maps ------------------------------------------------------------------------
@@ -102,9 +97,6 @@ class Datapath:
 
     def write(self, m: MapsPlan) -> None:
         """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
-        from qosagent.ebpf.maps import sync
-        from qosagent.ebpf.tenant_ports import sync_cidrs
-
         lat_slots = self.map("lat_slots")
         sync(lat_slots, ((lat_slots.key(tenant=tid), lat_slots.value(slot=slot)) for tid, slot in m.slots.items()))
         self.slots = dict(m.slots)
@@ -129,8 +121,6 @@ class Datapath:
         and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
         A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
         tick; a lookup per row would cost a syscall each."""
-        from qosagent.ebpf.maps import ArrayRange
-
         self._by_slot = {slot: tid for tid, slot in self.slots.items()}
         used = max(self._by_slot) + 1
         self._reads = (ArrayRange(self._hist_fd, 0, bm.KINDS * used, bm.ROW_SIZE),

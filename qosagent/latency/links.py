@@ -8,6 +8,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from qosagent.capability import CapabilityError
+from qosagent.ebpf.cgroups import cgroup2_mount
+from qosagent.ebpf.libbpf import link_create
+from qosagent.ebpf.maps import Map
 
 if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
@@ -15,8 +18,6 @@ if TYPE_CHECKING:
 
 def cgroup_root(fs: "HostFS") -> str:
     """The host path of the cgroup2 hierarchy the programs are linked on."""
-    from qosagent.ebpf.cgroups import cgroup2_mount
-
     root = cgroup2_mount(fs)
     if not root:
         raise CapabilityError("latency in sockops mode needs a cgroup v2 hierarchy, and none is mounted")
@@ -25,8 +26,6 @@ def cgroup_root(fs: "HostFS") -> str:
 
 def link_root(fs: "HostFS", root: str, prog_fd: int, attach_type: int) -> int:
     """A link of the program on the cgroup2 root (its fd)."""
-    from qosagent.ebpf.libbpf import link_create
-
     fd = os.open(fs.path(root), os.O_RDONLY | os.O_DIRECTORY)
     try:
         return link_create(prog_fd, fd, attach_type)
@@ -38,8 +37,6 @@ def load_egress(bpf: Any) -> Any:
     """lat_egress, with lat_egress_framing in its tail-call slot: the framing reader is verified as a program of
     its own (bpf/latency.c, lat_response_segment)."""
     from bcc import BPF
-
-    from qosagent.ebpf.maps import Map
 
     egress = bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
     framing = bpf.load_func(b"lat_egress_framing", BPF.CGROUP_SKB)

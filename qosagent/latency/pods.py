@@ -22,11 +22,11 @@ import struct
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from qosagent import netns
-from qosagent.pods.service import Pods
 from qosagent import services as services_mod
+from qosagent.ebpf.maps import Map, sync
+from qosagent.pods.service import Pods
 
 if TYPE_CHECKING:
-    from qosagent.ebpf.maps import Map
     from qosagent.hostfs import HostFS
     from qosagent.pods.config import PodsConfig
     from qosagent.pods.model import Pod
@@ -86,8 +86,6 @@ class PodTenants:
         """Bring lat_netns up to date; True when it changed. Without process or pods rules nothing is scanned for
         it. A namespace's pod comes from the agent's one listing of the runtime's pods (the Pods service), the one
         quota uses too: any serving namespace, with or without quota, a veth or a classified port."""
-        from qosagent.ebpf.maps import sync
-
         rules, watched = list(rules), list(watched)
         found = (services_mod.shared(self.services, netns.Follower, self.fs, self.clock).current(
             watched, any(not r.by_pod for r in rules), now) if rules else {})

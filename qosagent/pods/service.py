@@ -8,7 +8,10 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent import exposition
+from qosagent.placement.cgroupns import HostCgroups
+from qosagent.pods.cri import find_runtime
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
+from qosagent.pods.source import PodSource, pod_of_pid
 from qosagent.services import Service
 
 if TYPE_CHECKING:
@@ -17,9 +20,7 @@ if TYPE_CHECKING:
     from qosagent.config import Config
     from qosagent.hostfs import HostFS
     from qosagent.netns import ServingNs
-    from qosagent.placement.cgroupns import HostCgroups
     from qosagent.pods.config import PodsConfig
-    from qosagent.pods.source import PodSource
 
 log = logging.getLogger("qosagent.pods")
 
@@ -32,8 +33,6 @@ RENAMED = {"qosagent_pods_list_errors": "qosagent_quota_pods_list_errors",
 def problem(cfg: "Config", fs: "HostFS", found: list[str] | None = None) -> str | None:
     """Why the tenants that match pods cannot learn them here (no runtime answers), or None; found gets what
     answers."""
-    from qosagent.pods.cri import find_runtime
-
     wanted = [f"tenants[{i}]" for i, t in enumerate(cfg.tenants) if t.match.pods is not None]
     if not wanted:
         return None
@@ -81,9 +80,6 @@ class Pods(Service):
         if not wanted:
             return None
         if self.source is None:
-            from qosagent.placement.cgroupns import HostCgroups
-            from qosagent.pods.source import PodSource
-
             self.source = PodSource(cfg, self.fs, self.clock, self._before)
             self._before = None
             if starting:
@@ -103,8 +99,6 @@ class Pods(Service):
             self._listing, self._tokens, self._matched = view.pods, by_cgroup_token(view.pods.values()), {}
         hit = self._matched.get(ns.ino)
         if hit is None or hit[0] != ns.pid:
-            from qosagent.pods.source import pod_of_pid
-
             hit = self._matched[ns.ino] = (ns.pid, pod_of_pid(self.fs, self._cgroups, ns.pid, self._tokens))
         return hit[1]
 

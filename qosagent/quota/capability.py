@@ -13,6 +13,7 @@ from qosagent import netns
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
 from qosagent.pods import service as pods_service
+from qosagent.pods.cri import CriError, grpc_module
 from qosagent.pods.service import Pods
 from qosagent.quota import datapath as dp
 from qosagent.quota import tc
@@ -154,8 +155,6 @@ class Quota(Capability):
             return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
         reason = f"ingress of {', '.join(names)}"
         if any(t.match.pods for t in self.ctx.config.tenants):
-            from qosagent.pods.cri import CriError, grpc_module
-
             try:
                 grpc_module()
             except CriError as e:
