@@ -140,6 +140,19 @@ class BpfConfig(Section):
     pin_root: str = "/sys/fs/bpf/qosagent"
 
 
+class ConfigWatchConfig(Section):
+    # A change of the file given with --config (an edit, a ConfigMap update) reloads as SIGHUP does.
+    enabled: bool = True
+    interval: Duration = 5.0
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, v: float) -> float:
+        if not 0.1 <= v <= 3600:
+            raise ValueError("expected between 100ms and 1h")
+        return v
+
+
 class ReadinessConfig(Section):
     # Capabilities that may be unavailable or degraded while /readyz still answers ready; every other enabled one
     # must be active.
@@ -163,6 +176,7 @@ class Config(Section):
     status: Annotated[StatusConfig, RESTART] = StatusConfig()
     bpf: Annotated[BpfConfig, RESTART] = BpfConfig()
     readiness: ReadinessConfig = ReadinessConfig()
+    config_watch: ConfigWatchConfig = ConfigWatchConfig()
     gpu: Annotated[GpuConfig, RESTART] = GpuConfig()
     tiers: dict[Name, TierConfig] = Field(default_factory=_default_tiers)
     tenants: list[TenantConfig] = Field(default_factory=list)

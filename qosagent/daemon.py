@@ -21,6 +21,7 @@ from qosagent import features as features_mod
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.config import Config, ConfigError
 from qosagent.configbase import restart_changes
+from qosagent.configwatch import ConfigWatch
 from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu
 from qosagent.gpu.choose import make_backend
 from qosagent.hostfs import HostFS
@@ -90,6 +91,8 @@ class Agent:
         self._started: dict[str, Verdict] = {}
         self._tick_degraded: set[str] = set()
         self._endpoints: list[Endpoint] = []
+        self._watch: ConfigWatch | None = None
+        self._config_changed()  # from the content just loaded: an edit made while the agent starts is seen
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def add_endpoint(self, endpoint: Endpoint) -> None:
@@ -300,6 +303,8 @@ class Agent:
                 next_at = time.monotonic()
             elif self._stop.wait(delay):
                 break
+            if self._config_changed():
+                self._reload.set()
             if self._reload.is_set():
                 self._reload.clear()
                 result = self.reload()
@@ -310,6 +315,18 @@ class Agent:
             self.tick()
             if notify:
                 notify("WATCHDOG=1")
+
+    def _config_changed(self) -> bool:
+        """The config file changed since it was last read (config_watch): a reload is due. The watch follows the
+        config as it now stands, so a reload that turns the watch off or changes its interval takes effect."""
+        want = self.config_path is not None and self.config.config_watch.enabled
+        if not want:
+            self._watch = None
+            return False
+        if self._watch is None or self._watch.interval != self.config.config_watch.interval:
+            self._watch = ConfigWatch(self.config_path, self.config.config_watch.interval, time.monotonic)
+            return False
+        return self._watch.changed()
 
     def reload_and_wait(self, timeout: float = 10.0) -> tuple[bool, str]:
         """Ask the loop to reload (it does so between ticks) and wait for its answer."""

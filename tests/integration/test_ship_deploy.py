@@ -273,6 +273,8 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_quota_limit_rps", ', tenant="shop", tier="gold"', "10x20"),
             ("qosagent_quota_baseline_rps", ', tenant="shop", tier="gold"', "10x20"),
             ("qosagent_admission_enforcing", "", "1x30"),
+            ("qosagent_config_reloads_total", ', result="failed"', "0x10 1x20"),
+            ("qosagent_config_reloads_total", ', result="ok"', "0x10 1x20"),
             ("qosagent_admission_limited", ', tenant="hobby", tier="bronze", cause="server"', "1x30"),
             ("qosagent_server_reading_known", ', port="8000", kind="vllm"', "0x30"),
             ("qosagent_server_reading_known", ', port="8001", kind="sglang"', "1x30"),
@@ -294,6 +296,11 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
                                 "capability": "quota"}}]},
             {"eval_time": "15m", "alertname": "QosagentLoopOverrunning", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "QosagentConfigReloadFailed", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "QosagentConfigReloadFailed", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
+                                "result": "failed"}}]},
+            {"eval_time": "28m", "alertname": "QosagentConfigReloadFailed", "exp_alerts": []},
             {"eval_time": "15m", "alertname": "QosagentTenantShed", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze"}}]},
             # Enforcing on node-a, dry-run on node-b: one alert each, never both for one node.

@@ -1,0 +1,69 @@
+"""Noticing that the config file changed, so that an edit (or a Kubernetes ConfigMap update) reloads the agent the
+way SIGHUP does, on every node, without anyone reaching a pod.
+
+A ConfigMap volume updates by writing a new timestamped directory and swapping the `..data` symlink that
+`config.yaml` resolves through; an editor either rewrites the file in place or renames a new one over it. Each
+changes what stat() of the path (following links) reports, so a stat per poll notices all of them; the content is
+read only then, and only a new content counts, so a touch or a swap to the same text reloads nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Callable
+
+log = logging.getLogger("qosagent.configwatch")
+
+
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _digest(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+    except OSError:
+        return None
+
+
+class ConfigWatch:
+    """changed() is True once for each new content of the file, at most once per `interval` seconds of `clock`."""
+
+    def __init__(self, path: str, interval: float, clock: Callable[[], float]):
+        self.path = path
+        self.interval = interval
+        self._clock = clock
+        self._next = clock() + interval
+        self._identity = _identity(path)
+        self._digest = _digest(path)
+        self._missing_logged = False
+
+    def changed(self) -> bool:
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        identity = _identity(self.path)
+        if identity == self._identity:
+            return False
+        self._identity = identity
+        if identity is None:
+            # Between an unlink and a rename, or a ConfigMap being deleted: the running config stays.
+            if not self._missing_logged:
+                log.warning("config file %s is gone; the running config stays", self.path)
+                self._missing_logged = True
+            return False
+        self._missing_logged = False
+        digest = _digest(self.path)
+        if digest is None or digest == self._digest:
+            return False
+        self._digest = digest
+        log.info("config file %s changed; reloading", self.path)
+        return True
