@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 class State(str, enum.Enum):
     ACTIVE = "active"
+    # Enabled and sound, with nothing on this host to act on (no server to read, no frequency knob): the host's
+    # circumstance, not a failure, so it does not keep the agent unready. DEGRADED and UNAVAILABLE are what was
+    # asked for and did not work (a refused program, a config the host contradicts, a failing tick): they do.
+    IDLE = "idle"
     DEGRADED = "degraded"
     UNAVAILABLE = "unavailable"
     DISABLED = "disabled"

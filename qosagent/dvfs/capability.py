@@ -82,17 +82,21 @@ class Dvfs(Capability):
                        f"of types {self.cfg.thermal_types} or chips {self.cfg.hwmon_names}")
             if not gpus:
                 return Verdict(State.UNAVAILABLE, cpu_why)
-            # A GPU VM often has no cpufreq and no CPU sensors: the GPU bands still run on NVML's readings.
-            return Verdict(State.DEGRADED, f"{self.cfg.mode}; {len(gpus)} GPU(s) only; CPU: {cpu_why}")
+            # A GPU VM often has no cpufreq and no CPU sensors: the GPU bands still run on NVML's readings, and the
+            # CPU side has nothing to act on (the host's circumstance, not a fault).
+            return Verdict(State.ACTIVE, f"{self.cfg.mode}; {len(gpus)} GPU(s) only; CPU: {cpu_why}")
         parts = [self.cfg.mode]
         if acting:
             kinds = sorted({f"{p.actuator} ({p.driver})" for p in acting})
             parts.append(f"{len(acting)}/{len(pols)} policies via {', '.join(kinds)}")
+        # With nothing to steer by or nothing to steer, dvfs idles, unless the operator named an actuator this host
+        # lacks: that is what was asked for and did not work.
+        asked = State.DEGRADED if self.cfg.actuator != "auto" else State.IDLE
         if not found:
-            return Verdict(State.DEGRADED, "; ".join(parts + ["no temperature sensor: frequency is left alone"]))
+            return Verdict(asked, "; ".join(parts + ["no temperature sensor: frequency is left alone"]))
         if not acting:
             why = pols[0].why if pols else "no cpufreq"
-            return Verdict(State.DEGRADED, "; ".join(parts + [f"{why}: monitoring temperatures only"]))
+            return Verdict(asked, "; ".join(parts + [f"{why}: monitoring temperatures only"]))
         return Verdict(State.ACTIVE, "; ".join(parts + [f"{len(found)} sensors"]))
 
     def _gpu_devices(self) -> list[Any]:

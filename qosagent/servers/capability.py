@@ -37,9 +37,13 @@ class Servers(Capability):
     def probe(self, features: "Features") -> Verdict:
         cfg = self.ctx.config
         problems = []
+        notes = []
         if not self.ctx.hostfs.exists("/proc/net/tcp"):
-            problems.append("no /proc/net/tcp: servers cannot be found or told apart by process; only configured "
-                            "servers are read")
+            if not cfg.servers:
+                # A host snapshot, a --host-root without /proc: nothing to find, which is no fault of the agent.
+                return Verdict(State.IDLE, "no /proc/net/tcp under the host root: no server can be found on the "
+                                           "watched ports (list them under servers: to read them)")
+            notes.append("no /proc/net/tcp: servers cannot be told apart by process; only configured ones are read")
         # The agent's reads are HTTP requests too: on a port a tenant claims whole, they would count as that
         # tenant's, and its quota would refuse them exactly when the tenant is cut.
         claimed = {p: t.name for t in cfg.tenants if not t.match.cidrs and not t.match.header for p in t.match.ports}
@@ -53,7 +57,7 @@ class Servers(Capability):
         if problems:
             return Verdict(State.DEGRADED, "; ".join(problems))
         how = "configured" if cfg.servers else "found on the watched ports"
-        return Verdict(State.ACTIVE, f"reads the inference servers' metrics ({how})")
+        return Verdict(State.ACTIVE, "; ".join([f"reads the inference servers' metrics ({how})"] + notes))
 
     def start(self, plan: None = None) -> None:
         self.scraper.start()
