@@ -22,9 +22,10 @@ from qosagent.capability import AgentContext, Capability, CapabilityError, Chang
 from qosagent.config import Config, ConfigError
 from qosagent.configbase import restart_changes
 from qosagent.configwatch import ConfigWatch
-from qosagent.gpu.backend import GpuBackend, GpuError, GpuState, NoGpu
+from qosagent.gpu.backend import DISABLED, SAMPLE_FAILED, GpuBackend, GpuError, GpuState, NoGpu
 from qosagent.gpu.choose import make_backend
 from qosagent.hostfs import HostFS
+from qosagent.schedule import Every
 from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
@@ -60,7 +61,7 @@ def gpu_backend(cfg: Config) -> GpuBackend:
         return make_backend(cfg.gpu.backend, cfg.gpu.fake_file)
     except GpuError as e:
         log.warning("GPU backend %s unavailable: %s", cfg.gpu.backend, e)
-        return NoGpu(str(e))
+        return NoGpu(str(e), e.kind)
 
 
 class Agent:
@@ -70,6 +71,11 @@ class Agent:
         self.config_path = config_path
         self.hostfs = hostfs
         self.gpu = gpu if gpu is not None else gpu_backend(cfg)
+        # A backend the agent chose itself and could not open is tried again (a driver that loads after the agent,
+        # a container that got its devices late); one handed in (tests, rehearsals) is kept as it is.
+        self._gpu_retry = Every(cfg.gpu.reprobe_interval) if gpu is None else None
+        if self._gpu_retry is not None:
+            self._gpu_retry.due(time.monotonic())  # just opened: the first retry is a period away
         self.ctx = AgentContext(config=cfg, hostfs=hostfs, gpu=self.gpu)
         # Every capability there is, in start and tick order (qosagent/capabilities.py); those running, started.
         self.kinds: Sequence[type[Capability]] = capabilities.CAPABILITIES if kinds is None else kinds
@@ -159,6 +165,7 @@ class Agent:
     # ---- one tick ----------------------------------------------------------------------------------------
     def tick(self) -> Snapshot:
         t0 = time.monotonic()
+        self._reprobe_gpu()
         parts: dict[str, Any] = {"gpu": self._sample_gpu()}
         self.ctx.gpu_state = parts["gpu"]
         failed: set[str] = set()
@@ -217,7 +224,25 @@ class Agent:
             return self.gpu.sample()
         except Exception as e:  # noqa: BLE001 - a backend bug must not stop the loop; GPU state is unknown
             self.stats.collect_errors["gpu"] += 1
-            return GpuState(available=False, reason=f"sample failed: {e}")
+            return GpuState(available=False, reason=f"sample failed: {e}", cause=SAMPLE_FAILED)
+
+    def _reprobe_gpu(self) -> None:
+        """While the agent has no GPU backend by failure (not by config), open it again every
+        gpu.reprobe_interval. Readings (admission, placement, metrics) follow from the next tick; what a capability
+        planned at start without GPUs (dvfs' GPU bands) waits for a restart, as its status says."""
+        if self._gpu_retry is None or not isinstance(self.gpu, NoGpu) or self.gpu.kind == DISABLED:
+            return
+        if not self._gpu_retry.due(time.monotonic()):
+            return
+        cfg = self.config.gpu
+        try:
+            # "auto" falls back to NoGpu inside make_backend, logging each time: ask NVML itself, quietly.
+            found = make_backend("nvml" if cfg.backend == "auto" else cfg.backend, cfg.fake_file)
+        except GpuError as e:
+            self.gpu = self.ctx.gpu = NoGpu(str(e), e.kind)  # the latest reason, for status and the metric
+            return
+        log.info("GPU data available: %s opened after start (%d GPU(s))", found.name, len(found.devices()))
+        self.gpu = self.ctx.gpu = found
 
     def _degrade(self, cap: Capability, reason: str, transient: bool = False) -> None:
         self.verdicts[cap.name] = Verdict(State.DEGRADED, reason)

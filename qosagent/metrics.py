@@ -70,8 +70,14 @@ class AgentCollector:
             slo.add_metric([tier], tc.slo_p99)
         yield slo
         gpu = snap.part("gpu")
-        yield GaugeMetricFamily("qosagent_gpu_data_available", "1 when GPU readings are known this tick",
-                                value=1.0 if gpu is not None and gpu.available else 0.0)
+        available = GaugeMetricFamily("qosagent_gpu_data_available", "1 when GPU readings are known this tick; "
+                                      "reason: ok, or why not (unavailable: no NVML library or driver, "
+                                      "no_permission, gpu_lost, disabled, sample_failed, failed)", labels=["reason"])
+        if gpu is not None and gpu.available:
+            available.add_metric(["ok"], 1.0)
+        else:
+            available.add_metric([(gpu.cause or "failed") if gpu is not None else "starting"], 0.0)
+        yield available
         if gpu is not None and gpu.available:
             # The readings admission sheds on (memory) and placement follows (processes), so a dashboard shows the
             # input beside the decision; dvfs exports its own (temperature, power, clocks).

@@ -16,6 +16,9 @@ NO_PERMISSION = "no_permission"
 GPU_LOST = "gpu_lost"
 UNAVAILABLE = "unavailable"  # no library, no driver, not initialized
 FAILED = "failed"  # anything else
+# Why a tick has no GPU readings, besides the kinds above (GpuState.cause, the metric's reason label).
+DISABLED = "disabled"  # gpu.backend: none
+SAMPLE_FAILED = "sample_failed"  # the backend raised where it must not
 
 
 class GpuError(Exception):
@@ -84,6 +87,8 @@ class GpuState:
     available: bool
     reason: str = ""
     gpus: tuple[GpuSample, ...] = ()
+    # When not available, the kind of reason (one of the error kinds, DISABLED, SAMPLE_FAILED): a bounded label.
+    cause: str = ""
     errors_total: int = 0
 
     def by_index(self, index: int) -> GpuSample | None:
@@ -121,6 +126,8 @@ class NoGpu:
     """A host without GPUs (or with GPUs switched off in config): always 'unknown', never an error."""
 
     reason: str = "no GPU backend"
+    # The kind of error that left the agent without GPUs (GpuError.kind), or DISABLED by config.
+    kind: str = UNAVAILABLE
     name: str = "none"
     _devices: list[GpuDevice] = field(default_factory=list)
 
@@ -134,7 +141,7 @@ class NoGpu:
         return []
 
     def sample(self) -> GpuState:
-        return GpuState(available=False, reason=self.reason)
+        return GpuState(available=False, reason=self.reason, cause=self.kind)
 
     def _none(self, *_a: object) -> None:
         raise GpuError(UNAVAILABLE, self.reason)

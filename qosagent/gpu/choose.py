@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from qosagent.gpu.backend import GpuBackend, GpuError, NoGpu
+from qosagent.gpu.backend import DISABLED, GpuBackend, GpuError, NoGpu
 from qosagent.gpu.fake import FakeBackend
 from qosagent.gpu.nvml import NvmlBackend
 
@@ -15,7 +15,7 @@ log = logging.getLogger("qosagent.gpu")
 def make_backend(kind: str, fake_file: str | None = None) -> GpuBackend:
     """The backend config asks for, opened; 'auto' falls back to NoGpu with the reason logged once."""
     if kind == "none":
-        return NoGpu("GPU backend disabled in config")
+        return NoGpu("GPU backend disabled in config", DISABLED)
     if kind == "fake":
         backend: GpuBackend = FakeBackend.from_file(fake_file) if fake_file else FakeBackend.preset("h200x8")
     else:
@@ -25,6 +25,6 @@ def make_backend(kind: str, fake_file: str | None = None) -> GpuBackend:
     except GpuError as e:
         if kind == "auto":
             log.info("no GPU data: %s", e)
-            return NoGpu(str(e))
+            return NoGpu(str(e), e.kind)
         raise
     return backend
