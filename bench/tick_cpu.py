@@ -85,6 +85,7 @@ def main() -> None:
     a = ap.parse_args()
     counts = [int(x) for x in a.tenants.split(",")]
     cpu: dict[tuple[str, int], list[float]] = {}
+    rounds: dict[tuple[str, int], list[float]] = {}
     for r in range(a.rounds):
         for n in counts:
             for label, checkout in (("before", a.before), ("after", a.after))[:: 1 if r % 2 == 0 else -1]:
@@ -92,12 +93,16 @@ def main() -> None:
                 if r == 0:
                     print(f"{label} n={n}: {res['states']}", file=sys.stderr)
                 cpu.setdefault((label, n), []).extend(res["cpu"])
+                rounds.setdefault((label, n), []).append(statistics.median(res["cpu"]) * 1e6)
     print("| tenants | tick CPU before (µs) | after (µs) | per tenant before | after | after/before |")
     print("|---|---|---|---|---|---|")
     for n in counts:
         b = statistics.median(cpu[("before", n)]) * 1e6
         f = statistics.median(cpu[("after", n)]) * 1e6
         print(f"| {n} | {b:.0f} | {f:.0f} | {b / n:.1f} | {f / n:.1f} | {f / b:.3f} |")
+    print("\nmedian tick CPU (µs) of each round, before / after:")
+    for n in counts:
+        print(f"  {n}: " + ", ".join(f"{b:.0f}/{f:.0f}" for b, f in zip(rounds[("before", n)], rounds[("after", n)])))
 
 
 if __name__ == "__main__":
