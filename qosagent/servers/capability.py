@@ -85,6 +85,8 @@ class Servers(Capability):
                                     labels=labels)
         preempt = CounterMetricFamily("qosagent_server_preemptions", "The server's own count of preempted "
                                       "(vLLM) or retracted (SGLang) requests", labels=labels)
+        tps = GaugeMetricFamily("qosagent_server_generated_tokens_per_second", "Tokens the server generated per "
+                                "second between the agent's last two reads (its own counter's rate)", labels=labels)
         age = GaugeMetricFamily("qosagent_server_reading_age_seconds", "Since the server's last good read",
                                 labels=labels)
         scrapes = CounterMetricFamily("qosagent_server_reads", "Reads of the server's metrics by result",
@@ -97,14 +99,14 @@ class Servers(Capability):
             lv = [str(s.port), s.kind]
             known.add_metric(lv, 1.0 if s.known else 0.0)
             for fam, value in ((kv, s.kv_cache_usage), (waiting, s.requests_waiting), (running, s.requests_running),
-                               (preempt, s.preemptions), (age, s.age_s)):
+                               (preempt, s.preemptions), (tps, s.generated_tokens_per_second), (age, s.age_s)):
                 if value is not None and (s.known or fam is age):
                     fam.add_metric(lv, value)
             for result, n in sorted(s.scrapes.items()):
                 scrapes.add_metric([*lv, result], n)
             restarts.add_metric(lv, s.restarts)
             resets.add_metric(lv, s.counter_resets)
-        yield from (known, kv, waiting, running, preempt, age, scrapes, restarts, resets)
+        yield from (known, kv, waiting, running, preempt, tps, age, scrapes, restarts, resets)
         holders = GaugeMetricFamily("qosagent_server_gpu_holders", "Known servers whose processes hold the GPU "
                                     "(NVML's process list); above 1: servers share it", labels=["gpu"])
         for gpu, ports in sorted(gpu_holders(part, snapshot.part("gpu")).items()):
@@ -125,7 +127,8 @@ class Servers(Capability):
                 "port": s.port, "kind": s.kind, "url": s.url, "pid": s.pid, "configured": s.configured,
                 "preallocates": s.preallocates, "known": s.known, "reason": s.reason,
                 "age_s": s.age_s, "kv_cache_usage": s.kv_cache_usage, "requests_waiting": s.requests_waiting,
-                "requests_running": s.requests_running, "preemptions": s.preemptions, "missing": dict(s.missing),
+                "requests_running": s.requests_running, "preemptions": s.preemptions,
+                "generated_tokens_per_second": s.generated_tokens_per_second, "missing": dict(s.missing),
                 "reads": dict(s.scrapes), "restarts": s.restarts, "counter_resets": s.counter_resets,
             } for s in part.servers],
             "shared_gpus": shared,
@@ -136,7 +139,8 @@ class Servers(Capability):
         if "servers" not in status:
             return f"SERVERS  {status.get('error', 'no status')}"
         how = "found on the watched ports" if status.get("discovered") else "configured"
-        lines = [f"SERVERS  {how}", "PORT   KIND     PID      KV      WAITING  RUNNING  PREEMPT  AGE     STATE"]
+        lines = [f"SERVERS  {how}",
+                 "PORT   KIND      PID      KV      WAITING  RUNNING  PREEMPT  TOK/S    AGE     STATE"]
 
         def num(v: float | None, fmt: str = "{:g}") -> str:
             return "-" if v is None else fmt.format(v)
@@ -145,9 +149,10 @@ class Servers(Capability):
             state = "ok" if s["known"] and not s["reason"] else ("ok, " if s["known"] else "UNKNOWN: ") + s["reason"]
             if s["known"] and s["missing"]:
                 state += "  (" + "; ".join(f"{k}: {v}" for k, v in s["missing"].items()) + ")"
-            lines.append(f"{s['port']:<6} {s['kind']:<8} {num(s['pid']):<8} {num(s['kv_cache_usage'], '{:.0%}'):<7} "
+            lines.append(f"{s['port']:<6} {s['kind']:<9} {num(s['pid']):<8} {num(s['kv_cache_usage'], '{:.0%}'):<7} "
                          f"{num(s['requests_waiting']):<8} {num(s['requests_running']):<8} "
-                         f"{num(s['preemptions']):<8} {num(s['age_s'], '{:.1f}s'):<7} {state}")
+                         f"{num(s['preemptions']):<8} {num(s.get('generated_tokens_per_second'), '{:.0f}'):<8} "
+                         f"{num(s['age_s'], '{:.1f}s'):<7} {state}")
         for gpu, ports in status.get("shared_gpus", {}).items():
             lines.append(f"GPU {gpu} is shared by the servers on ports {', '.join(map(str, ports))}")
         if not status["servers"]:

@@ -8,7 +8,7 @@ from pydantic import Field, HttpUrl, model_validator
 
 from qosagent.configbase import Duration, Port, Section
 
-Kind = Literal["auto", "vllm", "tgi", "triton", "sglang", "generic"]
+Kind = Literal["auto", "vllm", "tgi", "triton", "sglang", "llamacpp", "generic"]
 
 
 class ServerConfig(Section):

@@ -12,16 +12,28 @@ Names from each project's metrics reference (checked 2026-12):
   `nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}`, `nv_trt_llm_request_metrics` with
   request_type `waiting` / `scheduled`; other backends only `nv_inference_pending_request_count`
   (github.com/triton-inference-server/server docs/user_guide/metrics.md). Metrics on port 8002 by default.
+- llama.cpp's llama-server, its tools/server/README.md "GET /metrics" (served only with `--metrics`; checked against
+  the source of llama-cpp-python 0.3.36's vendored llama.cpp): `llamacpp:requests_deferred` (requests queued for a
+  slot), `llamacpp:requests_processing` (slots busy), counter `llamacpp:tokens_predicted_total`. It exports no
+  KV-cache usage: each of its `total_slots` (`/props`, the `-np` it started with) owns its share of the context, and a
+  request finding every slot busy is deferred, so busy slots over total slots is its pressure reading in the KV
+  field. Its `predicted_tokens_seconds` gauge is not used: it is averaged between two scrapes and reset by each, so
+  any other scraper moves it; the counter's rate is not.
+- Generated tokens, counters: vLLM `vllm:generation_tokens_total`, SGLang `sglang:generation_tokens_total` (same
+  pages as above); the agent shows their rate between two reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
-# The readings admission uses, by field: KV-cache usage (0-1), requests waiting, requests running, preemptions.
+# The readings, by field: KV-cache usage (0-1), requests waiting, requests running (admission uses these), and the
+# server's own counters of preemptions and of generated tokens.
 KV, WAITING, RUNNING, PREEMPTIONS = "kv_cache_usage", "requests_waiting", "requests_running", "preemptions"
-FIELDS = (KV, WAITING, RUNNING, PREEMPTIONS)
+GENERATED = "generated_tokens"
+FIELDS = (KV, WAITING, RUNNING, PREEMPTIONS, GENERATED)
+COUNTERS = (PREEMPTIONS, GENERATED)
 
 
 @dataclass(frozen=True)
@@ -42,8 +54,12 @@ class Kind:
     preallocates: bool
     metrics_port: int | None = None  # where its metrics are when not on the serving port
     prefix: str = ""  # how its metric names start: tells the kind of an unknown server from its exposition
-    # KV usage as tokens over a capacity read from a JSON document of the server's (path, key): TGI's /info.
+    # KV usage as a count over a capacity read from a JSON document of the server's (path, key): TGI's /info
+    # (tokens), llama-server's /props (slots).
     kv_capacity: tuple[str, str] | None = None
+    # What an HTTP status from its metrics endpoint means for this kind, said with the reason (llama-server answers
+    # 501 when it was started without --metrics).
+    http_hints: Mapping[int, str] = field(default_factory=dict)
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -52,12 +68,14 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
         WAITING: (Source("vllm:num_requests_waiting"),),
         RUNNING: (Source("vllm:num_requests_running"),),
         PREEMPTIONS: (Source("vllm:num_preemptions_total"),),
+        GENERATED: (Source("vllm:generation_tokens_total"),),
     }, preallocates=True, prefix="vllm:"),
     Kind("sglang", {
         KV: (Source("sglang:token_usage"),),
         WAITING: (Source("sglang:num_queue_reqs"),),
         RUNNING: (Source("sglang:num_running_reqs"),),
         PREEMPTIONS: (Source("sglang:num_retracted_requests_total"),),
+        GENERATED: (Source("sglang:generation_tokens_total"),),
     }, preallocates=True, prefix="sglang:"),
     Kind("tgi", {
         KV: (Source("tgi_batch_current_max_tokens"),),  # tokens, over kv_capacity
@@ -70,6 +88,14 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                   Source("nv_inference_pending_request_count")),
         RUNNING: (Source("nv_trt_llm_request_metrics", ("request_type", "scheduled")),),
     }, preallocates=True, metrics_port=8002, prefix="nv_"),
+    # It allocates the KV cache of its whole context (-c) at start, on the GPU when it offloads layers there.
+    Kind("llamacpp", {
+        KV: (Source("llamacpp:requests_processing"),),  # slots, over kv_capacity
+        WAITING: (Source("llamacpp:requests_deferred"),),
+        RUNNING: (Source("llamacpp:requests_processing"),),
+        GENERATED: (Source("llamacpp:tokens_predicted_total"),),
+    }, preallocates=True, prefix="llamacpp:", kv_capacity=("/props", "total_slots"),
+        http_hints={501: "llama-server serves /metrics only when started with --metrics"}),
 )}
 # A server of no known kind: nothing is read but whether it answers, and its memory use is load.
 GENERIC = Kind("generic", {}, preallocates=False)
@@ -92,6 +118,10 @@ def from_cmdline(argv: list[str]) -> str | None:
         return "triton"
     if "text-generation-" in words or "text_generation_server" in words:
         return "tgi"
+    # The executable itself: llama-cpp-python's own server (`python -m llama_cpp.server`) is another server, with
+    # no llamacpp: metrics.
+    if any(a.rsplit("/", 1)[-1] == "llama-server" for a in argv[:1]):
+        return "llamacpp"
     return None
 
 

@@ -25,6 +25,7 @@ class ServerReading:
     requests_waiting: float | None = None
     requests_running: float | None = None
     preemptions: float | None = None  # the server's own counter
+    generated_tokens_per_second: float | None = None  # its generated-tokens counter's rate between two reads
     missing: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> why unknown
     scrapes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # result -> count
     restarts: int = 0

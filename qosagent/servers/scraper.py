@@ -23,7 +23,7 @@ from typing import Callable
 from qosagent.hostfs import HostFS
 from qosagent.servers import discovery, kinds
 from qosagent.servers.config import ServerConfig
-from qosagent.servers.kinds import KV, PREEMPTIONS, RUNNING, WAITING
+from qosagent.servers.kinds import GENERATED, KV, PREEMPTIONS, RUNNING, WAITING
 from qosagent.servers.model import ServerReading, ServersPart
 from qosagent.servers.parse import ExpositionError, Parsed, parse
 
@@ -32,17 +32,18 @@ log = logging.getLogger("qosagent.servers")
 MAX_BODY = 32 << 20  # a vLLM exposition with every histogram is a few hundred KiB
 DISCOVER_EVERY = 10.0  # seconds between walks of /proc (ports, owners, process tree)
 
-NOT_A_SERVER = ("not read: its command line names no vllm, sglang, tgi or triton server; list it under servers: "
-                "to read it")
+NOT_A_SERVER = ("not read: its command line names no vllm, sglang, tgi, triton or llama-server server; list it "
+                "under servers: to read it")
 
 # Read results: the values of the metric label `result` (docs/servers.md).
 OK, DOWN, TIMEOUT, HTTP_ERROR, GARBAGE, TOO_LARGE = "ok", "down", "timeout", "http_error", "garbage", "too_large"
 
 
 class FetchError(Exception):
-    def __init__(self, result: str, reason: str):
+    def __init__(self, result: str, reason: str, status: int | None = None):
         super().__init__(reason)
         self.result = result
+        self.status = status  # the HTTP status of an http_error answer
 
 
 def fetch(url: str, timeout: float) -> str:
@@ -67,7 +68,7 @@ def fetch(url: str, timeout: float) -> str:
         sock.settimeout(left())
         resp = conn.getresponse()
         if resp.status != 200:
-            raise FetchError(HTTP_ERROR, f"HTTP {resp.status} {resp.reason}".strip())
+            raise FetchError(HTTP_ERROR, f"HTTP {resp.status} {resp.reason}".strip(), resp.status)
         body = bytearray()
         while True:
             sock.settimeout(left())
@@ -119,8 +120,9 @@ class Target:
     good_at: float | None = None
     error: str = "not read yet"
     start_time: float | None = None
-    kv_capacity: float | None = None  # TGI: its KV pool in tokens, from /info, read again after a restart
-    preemptions: float | None = None
+    kv_capacity: float | None = None  # TGI: its KV pool in tokens, from /info; llama-server: its slots, from /props
+    counters: dict[str, tuple[float, float]] = field(default_factory=dict)  # counter field -> (value, read at)
+    tokens_per_second: float | None = None  # generated tokens, between the last two good reads
     scrapes: collections.Counter[str] = field(default_factory=collections.Counter)
     restarts: int = 0
     counter_resets: int = 0
@@ -130,7 +132,8 @@ class Target:
         # What was read from the old process says nothing about the new one.
         self.restarts += 1
         self.good, self.good_at = None, None
-        self.start_time = self.preemptions = self.kv_capacity = None
+        self.start_time = self.kv_capacity = self.tokens_per_second = None
+        self.counters = {}
         self.error = why
         log.info("server on port %d restarted (%s)", self.cfg.port, why)
 
@@ -213,7 +216,8 @@ class Scraper:
         try:
             text = fetch(t.url, t.cfg.timeout)
         except FetchError as e:
-            return e.result, "", str(e), None
+            hint = kinds.kind(t.kind).http_hints.get(e.status or 0)
+            return e.result, "", f"{e}: {hint}" if hint else str(e), None
         where = kinds.kind(t.kind).kv_capacity
         cap = capacity(t.url, where, t.cfg.timeout) if where is not None and t.kv_capacity is None else None
         return OK, text, "", cap
@@ -237,12 +241,27 @@ class Scraper:
                 t.kind = parsed.kind
             if parsed.start_time is not None and t.start_time is not None and parsed.start_time != t.start_time:
                 t.restarted("the server's process_start_time_seconds changed")
-            p = parsed.values.get(PREEMPTIONS)
-            if p is not None and t.preemptions is not None and p < t.preemptions:
-                t.counter_resets += 1
-            t.preemptions = p
+            now = self.clock()
+            self._counters(t, parsed, now)
             t.start_time = parsed.start_time
-            t.good, t.good_at, t.error = parsed, self.clock(), ""
+            t.good, t.good_at, t.error = parsed, now, ""
+
+    @staticmethod
+    def _counters(t: Target, parsed: Parsed, now: float) -> None:
+        """Counter resets, and the generated tokens' rate since the previous good read (None across a reset)."""
+        for fld in kinds.COUNTERS:
+            v = parsed.values.get(fld)
+            prev = t.counters.pop(fld, None)
+            if v is None:
+                if fld == GENERATED:
+                    t.tokens_per_second = None
+                continue
+            t.counters[fld] = (v, now)
+            if prev is not None and v < prev[0]:
+                t.counter_resets += 1
+                prev = None
+            if fld == GENERATED:
+                t.tokens_per_second = (v - prev[0]) / (now - prev[1]) if prev is not None and now > prev[1] else None
 
     def rediscover(self) -> None:
         """Owners of the ports (pid changes are restarts), new servers on watched ports, pre-allocating pids."""
@@ -325,4 +344,5 @@ class Scraper:
         v = t.good.values
         return ServerReading(known=True, reason=t.error, kv_cache_usage=v.get(KV), requests_waiting=v.get(WAITING),
                              requests_running=v.get(RUNNING), preemptions=v.get(PREEMPTIONS),
+                             generated_tokens_per_second=t.tokens_per_second,
                              missing=MappingProxyType(dict(t.good.missing)), **base)  # type: ignore[arg-type]

@@ -1,5 +1,6 @@
 """A stand-in for an inference server's /metrics: text shaped like each kind's real exposition (the names, labels,
-HELP/TYPE lines and counter suffixes of vLLM, SGLang, TGI and Triton+TensorRT-LLM as their docs show them), driven
+HELP/TYPE lines and counter suffixes of vLLM, SGLang, TGI, Triton+TensorRT-LLM and llama.cpp's llama-server as their
+docs show them; the real llama-server is in test_llamacpp_*.py), driven
 by a JSON control file that is re-read on every request, so a test can change the load, break the answer (HTML,
 garbage, NaN, HTTP 500, slow, a restart) or stop the process.
 
@@ -19,11 +20,12 @@ from typing import Any
 
 
 TGI_KV_TOKENS = 16000  # TGI's max_batch_total_tokens, as its /info reports it
+LLAMACPP_SLOTS = 4  # llama-server's total_slots (-np), as its /props reports it
 
 
 def exposition(kind: str, s: dict[str, Any]) -> str:
     kv, waiting, running = s.get("kv", 0.0), s.get("waiting", 0), s.get("running", 0)
-    pre, start = s.get("preemptions", 0), s.get("start_time", 1.7e9)
+    pre, start, generated = s.get("preemptions", 0), s.get("start_time", 1.7e9), s.get("generated", 0)
     proc = ("# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
             "# TYPE process_start_time_seconds gauge\n"
             f"process_start_time_seconds {start}\n")
@@ -42,6 +44,9 @@ def exposition(kind: str, s: dict[str, Any]) -> str:
             "# HELP vllm:num_preemptions Cumulative number of preemption from the engine.\n"
             "# TYPE vllm:num_preemptions counter\n"
             f"vllm:num_preemptions_total{{{lab}}} {pre}\n"
+            "# HELP vllm:generation_tokens Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens counter\n"
+            f"vllm:generation_tokens_total{{{lab}}} {generated}\n"
             "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n"
             "# TYPE vllm:time_to_first_token_seconds histogram\n"
             f'vllm:time_to_first_token_seconds_bucket{{{lab},le="0.1"}} 3.0\n'
@@ -60,7 +65,10 @@ def exposition(kind: str, s: dict[str, Any]) -> str:
             f"sglang:num_running_reqs{{{lab}}} {running}\n"
             "# HELP sglang:num_retracted_requests Number of retracted requests\n"
             "# TYPE sglang:num_retracted_requests counter\n"
-            f"sglang:num_retracted_requests_total{{{lab}}} {pre}\n")
+            f"sglang:num_retracted_requests_total{{{lab}}} {pre}\n"
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE sglang:generation_tokens_total counter\n"
+            f"sglang:generation_tokens_total{{{lab}}} {generated}\n")
     if kind == "tgi":
         return ("# TYPE tgi_queue_size gauge\n"
                 f"tgi_queue_size {waiting}\n"
@@ -87,6 +95,16 @@ def exposition(kind: str, s: dict[str, Any]) -> str:
             f'nv_trt_llm_kv_cache_block_metrics{{{lab},kv_cache_block_type="used"}} {int(6240 * kv)}\n'
             f'nv_trt_llm_kv_cache_block_metrics{{{lab},kv_cache_block_type="fraction"}} {kv}\n'
             f'nv_trt_llm_kv_cache_block_metrics{{{lab},kv_cache_block_type="tokens_per"}} 64\n')
+    if kind == "llamacpp":
+        # One unlabelled sample per name; the slots busy are requests_processing (its KV field is them over
+        # total_slots). n_tokens_max is typed counter without the _total suffix, as the real server writes it.
+        rows = (("prompt_tokens_total", "counter", 1337), ("prompt_seconds_total", "counter", 0.43),
+                ("tokens_predicted_total", "counter", generated), ("tokens_predicted_seconds_total", "counter", 1.2),
+                ("n_decode_total", "counter", 420), ("n_tokens_max", "counter", 1537),
+                ("prompt_tokens_seconds", "gauge", 3109.3), ("predicted_tokens_seconds", "gauge", 812.5),
+                ("requests_processing", "gauge", round(kv * LLAMACPP_SLOTS)), ("requests_deferred", "gauge", waiting),
+                ("n_busy_slots_per_decode", "gauge", 1.5))
+        return "".join(f"# HELP llamacpp:{n} .\n# TYPE llamacpp:{n} {t}\nllamacpp:{n} {v}\n" for n, t, v in rows)
     raise ValueError(f"unknown kind {kind}")
 
 
@@ -98,8 +116,9 @@ def main() -> None:
             with open(control, encoding="utf-8") as f:
                 s = json.load(f)
             mode = s.get("mode", "ok")
-            if self.path == "/info" and kind == "tgi":
-                info = json.dumps({"model_id": "m", "max_batch_total_tokens": TGI_KV_TOKENS}).encode()
+            if (self.path, kind) in (("/info", "tgi"), ("/props", "llamacpp")):
+                info = json.dumps({"model_id": "m", "max_batch_total_tokens": TGI_KV_TOKENS} if kind == "tgi" else
+                                  {"total_slots": LLAMACPP_SLOTS, "is_sleeping": False}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(info)))

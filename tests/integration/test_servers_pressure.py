@@ -124,7 +124,8 @@ def test_discovery_finds_each_kind_and_reads_its_fields(tmp_path: Path) -> None:
             assert r.requests_waiting == 0 and r.requests_running == 4
             assert r.kv_cache_usage == pytest.approx(0.30)
         # TGI's reserved tokens over max_batch_total_tokens from its /info, read once it is known to be TGI.
-        assert got[srv[2].port].missing == {"preemptions": "not exported by tgi"}
+        assert got[srv[2].port].missing == {"preemptions": "not exported by tgi",
+                                            "generated_tokens": "not exported by tgi"}
         # Two servers' processes on one GPU: counted and reported.
         gpu = GpuState(True, gpus=(GpuSample(0, "g", 100, 92, processes=(GpuProcess(srv[0].pid, 1),
                                                                             GpuProcess(srv[1].pid, 1))),))

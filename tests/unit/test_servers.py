@@ -16,20 +16,26 @@ from qosagent.servers import discovery, kinds
 from qosagent.servers.config import ServerConfig
 from qosagent.servers.model import ServerReading, ServersPart, gpu_holders
 from qosagent.servers.parse import ExpositionError, parse
-from qosagent.servers.scraper import GARBAGE, OK, Scraper
-from tests.integration.inference_metrics import TGI_KV_TOKENS, exposition
+from qosagent.servers import scraper as scraper_mod
+from qosagent.servers.scraper import GARBAGE, HTTP_ERROR, OK, FetchError, Scraper
+from tests.integration.inference_metrics import LLAMACPP_SLOTS, TGI_KV_TOKENS, exposition
 
-LOAD = {"kv": 0.42, "waiting": 7, "running": 12, "preemptions": 3}
+LOAD = {"kv": 0.42, "waiting": 7, "running": 12, "preemptions": 3, "generated": 5000}
+CAPACITY = {"tgi": TGI_KV_TOKENS, "llamacpp": LLAMACPP_SLOTS}
 
 
 @pytest.mark.parametrize(("kind", "want"), [
-    ("vllm", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3}),
-    ("sglang", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3}),
+    ("vllm", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3,
+              "generated_tokens": 5000}),
+    ("sglang", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12, "preemptions": 3,
+                "generated_tokens": 5000}),
     ("tgi", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12}),
     ("triton", {"kv_cache_usage": 0.42, "requests_waiting": 7, "requests_running": 12}),
+    # 2 of its 4 slots busy (0.42 of 4, rounded): the slots are both its KV reading and its running requests.
+    ("llamacpp", {"kv_cache_usage": 0.5, "requests_waiting": 7, "requests_running": 2, "generated_tokens": 5000}),
 ])
 def test_each_kinds_exposition_gives_its_fields(kind: str, want: dict[str, float]) -> None:
-    p = parse(exposition(kind, LOAD), kind, TGI_KV_TOKENS)
+    p = parse(exposition(kind, LOAD), kind, CAPACITY.get(kind))
     assert p.kind == kind and p.values == pytest.approx(want)
     assert set(p.missing) == set(kinds.FIELDS) - set(want)
     assert all("not exported" in why for why in p.missing.values())
@@ -41,6 +47,14 @@ def test_tgi_kv_usage_needs_its_capacity_from_info() -> None:
     p = parse(exposition("tgi", LOAD), "tgi")
     assert p.missing["kv_cache_usage"] == "max_batch_total_tokens unknown (read from /info)"
     assert p.values["requests_waiting"] == 7
+
+
+def test_llamacpp_slot_usage_needs_its_slot_count_and_more_busy_than_slots_is_no_reading() -> None:
+    p = parse(exposition("llamacpp", LOAD), "llamacpp")
+    assert p.missing["kv_cache_usage"] == "total_slots unknown (read from /props)"
+    assert p.values["requests_waiting"] == 7 and p.values["requests_running"] == 2
+    p = parse(exposition("llamacpp", {**LOAD, "kv": 1.0}), "llamacpp", 3)  # 4 busy of 3: the capacity is wrong
+    assert "kv_cache_usage" not in p.values and "above 1" in p.missing["kv_cache_usage"]
 
 
 def test_older_vllm_names_and_several_engines() -> None:
@@ -81,6 +95,11 @@ def test_kind_from_the_command_line() -> None:
     assert kinds.from_cmdline(["text-generation-router", "--port", "80"]) == "tgi"
     assert kinds.from_cmdline(["tritonserver", "--model-repository=/models"]) == "triton"
     assert kinds.from_cmdline(["nginx: master process"]) is None
+    assert kinds.from_cmdline(["/var/lib/qosagent-llama/0.3.36-x/bin/llama-server", "-m", "m.gguf"]) == "llamacpp"
+    assert kinds.from_cmdline(["llama-server", "--metrics"]) == "llamacpp"
+    # llama-cpp-python's own server is another server, without llamacpp: metrics; a model's name is no server.
+    assert kinds.from_cmdline(["python3", "-m", "llama_cpp.server", "--model", "llama-server.gguf"]) is None
+    assert kinds.from_cmdline(["vllm", "serve", "org/llama-server-ft"]) == "vllm"
     assert kinds.metrics_url(8000, "triton") == "http://127.0.0.1:8002/metrics"
     assert kinds.metrics_url(8000, "vllm") == "http://127.0.0.1:8000/metrics"
 
@@ -194,6 +213,41 @@ def test_readings_age_out_to_unknown_and_counter_resets_are_counted(tmp_path: Pa
     # A new process_start_time_seconds is a restart even when no pid was seen.
     s.record(t, OK, exposition("vllm", {**LOAD, "start_time": 1.8e9}), "")
     assert s.part().servers[0].restarts == 1 and s.part().servers[0].known
+
+
+def test_generated_tokens_per_second_is_the_counters_rate_between_two_reads(tmp_path: Path) -> None:
+    now = [100.0]
+    s = Scraper(HostFS(tmp_path), [ServerConfig(port=8080, kind="llamacpp")], [], clock=lambda: now[0])
+    t = s.targets[8080]
+    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 1000}), "", LLAMACPP_SLOTS)
+    assert s.part().servers[0].generated_tokens_per_second is None  # one read: no rate yet
+    now[0] += 2
+    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 1600}), "")
+    r = s.part().servers[0]
+    assert r.generated_tokens_per_second == pytest.approx(300) and r.kv_cache_usage == 0.5
+    now[0] += 1
+    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 40}), "")  # went backwards: no rate across it
+    r = s.part().servers[0]
+    assert r.generated_tokens_per_second is None and r.counter_resets == 1
+    now[0] += 1
+    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 440}), "")
+    assert s.part().servers[0].generated_tokens_per_second == pytest.approx(400)
+    # The servers' own throughput gauge is not read: each scrape resets it (kinds.py).
+    assert all(src.sample != "llamacpp:predicted_tokens_seconds"
+               for srcs in kinds.kind("llamacpp").fields.values() for src in srcs)
+
+
+def test_llama_server_without_metrics_says_how_to_turn_them_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fetch(url: str, timeout: float) -> str:
+        raise FetchError(HTTP_ERROR, "HTTP 501 Not Implemented", 501)
+
+    monkeypatch.setattr(scraper_mod, "fetch", fetch)
+    t = Scraper._target(ServerConfig(port=8080), False, "llamacpp")
+    result, _, why, _ = Scraper._read(t)
+    assert (result, why) == (HTTP_ERROR, "HTTP 501 Not Implemented: llama-server serves /metrics only when started "
+                                         "with --metrics")
+    t.kind = "vllm"  # a status means what it means for the kind that sent it
+    assert Scraper._read(t)[2] == "HTTP 501 Not Implemented"
 
 
 # ---- GPU memory: no load signal where a pre-allocating server holds the GPU ----
