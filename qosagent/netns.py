@@ -42,7 +42,8 @@ class ServingNs:
     cmdlines: tuple[str, ...] = field(default=(), compare=False)  # every process in it (for process tenants)
     # Its own addresses, 16 bytes each (IPv4 mapped), loopback and link-local left out: what a server socket there
     # has as its local address when a client reaches it through the network (latency's key for process tenants,
-    # bpf/latency.c lat_netns). Link-local ones name a link, not the pod: every pod has one, reached by no client.
+    # bpf/include/lat_state.h lat_netns). Link-local ones name a link, not the pod: every pod has one, reached by no
+    # client.
     addrs: frozenset[bytes] = frozenset()
     pids: tuple[int, ...] = field(default=(), compare=False)  # every process in it
 

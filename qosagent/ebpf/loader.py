@@ -7,7 +7,7 @@ import os
 import platform
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 log = logging.getLogger("qosagent.ebpf")
 
@@ -33,28 +33,39 @@ def headers_present() -> bool:
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[^\n]*$', re.M)
 
 
-def inline_includes(path: Path, include_dir: Path, seen: set[Path] | None = None) -> str:
-    """The source with its quoted includes from bpf/include pasted in.
+def inline_includes(path: Path, include_dir: Path, within: tuple[Path, ...] = ()) -> str:
+    """The source with its quoted includes from bpf/include pasted in, each where it is included.
 
     BCC rewrites map calls (`m.lookup(&k)`) only in the main file, so a shared header that declares maps and
-    helpers using them (qos_tenant.h) must reach the compiler as part of it."""
-    seen = set() if seen is None else seen
+    helpers using them (qos_tenant.h, lat_state.h) must reach the compiler as part of it. Every header has an
+    include guard, which keeps a second paste empty as the preprocessor would; pasting at every include (rather
+    than at the first only) keeps a header included under an #ifdef from going missing where a later file needs
+    it unconditionally. `within` (the files being pasted) stops an include cycle."""
     text = path.read_text()
 
     def paste(m: re.Match[str]) -> str:
         inc = (include_dir / m.group(1)).resolve()
         if not inc.is_file():
             return m.group(0)
-        if inc in seen:
+        if inc in within:
             return ""
-        seen.add(inc)
-        return inline_includes(inc, include_dir, seen)
+        return inline_includes(inc, include_dir, (*within, inc))
 
     return _LOCAL_INCLUDE.sub(paste, text)
 
 
-def compile_program(name: str, defines: dict[str, Any] | None = None, extra_cflags: Iterable[str] = ()) -> Any:
-    """Compile and load bpf/<name>.c; returns the bcc.BPF object. Raises BpfError with the likely cause."""
+def program_text(sources: str | Sequence[str]) -> str:
+    """One program's C from its entry files (bpf/<name>.c each, in order), compiled as one unit so that they share
+    their maps, with the quoted includes pasted in."""
+    d = bpf_dir()
+    names = [sources] if isinstance(sources, str) else list(sources)
+    return "\n".join(inline_includes(d / f"{n}.c", d / "include") for n in names)
+
+
+def compile_program(sources: str | Sequence[str], defines: dict[str, Any] | None = None,
+                    extra_cflags: Iterable[str] = ()) -> Any:
+    """Compile and load the entry files bpf/<name>.c of `sources` as one program; returns the bcc.BPF object.
+    Raises BpfError with the likely cause."""
     if not headers_present():
         raise BpfError(f"no kernel headers at /lib/modules/{platform.release()}/build: run `make setup` "
                        "(or install linux-headers and link them there)")
@@ -68,11 +79,11 @@ def compile_program(name: str, defines: dict[str, Any] | None = None, extra_cfla
     for k, v in (defines or {}).items():
         cflags.append(f"-D{k}={v}")
     cflags += list(extra_cflags)
-    src = d / f"{name}.c"
+    names = [sources] if isinstance(sources, str) else list(sources)
     try:
-        b = BPF(text=inline_includes(src, d / "include").encode(), cflags=cflags)
+        b = BPF(text=program_text(names).encode(), cflags=cflags)
     except Exception as e:  # bcc raises plain Exception for compile and load failures
-        raise BpfError(f"loading {src.name} failed: {e}") from e
+        raise BpfError(f"loading {' + '.join(f'{n}.c' for n in names)} failed: {e}") from e
     _return_compiler_heap()
     return b
 

@@ -1,6 +1,6 @@
 """Connections that were open before their port was watched: found when the agent starts (or a reload adds watched
-ports), handed to the kernel by their addresses (bpf/latency.c, `lat_adopt`), and taken under observation there at
-their next request. What cannot be is reported, by reason, for as long as the connection stays open.
+ports), handed to the kernel by their addresses (bpf/include/lat_packet.h, `lat_adopt`), and taken under observation
+there at their next request. What cannot be is reported, by reason, for as long as the connection stays open.
 
 Finding them reads the host (sock_diag, else /proc/net/tcp); the bookkeeping after that (Adoption) is pure, over
 callables that Adopter binds to the kernel's maps, so it is tested without BPF.
@@ -251,7 +251,7 @@ class Adopter:
 
     def open(self, ports: set[int]) -> None:
         """Take the established connections on `ports` under observation: the kernel adopts each at its next
-        request (bpf/latency.c, lat_adopt)."""
+        request (bpf/include/lat_packet.h, lat_adopt)."""
         # Sockops mode links each connection's cgroup, which only sock_diag names.
         conns = established(self.fs, ports, cgroups=self.watch is not None, elsewhere=self.elsewhere(ports))
         fresh = ({bytes(k) for k in Map.of(self.bpf, "lat_fresh").keys()} if self.adoption.write is not None

@@ -1,4 +1,5 @@
-"""The latency program's map layouts (bpf/latency.c, bpf/include/qos_*.h) and what the agent writes into them.
+"""The latency program's map layouts (bpf/latency_*.c, bpf/include/lat_*.h and qos_*.h) and what the agent writes
+into them.
 
 Pure where it can be: the entries the tenant maps should hold are computed from config here and tested without BPF.
 """
@@ -13,7 +14,7 @@ from qosagent.hist import NBUCKETS
 from qosagent.netns import serving_ports
 from qosagent.tenants import UNMATCHED_ID
 
-# Histogram kinds and counters, as numbered in bpf/latency.c. A slot's rows are KINDS * slot + kind.
+# Histogram kinds and counters, as numbered in bpf/include/lat_state.h. A slot's rows are KINDS * slot + kind.
 KIND_HEADERS = 0
 KIND_RESPONSE = 1
 KIND_TTFT = 2

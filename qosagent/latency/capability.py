@@ -1,4 +1,4 @@
-"""Per-tenant request latency and run-queue latency, measured in the kernel by bpf/latency.c.
+"""Per-tenant request latency and run-queue latency, measured in the kernel by bpf/latency_*.c.
 
 The kernel keeps cumulative histograms (shared by all CPUs) and counters (per CPU) in rows per tenant slot; each
 tick reads the rows of the slots in use, sums the counters' CPUs and builds the LatencyPart: since-start histograms

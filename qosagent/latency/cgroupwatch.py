@@ -30,7 +30,7 @@ LEARN_S = 30.0
 
 
 class CgroupEvent(ctypes.Structure):
-    """struct lat_cgroup_event of bpf/latency.c."""
+    """struct lat_cgroup_event of bpf/latency_sockops.c."""
 
     _fields_ = [("id", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 

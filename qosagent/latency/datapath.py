@@ -1,4 +1,4 @@
-"""The loaded latency program (bpf/latency.c) and its maps: compiled for a probe's plan, its tenant and port maps
+"""The loaded latency program (bpf/latency_*.c) and its maps: compiled for a probe's plan, its tenant and port maps
 written from a MapsPlan, its histogram and counter rows read each tick.
 
 The hooks that need a cgroup (cgroupwatch.py, links.py, adopt.py) are the capability's to wire; this is the program
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qosagent.config import Config
     from qosagent.hostfs import HostFS
 
-# The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency.c says why no kretprobes).
+# The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency_trace.c says why no kretprobes).
 KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
 # The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the
 # tracepoint was put in, TCP's data-ready callback.
@@ -53,11 +53,7 @@ class Datapath:
         """Compile the program for plan, sized for cfg's tenants, and attach its kprobes (kprobe mode); the
         tracepoints bcc attaches itself. CapabilityError, with nothing left loaded, where that fails."""
         defines: dict[str, object] = {}
-        if plan.runq:
-            defines["QOS_RUNQ"] = 1
-        if plan.mode == "sockops":
-            defines["QOS_SOCKOPS"] = 1
-        else:
+        if plan.mode != "sockops":
             if plan.mode == "kprobe":
                 defines["QOS_KPROBE"] = 1
             if plan.arrival:
@@ -70,7 +66,7 @@ class Datapath:
         defines.update(_flows_defines(cfg))
         bpf = None
         try:
-            bpf = compile_program("latency", defines)
+            bpf = compile_program(sources(plan), defines)
             if plan.mode == "kprobe":
                 for fn, prog in KPROBES:
                     bpf.attach_kprobe(event=fn.encode(), fn_name=prog.encode())
@@ -154,6 +150,16 @@ class Datapath:
 
     def close(self) -> None:
         self.bpf.cleanup()
+
+
+def sources(plan: Plan) -> list[str]:
+    """The entry files (bpf/<name>.c) of plan's program, one per attach point: the mode's socket hooks, its cgroup_skb
+    programs where they are separate, and the run-queue probes."""
+    if plan.mode == "sockops":
+        out = ["latency_sockops"]
+    else:
+        out = ["latency_trace"] + (["latency_trace_skb"] if plan.egress else [])
+    return out + (["latency_runq"] if plan.runq else [])
 
 
 def _flows_defines(cfg: "Config") -> dict[str, object]:

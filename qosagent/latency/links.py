@@ -35,7 +35,7 @@ def link_root(fs: "HostFS", root: str, prog_fd: int, attach_type: int) -> int:
 
 def load_egress(bpf: Any) -> Any:
     """lat_egress, with lat_egress_framing in its tail-call slot: the framing reader is verified as a program of
-    its own (bpf/latency.c, lat_response_segment)."""
+    its own (bpf/include/lat_http.h, lat_response_segment)."""
     from bcc import BPF
 
     egress = bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qosagent.latency")
 
 Key = tuple[bytes, int]  # (16-byte local address, port or 0)
-MAX_ENTRIES = 4096  # LAT_NETNS_MAX of bpf/latency.c: 1000 pods with two addresses on two ports each
+MAX_ENTRIES = 4096  # LAT_NETNS_MAX of bpf/include/lat_state.h: 1000 pods with two addresses on two ports each
 
 
 def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], watched: Iterable[int],

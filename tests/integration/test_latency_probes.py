@@ -19,8 +19,8 @@ from qosagent.features import probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
-from qosagent.latency.datapath import KPROBE_ARRIVAL, KPROBES
-from qosagent.latency.model import LatencyPart
+from qosagent.latency.datapath import KPROBE_ARRIVAL, KPROBES, sources
+from qosagent.latency.model import LatencyPart, Plan
 from qosagent.tenants import tenant_id
 from tests.integration.latency_helpers import serving
 from tests.kernel_modes import READS, latency_modes
@@ -192,7 +192,8 @@ def test_kprobe_fallback_compiles_and_loads(bpf: None) -> None:
 
     from qosagent.ebpf.loader import compile_program
 
-    b = compile_program("latency", {"QOS_KPROBE": 1, "QOS_ARRIVAL": 1, "QOS_EGRESS": 1})
+    b = compile_program(sources(Plan(mode="kprobe", arrival=True, egress=True, runq=False)),
+                        {"QOS_KPROBE": 1, "QOS_ARRIVAL": 1, "QOS_EGRESS": 1})
     try:
         for _event, prog in KPROBES:
             assert b.load_func(prog.encode(), BPF.KPROBE).fd >= 0

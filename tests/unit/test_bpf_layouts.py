@@ -132,3 +132,34 @@ def test_the_parser_sees_a_changed_header(tmp_path) -> None:
     changed = tmp_path / "qos_quota.h"
     changed.write_text(text.replace("    __u32 rules_gen;", "    __u32 rules_gen;\n    __u64 added;"))
     assert Headers([changed]).struct("qos_quota_conf").size != ctypes.sizeof(layout.QuotaConf)
+
+
+def test_every_latency_entry_file_is_built_by_some_plan() -> None:
+    """One entry file per attach point (bpf/latency_*.c), each reached by a plan: a file no plan names is dead code
+    the layout checks above would still read."""
+    import itertools
+
+    from qosagent.latency.datapath import sources
+    from qosagent.latency.model import Plan
+    from tests.bpf_headers import BPF
+
+    built = {name for mode, arrival, egress, runq in itertools.product(("sockops", "tracepoint", "kprobe"),
+                                                                       *[(False, True)] * 3)
+             for name in sources(Plan(mode, arrival, egress, runq))}
+    assert built == {p.stem for p in BPF.glob("latency_*.c")}
+
+
+def test_a_header_first_included_under_an_ifdef_is_pasted_again_where_needed(tmp_path) -> None:
+    """The loader pastes a header at every include, its guard keeping a second copy empty: a header an entry file
+    includes only under an #ifdef must still reach the next entry file that includes it unconditionally."""
+    from qosagent.ebpf.loader import inline_includes
+
+    inc = tmp_path / "include"
+    inc.mkdir()
+    (inc / "a.h").write_text('#ifndef A_H\n#define A_H\n#include "b.h"\nint a;\n#endif\n')
+    (inc / "b.h").write_text('#ifndef B_H\n#define B_H\n#include "a.h"\nint b;\n#endif\n')  # a cycle
+    (tmp_path / "one.c").write_text('#ifdef X\n#include "a.h"\n#endif\n#include <linux/types.h>\n')
+    (tmp_path / "two.c").write_text('#include "a.h"\n')
+    text = inline_includes(tmp_path / "one.c", inc) + inline_includes(tmp_path / "two.c", inc)
+    assert text.count("int a;") == 2 and text.count("int b;") == 2  # once inside #ifdef X, once outside
+    assert "#include <linux/types.h>" in text and '#include "' not in text
