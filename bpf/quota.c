@@ -5,7 +5,8 @@
  * a token from their tenant's bucket; over quota that segment is dropped and TCP retransmits it (back-pressure).
  * Every other segment, and all traffic that matches no tenant, passes untouched (TC_ACT_UNSPEC: later filters
  * still run). Buckets refill here from bpf_ktime_get_ns, so enforcement goes on with the last limits written when
- * the agent is gone; adaptive overrides stop counting once the agent's heartbeat is older than its timeout.
+ * the agent is gone; adaptive overrides and fleet shares stop counting once the agent's heartbeat is older than its
+ * timeout (a fleet share also at the end of its lease).
  *
  * Defines from the loader: QOS_PIN_DIR (string), QOS_FLOWS (LRU entries), QOS_HDR_SCAN (bytes, power of two). */
 #include <uapi/linux/bpf.h>
@@ -353,6 +354,26 @@ static __always_inline int take(__u64 *tat, __u64 now, const struct qos_bucket_l
     return 0; /* lost the race four times: others took the tokens; the segment is retransmitted */
 }
 
+/* The fleet share is one more limit beside the baseline and admission's override: the lowest rate holds (on a
+ * tie, the smaller burst). It holds only before its lease ends and while the agent's heartbeat is fresh, so neither
+ * a lost lease nor a dead agent leaves a stale grant; then the others decide alone. The limit in force is copied to
+ * the stack: choosing between map-value pointers compiles to a branchless select the verifier refuses. */
+static __always_inline void fleet_limit(const struct qos_quota_limit *lim, struct qos_bucket_limit *use, int *have,
+                                        int fresh, __u64 now)
+{
+    if (!(lim->flags & QOS_LIMIT_FLEET))
+        return;
+    if (!fresh || now >= lim->fleet_until_ns) {
+        stat_inc(QOS_STAT_FLEET_EXPIRED);
+        return;
+    }
+    if (!*have || lim->fleet.interval_ns > use->interval_ns ||
+        (lim->fleet.interval_ns == use->interval_ns && lim->fleet.tau_ns < use->tau_ns)) {
+        *use = lim->fleet;
+        *have = 1;
+    }
+}
+
 static __always_inline void count(__u32 slot, int conn, int admitted)
 {
     struct qos_quota_count *c = quota_counters.lookup(&slot);
@@ -382,7 +403,7 @@ static __always_inline __u16 slot_of(__u32 tenant)
 static __always_inline int admit(__u32 slot, int conn)
 {
     struct qos_quota_limit *lim = quota_limits.lookup(&slot);
-    if (!lim || !(lim->flags & (conn ? QOS_LIMIT_CONN : QOS_LIMIT_REQ | QOS_LIMIT_OVERRIDE)))
+    if (!lim || !(lim->flags & (conn ? QOS_LIMIT_CONN : QOS_LIMIT_REQ | QOS_LIMIT_OVERRIDE | QOS_LIMIT_FLEET)))
         return 1;
     struct qos_quota_bucket *b = quota_buckets.lookup(&slot);
     if (!b)
@@ -390,16 +411,29 @@ static __always_inline int admit(__u32 slot, int conn)
     __u64 now = bpf_ktime_get_ns();
     if (conn)
         return take(&b->conn_tat, now, &lim->conn);
-    if (lim->flags & QOS_LIMIT_OVERRIDE) {
+    struct qos_bucket_limit use = {};
+    int have = 0;
+    if (lim->flags & QOS_LIMIT_REQ) {
+        use = lim->req;
+        have = 1;
+    }
+    if (lim->flags & (QOS_LIMIT_OVERRIDE | QOS_LIMIT_FLEET)) {
         __u32 zero = 0;
         struct qos_quota_conf *cf = quota_config.lookup(&zero);
-        if (cf && cf->heartbeat_ns <= now && now - cf->heartbeat_ns <= cf->heartbeat_timeout_ns)
-            return take(&b->req_tat, now, &lim->override);
-        stat_inc(QOS_STAT_OVERRIDE_EXPIRED);
+        int fresh = cf && cf->heartbeat_ns <= now && now - cf->heartbeat_ns <= cf->heartbeat_timeout_ns;
+        if (lim->flags & QOS_LIMIT_OVERRIDE) {
+            if (fresh) {
+                use = lim->override;
+                have = 1;
+            } else {
+                stat_inc(QOS_STAT_OVERRIDE_EXPIRED);
+            }
+        }
+        fleet_limit(lim, &use, &have, fresh, now);
     }
-    if (!(lim->flags & QOS_LIMIT_REQ))
+    if (!have)
         return 1;
-    return take(&b->req_tat, now, &lim->req);
+    return take(&b->req_tat, now, &use);
 }
 
 /* The flow's entry in this CPU's flow front: its 9 words folded (rotate, xor), spread by a multiply (Fibonacci

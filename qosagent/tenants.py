@@ -108,3 +108,13 @@ class LimitsWriter(Protocol):
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         """Replace the adaptive limits; tenants not named go back to baseline. Expire with the heartbeat."""
         ...
+
+
+class FleetWriter(Protocol):
+    """What the quota capability offers the fleet capability (AgentContext.services["quota.fleet"])."""
+
+    def set_shares(self, shares: Mapping[str, tuple[TenantLimit, int]]) -> None:
+        """Replace this node's fleet shares: tenant name -> (limit, end of its lease as CLOCK_MONOTONIC ns). A share
+        is one more limit beside baseline and override (the lowest rate holds); it ends with its lease or the
+        heartbeat, whichever comes first. Tenants not named have none."""
+        ...

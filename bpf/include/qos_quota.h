@@ -6,7 +6,7 @@
 
 #include <linux/types.h>
 
-#define QOS_QUOTA_LAYOUT 2
+#define QOS_QUOTA_LAYOUT 3
 
 /* Per-tenant state lives in arrays indexed by a slot the agent assigns (quota_slots: tenant -> slot) and
  * tenant_ports or the flow cache carries, so that a request of a port tenant costs inlined array lookups only, and
@@ -27,12 +27,16 @@ struct qos_bucket_limit {
 #define QOS_LIMIT_REQ 1      /* request starts are limited by req */
 #define QOS_LIMIT_CONN 2     /* new connections are limited by conn */
 #define QOS_LIMIT_OVERRIDE 4 /* override replaces req while the heartbeat is fresh */
+#define QOS_LIMIT_FLEET 8    /* fleet (this node's share of a fleet quota) holds where it is lower than the rest,
+                              * while the heartbeat is fresh and before fleet_until_ns */
 
 /* quota_limits[slot]. */
 struct qos_quota_limit {
     struct qos_bucket_limit req;
     struct qos_bucket_limit conn;
     struct qos_bucket_limit override;
+    struct qos_bucket_limit fleet;
+    __u64 fleet_until_ns; /* the grant's lease, on the bpf_ktime_get_ns clock (a safe share: no end) */
     __u32 flags;
     __u32 tenant; /* the slot's owner, for anyone reading the map */
 };
@@ -57,7 +61,8 @@ struct qos_quota_count {
 #define QOS_STAT_FRAGMENT 2        /* IP fragments: passed (TCP does not fragment; no port to classify by) */
 #define QOS_STAT_HEADER_INCOMPLETE 3 /* request start whose headers did not end inside the scanned bytes */
 #define QOS_STAT_OVERRIDE_EXPIRED 4  /* request checked against baseline because the heartbeat was stale */
-#define QOS_STAT_MAX 5
+#define QOS_STAT_FLEET_EXPIRED 5     /* request not checked against a fleet share: its lease or the heartbeat ran out */
+#define QOS_STAT_MAX 6
 
 struct qos_stat_val {
     __u64 packets;

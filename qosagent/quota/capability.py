@@ -99,6 +99,21 @@ class LimitsWriter:
             self.quota.datapath.set_overrides(out)
 
 
+class FleetWriter:
+    """tenants.FleetWriter over the quota maps: each share is one more limit (the lowest holds), ending in the
+    kernel with its lease or the heartbeat."""
+
+    def __init__(self, quota: "Quota"):
+        self.quota = quota
+
+    def set_shares(self, shares: Mapping[str, tuple[TenantLimit, int]]) -> None:
+        known = {n: v for n, v in shares.items() if n in self.quota.specs}
+        self.quota.fleet = known
+        if self.quota.datapath is not None:
+            self.quota.datapath.set_fleet({tenant_id(n): (bucket(lim.rps, lim.burst), until)
+                                           for n, (lim, until) in known.items()})
+
+
 class Quota(Capability):
     name = "quota"
     uses = (netns.Follower, Pods)
@@ -108,6 +123,7 @@ class Quota(Capability):
         super().__init__(ctx)
         self.datapath: dp.Datapath | None = None
         self.overrides: dict[str, TenantLimit] = {}
+        self.fleet: dict[str, tuple[TenantLimit, int]] = {}  # tenant -> fleet share, end of its lease (ktime ns)
         self.attached: list[str] = []
         self.others: list[str] = []
         # Serving network namespaces followed: the host-side veths into each (inode -> (ifindex, name)), where the
@@ -188,6 +204,7 @@ class Quota(Capability):
         if self.datapath.adopted:
             log.info("adopted pinned quota state at %s", self.datapath.path)
         self.ctx.services["quota.limits"] = LimitsWriter(self)
+        self.ctx.services["quota.fleet"] = FleetWriter(self)
 
     def maintain(self) -> None:
         # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
@@ -221,10 +238,15 @@ class Quota(Capability):
             ovr = self.overrides.get(info.name)
             if ovr is not None and fresh:
                 lim_in_force = with_floor(ovr, spec.floor if spec else None)
+            share = self.fleet.get(info.name)
+            on_share = share is not None and fresh and r.ktime_ns < share[1] and \
+                (lim_in_force is None or share[0].rps < lim_in_force.rps)
+            if on_share:
+                lim_in_force = share[0]
             tokens = None
             kl = r.limits.get(tid)
             if kl is not None and lim_in_force is not None:
-                b = kl.override if (ovr is not None and fresh) else kl.req
+                b = kl.fleet if on_share else kl.override if (ovr is not None and fresh) else kl.req
                 tat = r.buckets.get(tid, (0, 0))[0]
                 if b.interval_ns:
                     tokens = max(0.0, (b.tau_ns - max(tat - r.ktime_ns, 0)) / b.interval_ns)
@@ -334,6 +356,7 @@ class Quota(Capability):
             return
         self.datapath = None
         self.ctx.services.pop("quota.limits", None)
+        self.ctx.services.pop("quota.fleet", None)
         q = self.ctx.config.quota
         path = d.path
         d.close()
@@ -367,7 +390,8 @@ class Quota(Capability):
         conn = CounterMetricFamily("qosagent_quota_connections", "New connections (SYN) by verdict",
                                    labels=["tenant", "tier", "verdict"])
         limit = GaugeMetricFamily("qosagent_quota_limit_rps", "Request-start rate limit in force (baseline or an "
-                                  "adaptive override while the heartbeat is fresh)", labels=["tenant", "tier"])
+                                  "adaptive override while the heartbeat is fresh, or the node's fleet share where "
+                                  "lower)", labels=["tenant", "tier"])
         base = GaugeMetricFamily("qosagent_quota_baseline_rps", "Configured request-start rate limit",
                                  labels=["tenant", "tier"])
         tokens = GaugeMetricFamily("qosagent_quota_bucket_tokens", "Request tokens left in the tenant's bucket",

@@ -30,6 +30,7 @@ from qosagent.tenants import tenant_id
 log = logging.getLogger("qosagent.quota")
 
 PROG_PIN = "quota_classify"
+FLEET_NO_END = (1 << 64) - 1  # a fleet share without a lease (the safe share): it ends with the heartbeat alone
 HEADER_PROG_PIN = "quota_header"
 
 
@@ -173,6 +174,7 @@ class Datapath:
                 remove_pins(self.path)
             raise
         self.overrides: dict[int, Bucket] = {}
+        self.fleet: dict[int, tuple[Bucket, int]] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
         self.hooked: set[tuple[int, str]] = set()  # (ifindex, hook) this program was attached to
         fd = self.maps["tenant_ports"].fd
@@ -269,6 +271,12 @@ class Datapath:
         self.overrides = dict(overrides)
         self._write_limits()
 
+    def set_fleet(self, shares: Mapping[int, tuple[Bucket, int]]) -> None:
+        """This node's fleet shares: tenant id -> (bucket, end of its lease in CLOCK_MONOTONIC ns; FLEET_NO_END for a
+        safe share). Tenants not named have none."""
+        self.fleet = dict(shares)
+        self._write_limits()
+
     def _write_limits(self) -> None:
         t = self.maps["quota_limits"]
         for tid, slot in self.slots.items():
@@ -285,6 +293,12 @@ class Datapath:
             if ovr is not None:
                 lim.override.interval_ns, lim.override.tau_ns = ovr.interval_ns, ovr.tau_ns
                 lim.flags |= layout.QOS_LIMIT_OVERRIDE
+            share = self.fleet.get(tid)
+            if share is not None:
+                fl, until = share
+                lim.fleet.interval_ns, lim.fleet.tau_ns = fl.interval_ns, fl.tau_ns
+                lim.fleet_until_ns = min(until, FLEET_NO_END)
+                lim.flags |= layout.QOS_LIMIT_FLEET
             if bytes(t.lookup(slot)) != bytes(lim):
                 t.update(slot, bytes(lim))
 

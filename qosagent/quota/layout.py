@@ -8,16 +8,18 @@ from dataclasses import dataclass
 
 from qosagent.ebpf.tenant_ports import PORTS, CidrKey, PortTenant
 
-LAYOUT = 2  # QOS_QUOTA_LAYOUT
+LAYOUT = 3  # QOS_QUOTA_LAYOUT
 SLOTS = 4096  # QOS_SLOTS; slot 0 is the traffic of no tenant
 
 QOS_LIMIT_REQ = 1
 QOS_LIMIT_CONN = 2
 QOS_LIMIT_OVERRIDE = 4
+QOS_LIMIT_FLEET = 8
 QOS_CONF_HEADER_RULES = 1
 QOS_CONF_NETNS_RULES = 2
 
-STAT_REASONS = ("unmatched", "malformed", "fragment", "header_incomplete", "override_expired")  # QOS_STAT_*
+# QOS_STAT_*
+STAT_REASONS = ("unmatched", "malformed", "fragment", "header_incomplete", "override_expired", "fleet_expired")
 
 VIA = {0: "none", 1: "port", 2: "cidr", 3: "header", 4: "netns"}  # QOS_VIA_*
 
@@ -30,8 +32,8 @@ class BucketLimit(ctypes.Structure):
 
 
 class QuotaLimit(ctypes.Structure):
-    _fields_ = [("req", BucketLimit), ("conn", BucketLimit), ("override", BucketLimit), ("flags", ctypes.c_uint32),
-                ("tenant", ctypes.c_uint32)]
+    _fields_ = [("req", BucketLimit), ("conn", BucketLimit), ("override", BucketLimit), ("fleet", BucketLimit),
+                ("fleet_until_ns", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("tenant", ctypes.c_uint32)]
 
 
 class QuotaBucket(ctypes.Structure):

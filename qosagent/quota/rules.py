@@ -63,13 +63,14 @@ def rules(cfg: Config) -> Rules:
     return Rules(ports, cidrs, headers, cfg.watched_ports())
 
 
-def _merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
+def merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
+    """The tenant's quota fields, each from the tenant, else from its tier's defaults."""
     tier = cfg.tiers[t.tier].quota
     own = t.quota
     if own is None and tier is None:
         return None
     fields = {}
-    for k in ("rps", "burst", "connections_per_s"):
+    for k in QuotaSpec.model_fields:
         v = getattr(own, k) if own is not None else None
         fields[k] = v if v is not None else (getattr(tier, k) if tier is not None else None)
     return QuotaSpec(**fields)
@@ -91,7 +92,7 @@ def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
     """The configured quotas per tenant: the tenant's own fields, else its tier's defaults."""
     out = {}
     for t in cfg.tenants:
-        q = _merged(t, cfg)
+        q = merged(t, cfg)
         req = conn = None
         if q is not None and q.rps is not None:
             req = limit_of(q.rps, q.burst)

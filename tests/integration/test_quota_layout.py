@@ -17,6 +17,7 @@ import yaml
 
 from qosagent.config import parse
 from qosagent.ebpf import libbpf
+from qosagent.quota.layout import LAYOUT
 from tests.conftest import netns, require
 from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent
@@ -87,14 +88,14 @@ def test_an_older_layout_is_taken_over_in_place_then_stopped_cleanly(env):
     assert "qosagent-quota" in env.hook() and "clsact" in env.hook()
     env.start_agent()
     hook = env.hook()
-    fd = libbpf.obj_get(os.path.join(env.pin_root, "quota-v2", "quota_classify"))
+    fd = libbpf.obj_get(os.path.join(env.pin_root, f"quota-v{LAYOUT}", "quota_classify"))
     try:
         new_id = libbpf.prog_id(fd)
     finally:
         os.close(fd)
     assert hook.count("qosagent-quota") == 1, hook  # replaced, not a second filter
     assert f" id {new_id} " in hook and f" id {old_id} " not in hook, hook
-    assert os.listdir(env.pin_root) == ["quota-v2"]
+    assert os.listdir(env.pin_root) == [f"quota-v{LAYOUT}"]
     assert f"removed pins {env.pin_root}/quota-v1" in env.log()
     # Stopping with --detach-on-exit removes the clsact too: the old agent created it, and its record was inherited.
     assert env.agent is not None

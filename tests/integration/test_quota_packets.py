@@ -178,6 +178,46 @@ def test_override_holds_while_the_heartbeat_is_fresh_then_baseline(prog):
     assert counts(prog, "cidrco")[:2] == (1, 1)
 
 
+def test_a_fleet_share_holds_where_lowest_until_its_lease_or_the_heartbeat_ends(prog):
+    import time
+
+    from qosagent.quota.layout import QuotaConf
+    from qosagent.quota.rules import bucket
+
+    tid = tenant_id("cidrco")  # baseline 1000/s, burst 1000
+    prog.heartbeat()
+    far = time.monotonic_ns() + 60 * 10**9
+    frame = ipv4(C4, S4, tcp(40020, 8000, payload=request()))
+    # A share above the baseline changes nothing: the lowest holds.
+    prog.set_fleet({tid: (bucket(5000, 5000), far)})
+    assert [run(prog, frame) for _ in range(3)] == [TC_ACT_UNSPEC] * 3
+    # A share of one request per ten seconds, burst 2 (the bucket's state is shared with the baseline's, which
+    # just admitted three): one more goes, then drops.
+    prog.set_fleet({tid: (bucket(0.1, 2), far)})
+    assert [run(prog, frame) for _ in range(3)] == [TC_ACT_UNSPEC, TC_ACT_SHOT, TC_ACT_SHOT]
+    # With admission's override too: still the lowest of the three (the share).
+    prog.set_overrides({tid: bucket(500, 500)})
+    assert run(prog, frame) == TC_ACT_SHOT
+    # Its lease ended (written in the past): the others decide again, counted. (The bucket is emptied first: GCRA
+    # keeps one arrival time per tenant, which the slow share pushed 20 s ahead; a switch never grants a burst.)
+    fresh_bucket = lambda: prog.maps["quota_buckets"].zero(prog.slots[tid])  # noqa: E731
+    fresh_bucket()
+    prog.set_fleet({tid: (bucket(0.1, 1), time.monotonic_ns() - 1)})
+    assert run(prog, frame) == TC_ACT_UNSPEC
+    assert prog.read().stats["fleet_expired"] == 1
+    # A share without an end (the safe share) ends with the heartbeat all the same.
+    prog.set_overrides({})
+    prog.set_fleet({tid: (bucket(0.001, 1), dp.FLEET_NO_END)})
+    assert run(prog, frame) == TC_ACT_SHOT
+    t = prog.maps["quota_config"]
+    conf = QuotaConf.from_buffer_copy(bytes(t.lookup(0)))
+    conf.heartbeat_ns -= int(prog.cfg.quota.heartbeat_timeout * 1e9) + 1
+    t.update(0, bytes(conf))
+    fresh_bucket()
+    assert run(prog, frame) == TC_ACT_UNSPEC
+    assert prog.read().stats["fleet_expired"] == 2
+
+
 def claims(d) -> dict[int, tuple[int, int]]:
     return read_claims(d.maps["tenant_ports"].fd)
 

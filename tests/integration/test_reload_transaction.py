@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
+from qosagent.quota.layout import LAYOUT
 from qosagent.status import request
 from tests.conftest import netns, require
 from tests.integration.quota_agent import start_quota_agent
@@ -68,7 +69,7 @@ def test_a_reload_latency_refuses_leaves_the_classifier_rules_as_they_were(runni
     path, pin_root = running
     socket = str(path.parent / "status.sock")
     assert request(socket, {"cmd": "status"})["capabilities"]["latency"]["state"] in ("active", "degraded")
-    pins = Path(pin_root) / "quota-v2"
+    pins = Path(pin_root) / f"quota-v{LAYOUT}"
     before = dump(pins)
     assert claimed(before["tenant_ports"]) == 2
     # More tenants than latency's arrays have slots (64 for a config of 2): latency refuses at prepare.
