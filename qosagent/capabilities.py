@@ -10,6 +10,7 @@ from qosagent.admission.capability import Admission
 from qosagent.capability import Capability
 from qosagent.config import Config
 from qosagent.dvfs.capability import Dvfs
+from qosagent.fleet.capability import Fleet
 from qosagent.latency.capability import Latency
 from qosagent.placement.capability import Placement
 from qosagent.quota.capability import Quota
@@ -18,8 +19,8 @@ from qosagent.services import Service
 
 # In start and tick order: measurement first, then the ones that decide on it. Quota starts before latency because
 # latency reads quota's pinned flow map (header-matched tenants); servers (readings only) before admission, which
-# decides on them.
-CAPABILITIES: tuple[type[Capability], ...] = (Quota, Latency, Servers, Admission, Dvfs, Placement)
+# decides on them; fleet after quota, whose maps hold its shares.
+CAPABILITIES: tuple[type[Capability], ...] = (Quota, Latency, Servers, Admission, Fleet, Dvfs, Placement)
 
 
 def services(kinds: Iterable[type[Capability]]) -> list[type[Service]]:

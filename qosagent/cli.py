@@ -1,4 +1,5 @@
-"""qosagent's command line: run, check, status, reload, detach (and capability commands such as topology).
+"""qosagent's command line: run, check, status, reload, detach, allocator (and capability commands such as
+topology).
 
 Each command imports what it runs inside its function: `qosagent reload` or `--help` must not load the agent
 (every capability, prometheus_client, the BPF loader) to send one request or print a page.
@@ -257,3 +258,43 @@ def topology(config_path: str | None, host_root: str, as_json: bool) -> None:
         click.echo(json.dumps(topo.as_dict(), indent=2))
     else:
         click.echo(render(topo))
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), required=True,
+              help="YAML config: its fleet section (engine, endpoints, prefix, intervals) and tenants' "
+                   "quota.fleet_rps, as the agents have them.")
+@click.option("--metrics", "listen", default="127.0.0.1:9465", show_default=True,
+              help="HOST:PORT of /metrics, /readyz and /healthz.")
+def allocator(config_path: str, listen: str) -> None:
+    """Split each tenant's fleet quota over the nodes that report to etcd (docs/fleet.md). Run 2-3 replicas: one
+    leads (etcd election), the others stand by; SIGTERM resigns so a standby takes over within a round."""
+    import signal
+
+    from qosagent import logs
+    from qosagent.fleet.allocator import Allocator, AllocatorServer
+    from qosagent.fleet.etcd import Etcd
+
+    cfg = load_config(config_path)
+    logs.setup(cfg.log_level)
+    log = logging.getLogger("qosagent.allocator")
+    f = cfg.fleet
+    alloc = Allocator(cfg, Etcd(f.endpoints, timeout=min(1.0, f.report_interval)))
+    try:
+        server = AllocatorServer(alloc, listen)
+    except (OSError, ValueError) as e:
+        log.error("metrics listen %s: %s", listen, e)
+        sys.exit(1)
+    server.start()
+    log.info("allocator %s: %d tenant(s) with a fleet quota, etcd %s, metrics on http://%s:%s/metrics", alloc.me,
+             len(alloc.quotas), ", ".join(f.endpoints), *server.address[:2])
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: alloc.stop())
+    sd_notify("READY=1")
+    try:
+        alloc.run()
+    finally:
+        alloc.resign()
+        server.close()
+        alloc.etcd.close()
+        log.info("allocator stopped")

@@ -17,6 +17,7 @@ from pydantic import Field, StringConstraints, ValidationError, field_validator,
 from qosagent.admission.config import AdmissionConfig
 from qosagent.configbase import RESTART, Duration, Port, Regex, Section
 from qosagent.dvfs.config import DvfsConfig
+from qosagent.fleet.config import FleetConfig
 from qosagent.gpu.config import GpuConfig
 from qosagent.latency.config import LatencyConfig
 from qosagent.pods.config import PodMatch, PodsConfig
@@ -30,17 +31,23 @@ UNMATCHED = "unmatched"
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")]
 
 
-class QuotaSpec(Section):
+class LimitSpec(Section):
     rps: float | None = Field(default=None, ge=0, description="new requests per second")
     burst: int | None = Field(default=None, ge=0, description="requests admitted at once above the rate")
     connections_per_s: float | None = Field(default=None, ge=0, description="new connections (SYN) per second")
+
+
+class QuotaSpec(LimitSpec):
+    # Across the fleet (fleet: section): request starts per second over every node, split by the allocator.
+    fleet_rps: float | None = Field(default=None, ge=0, le=1e9, description="new requests per second, fleet-wide")
+    fleet_burst: int | None = Field(default=None, ge=0, le=1 << 30, description="fleet-wide burst, split like the rate")
 
 
 class TierConfig(Section):
     slo_p99: Duration
     weight: int = Field(ge=1, le=1000)
     quota: QuotaSpec | None = None
-    floor: QuotaSpec | None = None
+    floor: LimitSpec | None = None
     # May admission's pressure paths refuse this tier's new requests entirely (down to its floor, 0 without one)?
     # Otherwise no path takes a tenant of it below admission.min_rps (docs/admission.md, "Floors").
     sheddable: bool = False
@@ -156,7 +163,7 @@ class ConfigWatchConfig(Section):
 class ReadinessConfig(Section):
     # Capabilities that may be unavailable or degraded while /readyz still answers ready; every other enabled one
     # must be active.
-    optional: list[Literal["latency", "quota", "admission", "dvfs", "placement"]] = Field(default_factory=list)
+    optional: list[Literal["latency", "quota", "admission", "fleet", "dvfs", "placement"]] = Field(default_factory=list)
 
 
 def _default_tiers() -> dict[str, TierConfig]:
@@ -189,6 +196,7 @@ class Config(Section):
     admission: AdmissionConfig = AdmissionConfig()
     dvfs: DvfsConfig = DvfsConfig()
     placement: PlacementConfig = PlacementConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @field_validator("interval")
     @classmethod
@@ -286,6 +294,8 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
                 problems.append((f"tenants[{i}].match.ports", f"port {p} is claimed by {port_owner[p]!r} in every "
                                  f"network namespace; a {'pods' if t.match.pods else 'process'} tenant cannot "
                                  "share it"))
+    if cfg.fleet.enabled and not cfg.quota.enabled:
+        problems.append(("fleet.enabled", "needs quota.enabled (fleet grants are enforced by the quota classifier)"))
     tenants = {t.name for t in cfg.tenants}
     for i, sel in enumerate(cfg.placement.selectors):
         if sel.tenant is not None and sel.tenant not in tenants:

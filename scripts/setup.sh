@@ -17,6 +17,9 @@ if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ]; then
   # runc, the CNI bridge plugin, and busybox for the test's own sandbox image. Installing does not start it here:
   # the test runs its own, with its own socket, root and state.
   for p in containerd runc containernetworking-plugins busybox-static; do need "$p"; done
+  # Fleet quotas' engine (tests/integration/test_fleet.py): the test runs its own etcd with its own data dir on
+  # loopback; the package's own service is not started by the tests.
+  need etcd-server
 fi
 
 kver=$(uname -r)

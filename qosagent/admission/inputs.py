@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from qosagent.admission.policy import GpuInput, ServerInput, TenantInput, TickInput, TierInput
-from qosagent.config import Config, QuotaSpec
+from qosagent.config import Config, LimitSpec
 from qosagent.gpu.backend import GpuState
 from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
@@ -23,7 +23,7 @@ def config_baseline(cfg: Config) -> dict[str, TenantLimit]:
     return {name: spec.requests for name, spec in quota_baseline(cfg).items() if spec.requests is not None}
 
 
-def _floor_burst(floor: QuotaSpec | None) -> int:
+def _floor_burst(floor: LimitSpec | None) -> int:
     # Read as the quota writer reads the floor.
     if floor is None or not floor.rps:
         return 0

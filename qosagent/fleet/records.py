@@ -1,0 +1,115 @@
+"""What agents and the allocator write under the fleet prefix in etcd, and how a record read back is checked.
+
+    <prefix>/fleet/leader          the elected allocator (its id), on the leader's etcd lease
+    <prefix>/fleet/nodes/<node>    a node's report: per tenant [demand, rate it enforces], on the node's
+                                   etcd lease (a node gone frees its share when that lease expires)
+    <prefix>/fleet/grants/<node>   the allocator's grant to a node: per tenant its rate; rewritten every round (a
+                                   round is the lease's renewal), fenced by the leader key's create revision
+
+Records are JSON objects with a version "v". Anything else under the prefix (another program's keys, a record
+of another version, a value that does not parse) is foreign or malformed: counted and skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from qosagent.fleet.alloc import NUMBERS, Want, clean
+
+VERSION = 1
+
+
+def leader_key(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/fleet/leader"
+
+
+def nodes_prefix(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/fleet/nodes/"
+
+
+def grants_prefix(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/fleet/grants/"
+
+
+class Malformed(ValueError):
+    """A record under the prefix that is not one of ours, or is but does not parse: the message says why."""
+
+
+def _load(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise Malformed(f"not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise Malformed("not a JSON object")
+    if doc.get("v") != VERSION:
+        raise Malformed(f"version {doc.get('v')!r}, expected {VERSION}")
+    return doc
+
+
+@dataclass(frozen=True)
+class Report:
+    node: str
+    tenants: Mapping[str, Want]
+
+
+def encode_report(node: str, tenants: Mapping[str, Want]) -> bytes:
+    """Per tenant [demand, held]: pairs, not objects, since the allocator parses 100,000 of them a round."""
+    return json.dumps({"v": VERSION, "node": node, "tenants": {
+        t: [round(w.demand, 3), round(w.held, 3)] for t, w in sorted(tenants.items())}},
+        separators=(",", ":")).encode()
+
+
+def decode_report(key_node: str, raw: bytes, quotas: Mapping[str, float]) -> tuple[Report, list[str]]:
+    """A node's report, its values clamped to [0, quota]; tenants without a fleet quota here are skipped (listed in
+    the second value). Raises Malformed when the record cannot be trusted at all."""
+    doc = _load(raw)
+    if doc.get("node") != key_node:
+        raise Malformed(f"node {doc.get('node')!r} under the key of {key_node!r}")
+    tenants = doc.get("tenants")
+    if not isinstance(tenants, dict):
+        raise Malformed("no tenants object")
+    out, foreign = {}, []
+    for name, v in tenants.items():
+        quota = quotas.get(name)
+        if quota is None:
+            foreign.append(name)
+            continue
+        # clean() inlined: this loop runs 100,000 times a round for 1,000 nodes x 100 tenants.
+        if v.__class__ is not list or len(v) != 2:
+            raise Malformed(f"tenant {name!r}: expected [demand, held]")
+        d, h = v
+        if d.__class__ not in NUMBERS or h.__class__ not in NUMBERS or not (0 <= d < math.inf and 0 <= h < math.inf):
+            raise Malformed(f"tenant {name!r}: demand and held must be finite numbers >= 0")
+        out[name] = Want(d if d < quota else quota, h if h < quota else quota)
+    return Report(key_node, out), foreign
+
+
+@dataclass(frozen=True)
+class Grant:
+    leader: str
+    round: int
+    tenants: Mapping[str, float]  # tenant -> rps on this node
+
+
+def encode_grant(leader: str, round_: int, tenants: Mapping[str, float]) -> bytes:
+    return json.dumps({"v": VERSION, "leader": leader, "round": round_,
+                       "tenants": {t: round(r, 3) for t, r in sorted(tenants.items())}},
+                      separators=(",", ":")).encode()
+
+
+def decode_grant(raw: bytes) -> Grant:
+    doc = _load(raw)
+    tenants = doc.get("tenants")
+    if not isinstance(tenants, dict) or not isinstance(doc.get("round"), int):
+        raise Malformed("expected tenants and round")
+    out = {}
+    for name, r in tenants.items():
+        v = clean(r, 1e9)
+        if v is None:
+            raise Malformed(f"tenant {name!r}: rate must be a finite number >= 0")
+        out[str(name)] = v
+    return Grant(str(doc.get("leader")), doc["round"], out)
