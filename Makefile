@@ -59,6 +59,7 @@ install: install-agent install-files
 
 install-files:
 	install -D -m 0644 systemd/qosagent.service $(DESTDIR)$(UNITDIR)/qosagent.service
+	install -D -m 0644 systemd/qosagent-allocator.service $(DESTDIR)$(UNITDIR)/qosagent-allocator.service
 	@# An operator's config is never overwritten.
 	@if [ -e $(DESTDIR)$(CONFDIR)/config.yaml ]; then echo "install: keeping $(DESTDIR)$(CONFDIR)/config.yaml"; \
 	 else install -D -m 0644 qosagent/default.yaml $(DESTDIR)$(CONFDIR)/config.yaml; fi
@@ -66,6 +67,7 @@ install-files:
 	install -m 0644 bpf/include/*.h $(DESTDIR)$(DATADIR)/bpf/include/
 	$(if $(wildcard bpf/*.c),install -m 0644 $(wildcard bpf/*.c) $(DESTDIR)$(DATADIR)/bpf/)
 	install -D -m 0644 docs/operations.md $(DESTDIR)$(DOCDIR)/operations.md
+	install -D -m 0644 docs/fleet.md $(DESTDIR)$(DOCDIR)/fleet.md
 
 install-agent:
 	@if [ -n "$(DESTDIR)" ]; then echo "install: DESTDIR set, not building the agent's venv at $(PREFIX)"; else \

@@ -276,6 +276,9 @@ def allocator(config_path: str, listen: str) -> None:
     from qosagent.fleet.etcd import Etcd
 
     cfg = load_config(config_path)
+    if not cfg.fleet.enabled:
+        click.echo(f"{config_path}: fleet.enabled is false: nothing to allocate", err=True)
+        sys.exit(EXIT_CONFIG)
     logs.setup(cfg.log_level)
     log = logging.getLogger("qosagent.allocator")
     f = cfg.fleet

@@ -30,7 +30,7 @@ K8S = REPO / "deploy" / "kubernetes"
 COMPONENTS = K8S / "components"
 # Prometheus-operator kinds: kubernetes-validate carries only the core API's schemas, so these are checked by what
 # consumes them (promtool for the rules; the Service they select, below).
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 # The oldest minor the manifests support: still in vendors' support windows (EKS, AKS, GKE extended).
 OLDEST_MINOR = 28
 
@@ -222,6 +222,29 @@ def test_probes_ports_and_mounts_agree() -> None:
     assert str(Path(_configmap_config().status.socket).parent) in mounts
 
 
+ALLOCATOR = K8S / "allocator"
+
+
+def test_the_allocator_reads_the_agents_config_and_probes_its_own_port() -> None:
+    docs = manifests(ALLOCATOR)
+    for doc in _core(docs):
+        kubernetes_validate.validate(doc, f"1.{OLDEST_MINOR}", strict=True)
+    dep = by_kind("Deployment", docs)
+    spec = dep["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["args"][:3] == ["allocator", "--config", "/etc/qosagent/config.yaml"]
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
+    assert c["args"][c["args"].index("--metrics") + 1].rpartition(":")[2] == str(port)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert spec["volumes"][0]["configMap"]["name"] == by_kind("ConfigMap")["metadata"]["name"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]} and spec["securityContext"]["runAsNonRoot"]
+    assert dep["spec"]["replicas"] >= 2
+    assert dep["metadata"]["namespace"] == by_kind("Namespace")["metadata"]["name"]
+    pm = by_kind("PodMonitor", docs)
+    assert pm["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} <= {p["name"] for p in c["ports"]}
+
+
 def test_service_monitor_selects_the_service_port() -> None:
     svc, sm = by_kind("Service"), by_kind("ServiceMonitor")
     labels = svc["metadata"]["labels"]
@@ -278,11 +301,14 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_admission_limited", ', tenant="hobby", tier="bronze", cause="server"', "1x30"),
             ("qosagent_server_reading_known", ', port="8000", kind="vllm"', "0x30"),
             ("qosagent_server_reading_known", ', port="8001", kind="sglang"', "1x30"),
+            ("qosagent_fleet_on_safe_share", ', tenant="acme"', "0x3 1x20"),
+            ("qosagent_fleet_on_safe_share", ', tenant="blog"', "0x30"),
         )] + [{"series": f'{name}{{instance="node-b:9464", job="qosagent"{labels}}}', "values": values}
               for name, labels, values in (
             ("qosagent_admission_enforcing", "", "0x30"),
             ("qosagent_admission_limited", ', tenant="hobby", tier="bronze", cause="gpu_memory"', "1x30"),
-        )],
+        )] + [{"series": f'qosagent_allocator_leader{{instance="alloc-{i}:9465", job="allocator"}}',
+               "values": values} for i, values in ((1, "1x10 0x20"), (2, "0x30"))],
         "alert_rule_test": [
             {"eval_time": "15m", "alertname": "QosagentDown", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent"}}]},
@@ -313,6 +339,12 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             {"eval_time": "5m", "alertname": "QosagentAdmissionWouldShed", "exp_alerts": []},
             {"eval_time": "15m", "alertname": "QosagentServerReadingUnknown", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "port": "8000", "kind": "vllm"}}]},
+            {"eval_time": "4m", "alertname": "QosagentFleetSafeShare", "exp_alerts": []},
+            {"eval_time": "10m", "alertname": "QosagentFleetSafeShare", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "acme"}}]},
+            {"eval_time": "9m", "alertname": "QosagentAllocatorNoLeader", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "QosagentAllocatorNoLeader", "exp_alerts": [
+                {"exp_labels": {"severity": "critical"}}]},
             {"eval_time": "10m", "alertname": "QosagentTenantSLOBreach", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "tenant": "shop", "tier": "gold",
                                 "signal": "ttft", "slo_quantile": "0.95"}}]},

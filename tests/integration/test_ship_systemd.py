@@ -56,6 +56,17 @@ def test_installed_unit_verifies_clean(staged: Path) -> None:
     assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
 
 
+def test_the_allocator_unit_verifies_clean_and_runs_the_allocator(staged: Path) -> None:
+    require(shutil.which("systemd-analyze") is not None, "systemd-analyze not installed")
+    unit = staged / "etc/systemd/system/qosagent-allocator.service"
+    r = subprocess.run(["systemd-analyze", "verify", f"--root={staged}", str(unit)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+    start = unit_settings(unit)["ExecStart"][0].split()
+    assert start[1:4] == ["allocator", "--config", "/etc/qosagent/config.yaml"]
+    assert unit_settings(unit)["CapabilityBoundingSet"] == [""]
+
+
 def test_verify_catches_a_bad_directive(staged: Path) -> None:
     """The check above has teeth: systemd ignores unknown keys and bad values with only a warning."""
     unit = staged / "etc/systemd/system/qosagent.service"
