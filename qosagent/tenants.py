@@ -110,6 +110,9 @@ class LimitsWriter(Protocol):
         ...
 
 
+FLEET_NO_END = (1 << 64) - 1  # a fleet share without a lease (the safe share): it ends with the heartbeat alone
+
+
 class FleetWriter(Protocol):
     """What the quota capability offers the fleet capability (AgentContext.services["quota.fleet"])."""
 

@@ -18,10 +18,9 @@ from qosagent.fleet.alloc import Want
 from qosagent.fleet.etcd import Etcd, EtcdError
 from qosagent.fleet.model import FleetPart, TenantShare, shares
 from qosagent.fleet.quotas import fleet_quotas, node_burst
-from qosagent.quota.datapath import FLEET_NO_END
 from qosagent.quota.model import QuotaPart
 from qosagent.snapshot import Decision, Snapshot
-from qosagent.tenants import FleetWriter, TenantLimit
+from qosagent.tenants import FLEET_NO_END, FleetWriter, TenantLimit
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric

@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass
 
 from qosagent.config import Config
-from qosagent.quota.rules import merged
 
 
 @dataclass(frozen=True)
@@ -19,9 +18,13 @@ class FleetQuota:
 def fleet_quotas(cfg: Config) -> dict[str, FleetQuota]:
     out = {}
     for t in cfg.tenants:
-        q = merged(t, cfg)
-        if q is not None and q.fleet_rps is not None:
-            out[t.name] = FleetQuota(q.fleet_rps, q.fleet_burst)
+        own, tier = t.quota, cfg.tiers[t.tier].quota
+        rps = own.fleet_rps if own is not None and own.fleet_rps is not None else tier.fleet_rps if tier else None
+        if rps is None:
+            continue
+        burst = own.fleet_burst if own is not None and own.fleet_burst is not None else \
+            tier.fleet_burst if tier else None
+        out[t.name] = FleetQuota(rps, burst)
     return out
 
 

@@ -25,12 +25,11 @@ from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
 from qosagent.quota.rules import Bucket, rules
-from qosagent.tenants import tenant_id
+from qosagent.tenants import FLEET_NO_END, tenant_id
 
 log = logging.getLogger("qosagent.quota")
 
 PROG_PIN = "quota_classify"
-FLEET_NO_END = (1 << 64) - 1  # a fleet share without a lease (the safe share): it ends with the heartbeat alone
 HEADER_PROG_PIN = "quota_header"
 
 

@@ -63,8 +63,7 @@ def rules(cfg: Config) -> Rules:
     return Rules(ports, cidrs, headers, cfg.watched_ports())
 
 
-def merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
-    """The tenant's quota fields, each from the tenant, else from its tier's defaults."""
+def _merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
     tier = cfg.tiers[t.tier].quota
     own = t.quota
     if own is None and tier is None:
@@ -92,7 +91,7 @@ def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
     """The configured quotas per tenant: the tenant's own fields, else its tier's defaults."""
     out = {}
     for t in cfg.tenants:
-        q = merged(t, cfg)
+        q = _merged(t, cfg)
         req = conn = None
         if q is not None and q.rps is not None:
             req = limit_of(q.rps, q.burst)

@@ -12,7 +12,7 @@ from qosagent.ebpf.tenant_ports import read_claims
 from qosagent.quota import datapath as dp
 from qosagent.quota.capability import _baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC
-from qosagent.tenants import UNMATCHED_ID, tenant_id
+from qosagent.tenants import FLEET_NO_END, UNMATCHED_ID, tenant_id
 from testkit.quota_packets import ACK, SYN, counts, eth, ipv4, ipv6, loaded, request, run, scratch_pin_root, tcp
 
 pytestmark = pytest.mark.privileged
@@ -207,7 +207,7 @@ def test_a_fleet_share_holds_where_lowest_until_its_lease_or_the_heartbeat_ends(
     assert prog.read().stats["fleet_expired"] == 1
     # A share without an end (the safe share) ends with the heartbeat all the same.
     prog.set_overrides({})
-    prog.set_fleet({tid: (bucket(0.001, 1), dp.FLEET_NO_END)})
+    prog.set_fleet({tid: (bucket(0.001, 1), FLEET_NO_END)})
     assert run(prog, frame) == TC_ACT_SHOT
     t = prog.maps["quota_config"]
     conf = QuotaConf.from_buffer_copy(bytes(t.lookup(0)))
