@@ -349,7 +349,7 @@ def main() -> None:
     nginx_argv = ["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)]
     if not args.root_cgroup:
         sys.path.insert(0, str(REPO))
-        from qosagent.ebpf.cgroups import cgroup2_mount
+        from qosagent.cgroups import cgroup2_mount
         from qosagent.hostfs import HostFS
 
         root = cgroup2_mount(HostFS("/"))

@@ -10,8 +10,9 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qosagent import cgroups
 from qosagent.ebpf.loader import headers_present
-from qosagent.hostfs import HostFS
+from qosagent.hostfs import HostFS, mount_types
 
 TRACEFS = "/sys/kernel/tracing"
 BPFFS = "/sys/fs/bpf"
@@ -60,18 +61,6 @@ class Features:
         return self.tracepoints.get(name, False)
 
 
-def mount_types(fs: HostFS, pid: str = "self") -> dict[str, str]:
-    """Mount point -> filesystem type in pid's mount namespace; a later mount on the same point shadows the earlier,
-    as in the kernel."""
-    text = fs.try_read(f"/proc/{pid}/mounts") or ""
-    out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 3:
-            out[parts[1]] = parts[2]
-    return out
-
-
 def _kallsyms(fs: HostFS) -> set[str]:
     # Symbol names only; addresses read as zeros without CAP_SYSLOG, which does not matter here.
     text = fs.try_read("/proc/kallsyms") or ""
@@ -117,9 +106,7 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
         f.tracepoints[tp] = fs.exists(f"{TRACEFS}/events/{tp}") or b"\0btf_trace_" + name.encode() + b"\0" in btf_names
     # The enumerator's name is in the running kernel's BTF strings exactly when its sock_ops has that callback.
     f.sockops_sendmsg = b"\0BPF_SOCK_OPS_TSTAMP_SENDMSG_CB\0" in btf_names
-    from qosagent.ebpf.cgroups import cgroup2_mount
-
-    f.cgroup2 = cgroup2_mount(fs) or ""
+    f.cgroup2 = cgroups.cgroup2_mount(fs) or ""
     f.kprobes = fs.exists("/sys/bus/event_source/devices/kprobe") or "register_kprobe" in syms
     f.kprobe_functions = {fn: fn in syms for fn in KPROBE_FUNCTIONS}
     f.cls_bpf = "cls_bpf_classify" in syms or _module_file(fs, f.kernel, "net/sched/cls_bpf.ko")
@@ -151,18 +138,6 @@ def _module_file(fs: HostFS, kernel: str, rel: str) -> bool:
     return any(fs.exists(base + ext) for ext in ("", ".xz", ".zst", ".gz"))
 
 
-def _cgroup2_target(fs: HostFS, mounts: dict[str, str]) -> list[tuple[str, str]]:
-    """Where to mount the cgroup v2 hierarchy when no cgroup2 mount is visible (`ip netns exec` gives a fresh /sys
-    without it): where systemd would, /sys/fs/cgroup on a bare /sys, else its hybrid place if that directory exists.
-    Never over a mount (a cgroup v1 host's tmpfs stays as it is)."""
-    if "cgroup2" in mounts.values():
-        return []
-    for point in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
-        if point not in mounts and fs.is_dir(point):
-            return [(point, "cgroup2")]
-    return []
-
-
 def ensure_mounted(fs: HostFS) -> list[str]:
     """Mount tracefs, bpffs and the cgroup v2 hierarchy where they are missing; returns what was mounted. Needs
     CAP_SYS_ADMIN."""
@@ -171,7 +146,8 @@ def ensure_mounted(fs: HostFS) -> list[str]:
     libc = ctypes.CDLL(None, use_errno=True)
     mounts = mount_types(fs)
     done = []
-    for path, fstype in [(TRACEFS, "tracefs"), (BPFFS, "bpf")] + _cgroup2_target(fs, mounts):
+    cgroup2 = cgroups.cgroup2_mount_target(fs, mounts)
+    for path, fstype in [(TRACEFS, "tracefs"), (BPFFS, "bpf")] + ([(cgroup2, "cgroup2")] if cgroup2 else []):
         if mounts.get(path) == fstype:
             continue
         target = str(fs.path(path))

@@ -103,3 +103,15 @@ class HostFS:
             return os.readlink(self.path(host_path))
         except OSError:
             return None
+
+
+def mount_types(fs: HostFS, pid: str = "self") -> dict[str, str]:
+    """Mount point -> filesystem type in pid's mount namespace; a later mount on the same point shadows the earlier,
+    as in the kernel."""
+    text = fs.try_read(f"/proc/{pid}/mounts") or ""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            out[parts[1]] = parts[2]
+    return out

@@ -46,7 +46,7 @@ def bpf(root: None) -> None:
 @pytest.fixture
 def cgroup(root: None) -> Iterator[str]:
     """A fresh child cgroup under the host's cgroup2 mount (host path), removed even when the test fails."""
-    from qosagent.ebpf.cgroups import cgroup2_mount
+    from qosagent.cgroups import cgroup2_mount
     from qosagent.hostfs import HostFS
 
     mount = cgroup2_mount(HostFS("/"))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import posixpath
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent.capability import CapabilityError
-from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks
+from qosagent.cgroups import CgroupIndex, cgroup_id, cgroup_paths
+from qosagent.ebpf.cgrouplinks import CgroupLinks
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS, ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS
 from qosagent.ebpf.maps import Map
 from qosagent.latency import links
@@ -95,8 +95,6 @@ class CgroupWatch:
         cost the programs one storage lookup)."""
         import psutil
 
-        from qosagent.placement.discovery import cgroup_paths
-
         try:
             pids = {c.pid for c in psutil.net_connections("tcp")
                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
@@ -109,9 +107,8 @@ class CgroupWatch:
             if not v2:
                 continue
             path = posixpath.join(self.root, v2.lstrip("/"))
-            try:
-                cgid = os.stat(self.fs.path(path)).st_ino  # the id, as the kernel would report it
-            except OSError:
+            cgid = cgroup_id(self.fs, path)
+            if cgid is None:
                 continue  # the process or its cgroup went meanwhile
             self.link(cgid, pid, path)
 

@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from qosagent.capability import CapabilityError
-from qosagent.ebpf.cgroups import cgroup2_mount
+from qosagent.cgroups import cgroup2_mount
 from qosagent.ebpf.libbpf import link_create
 from qosagent.ebpf.maps import Map
 

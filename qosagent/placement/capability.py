@@ -18,7 +18,7 @@ from qosagent.capability import AgentContext, Capability, CapabilityError, Chang
 from qosagent.placement import applier, export
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
-from qosagent.placement.cgroupns import HostCgroups
+from qosagent.cgroups import HostCgroups
 from qosagent.placement.model import Drop, PlacementPart, Place, Record
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
 from qosagent.placement.planner import Policy, Target, plan

@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from qosagent.hostfs import HostFS
-from qosagent.placement.cgroupns import HostCgroups
-from qosagent.placement.config import Selector
+from qosagent.cgroups import HostCgroups, read_cpuset
 from qosagent.cpulist import parse_cpulist
+from qosagent.hostfs import HostFS
+from qosagent.placement.config import Selector
 
 
 @dataclass(frozen=True)
@@ -43,42 +43,6 @@ def _stat_start(stat: str) -> int | None:
 def proc_start(fs: HostFS, pid: int) -> int | None:
     text = fs.try_read(f"/proc/{pid}/stat")
     return _stat_start(text) if text else None
-
-
-def cgroup_paths(text: str) -> tuple[str, str, str]:
-    """(v2 path, v1 cpuset path, v1 systemd path) from /proc/PID/cgroup."""
-    v2 = cpuset = systemd = ""
-    for line in text.splitlines():
-        hid, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hid == "0" and controllers == "":
-            v2 = path
-        elif "cpuset" in controllers.split(","):
-            cpuset = path
-        elif controllers == "name=systemd":
-            systemd = path
-    return v2, cpuset, systemd
-
-
-def read_cpuset(fs: HostFS, v2: str, v1: str) -> frozenset[int] | None:
-    """The CPUs a process's cgroup allows; a cgroup without the cpuset controller inherits its parent's."""
-    candidates: list[str] = []
-    for base, path, leaf in (("/sys/fs/cgroup", v2, "cpuset.cpus.effective"),
-                             ("/sys/fs/cgroup/unified", v2, "cpuset.cpus.effective"),
-                             ("/sys/fs/cgroup/cpuset", v1, "cpuset.effective_cpus")):
-        if not path and base != "/sys/fs/cgroup/cpuset":
-            continue
-        parts = [p for p in path.split("/") if p]
-        for i in range(len(parts), -1, -1):
-            candidates.append(f"{base}/{'/'.join(parts[:i])}/{leaf}".replace("//", "/"))
-    for c in candidates:
-        text = fs.try_read(c)
-        if text:
-            try:
-                return parse_cpulist(text)
-            except ValueError:
-                return None
-    return None
 
 
 def thread_cpus(fs: HostFS, pid: int) -> dict[int, frozenset[int]]:
@@ -149,11 +113,6 @@ def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid
     Cgroup paths are the host's (`cgroups` rebases them when the agent runs in a cgroup namespace of its own)."""
     wanted_gpu = set(gpu_pids)
     hc = cgroups if cgroups is not None else HostCgroups(fs, own_pid)
-
-    def host_paths(text: str) -> tuple[str, str, str]:
-        v2, cpuset, systemd = cgroup_paths(text)
-        return hc.host("v2", v2), hc.host("cpuset", cpuset), hc.host("systemd", systemd)
-
     out: list[ProcInfo] = []
     for entry in fs.listdir("/proc"):
         if not entry.isdigit():
@@ -167,7 +126,7 @@ def discover(fs: HostFS, matcher: Matcher, gpu_pids: Iterable[int] = (), own_pid
             continue
         cmdline = cmd_raw.replace("\0", " ").strip()
         name = functools.cache(lambda pid=pid: fs.try_read(f"/proc/{pid}/comm") or "")
-        cgroups = functools.cache(lambda pid=pid: host_paths(fs.try_read(f"/proc/{pid}/cgroup") or ""))
+        cgroups = functools.cache(lambda pid=pid: hc.of_pid(pid))
         # Selectors name cgroups as systemd and kubelet lay them out: the v2 tree, else v1's systemd hierarchy.
         hit = matcher.match(name, lambda: cmdline, lambda: cgroups()[0] or cgroups()[2] or cgroups()[1])
         if hit is None and pid not in wanted_gpu:

@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent import exposition
-from qosagent.placement.cgroupns import HostCgroups
+from qosagent.cgroups import HostCgroups
 from qosagent.pods.cri import find_runtime
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
 from qosagent.pods.source import PodSource, pod_of_pid

@@ -9,14 +9,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from qosagent.placement.cgroupns import KINDS
-from qosagent.placement.discovery import cgroup_paths
+from qosagent.cgroups import KINDS, cgroup_paths
 from qosagent.pods.cri import DEFAULT_SOCKETS, CriClient, CriError, connect
 from qosagent.pods.model import Pod, PodsView, pod_of_cgroup
 
 if TYPE_CHECKING:
+    from qosagent.cgroups import HostCgroups
     from qosagent.hostfs import HostFS
-    from qosagent.placement.cgroupns import HostCgroups
     from qosagent.pods.config import PodsConfig
 
 log = logging.getLogger("qosagent.pods")

@@ -14,7 +14,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from qosagent.ebpf.cgroups import CgroupIndex, CgroupLinks, cgroup2_mount
+from qosagent.cgroups import CgroupIndex, cgroup2_mount
+from qosagent.ebpf.cgrouplinks import CgroupLinks
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS, prog_id
 from qosagent.hostfs import HostFS
 from tests.conftest import require
@@ -73,7 +74,7 @@ def test_attach_failure_names_the_path(cgroup: str, skb_prog: Any) -> None:
 
 CHILD = """
 import sys, time
-from qosagent.ebpf.cgroups import CgroupLinks
+from qosagent.ebpf.cgrouplinks import CgroupLinks
 from qosagent.hostfs import HostFS
 CgroupLinks(int(sys.argv[1]), int(sys.argv[2]), HostFS("/")).attach(sys.argv[3])
 print("linked", flush=True)

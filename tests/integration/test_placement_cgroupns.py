@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from qosagent.placement.cgroupns import _mount
+from qosagent.cgroups import hierarchy
 from tests.conftest import REPO, require
 
 pytestmark = pytest.mark.privileged
@@ -24,7 +24,7 @@ POD_CPU = max(os.sched_getaffinity(0))
 DISCOVER = """
 import json, os, sys
 from qosagent.hostfs import HostFS
-from qosagent.placement.cgroupns import HostCgroups
+from qosagent.cgroups import HostCgroups
 from qosagent.placement.config import Selector
 from qosagent.placement.discovery import Matcher, discover
 fs = HostFS("/")
@@ -42,7 +42,7 @@ def trees(root) -> Iterator[dict[str, str]]:
     from qosagent.hostfs import HostFS
 
     fs = HostFS("/")
-    v2, cpuset = _mount(fs, "v2"), _mount(fs, "cpuset")
+    v2, cpuset = hierarchy(fs, "v2"), hierarchy(fs, "cpuset")
     require(v2 is not None, "no cgroup2 hierarchy mounted")
     require(shutil.which("unshare") is not None, "unshare missing")
     name = f"qa-cgns-{secrets.token_hex(3)}"

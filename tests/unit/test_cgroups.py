@@ -1,4 +1,6 @@
-"""CgroupIndex and cgroup2_mount on plain directory trees: inode numbers and mount tables work the same on any fs."""
+"""The cgroups room on plain directory trees (inode numbers and mount tables work the same on any fs), in each
+layout a host may have: unified (cgroup v2 only), hybrid (v1 controllers, a controller-less cgroup2 at
+/sys/fs/cgroup/unified, as on the build host) and legacy (v1 only)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from qosagent.ebpf.cgroups import CgroupIndex, cgroup2_mount
+from qosagent.cgroups import (
+    CgroupIndex,
+    HostCgroups,
+    cgroup2_mount,
+    cgroup2_mount_target,
+    cgroup_paths,
+    controller_files,
+    hierarchy,
+    parse_proc_cgroup,
+    read_controller,
+    read_cpuset,
+)
 from qosagent.hostfs import HostFS
 
 ROOT = "/sys/fs/cgroup"
@@ -147,3 +160,130 @@ def test_cgroup2_mount_under_a_host_root_reads_the_hosts_table(tmp_path: Path) -
     assert cgroup2_mount(fs) == "/sys/fs/cgroup/unified"
     (tmp_path / "proc/1/mounts").unlink()
     assert cgroup2_mount(fs) == "/sys/fs/cgroup"  # no PID 1 table to read (no hostPID): the own one
+
+
+# ---- the three layouts -----------------------------------------------------------------------------------------
+
+PROC_UNIFIED = "0::/kubepods.slice/pod1/ctr-a\n"
+PROC_HYBRID = """\
+12:cpuset:/kubepods/pod1/ctr-a
+11:cpu,cpuacct:/kubepods/pod1/ctr-a
+4:memory:/kubepods/pod1/ctr-a
+1:name=systemd:/system.slice/containerd.service
+0::/system.slice/containerd.service
+"""
+PROC_LEGACY = "\n".join(line for line in PROC_HYBRID.splitlines() if not line.startswith("0::")) + "\n"
+
+
+def test_a_process_cgroup_file_names_each_hierarchy_by_kind() -> None:
+    assert parse_proc_cgroup(PROC_UNIFIED) == {"v2": "/kubepods.slice/pod1/ctr-a"}
+    assert parse_proc_cgroup(PROC_HYBRID) == {
+        "cpuset": "/kubepods/pod1/ctr-a", "cpu": "/kubepods/pod1/ctr-a", "cpuacct": "/kubepods/pod1/ctr-a",
+        "memory": "/kubepods/pod1/ctr-a", "systemd": "/system.slice/containerd.service",
+        "v2": "/system.slice/containerd.service"}
+    assert cgroup_paths(PROC_UNIFIED) == ("/kubepods.slice/pod1/ctr-a", "", "")
+    assert cgroup_paths(PROC_HYBRID) == ("/system.slice/containerd.service", "/kubepods/pod1/ctr-a",
+                                         "/system.slice/containerd.service")
+    assert cgroup_paths(PROC_LEGACY) == ("", "/kubepods/pod1/ctr-a", "/system.slice/containerd.service")
+    assert cgroup_paths("") == ("", "", "")
+
+
+def put(root: Path, host_path: str, text: str = "") -> None:
+    p = root / host_path.lstrip("/")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+def layout(root: Path, kind: str) -> HostFS:
+    """The hierarchies' roots as each layout has them, with the cpuset files a kubelet's pod cgroup would have."""
+    if kind == "unified":
+        put(root, "/sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids\n")
+        put(root, "/sys/fs/cgroup/cpuset.cpus.effective", "0-7\n")
+        put(root, "/sys/fs/cgroup/kubepods.slice/pod1/cpuset.cpus.effective", "2-3\n")
+        # The container's own cgroup has no cpuset enabled: it inherits the pod's.
+        put(root, "/sys/fs/cgroup/kubepods.slice/pod1/ctr-a/cgroup.procs", "77\n")
+    else:
+        if kind == "hybrid":
+            put(root, "/sys/fs/cgroup/unified/cgroup.controllers", "")  # no controllers on the unified side
+            put(root, "/sys/fs/cgroup/unified/system.slice/containerd.service/cgroup.procs", "77\n")
+        for name in ("cpuset", "cpu", "memory", "systemd"):
+            put(root, f"/sys/fs/cgroup/{name}/cgroup.procs", "1\n")
+        put(root, "/sys/fs/cgroup/cpuset/cpuset.effective_cpus", "0-7\n")
+        put(root, "/sys/fs/cgroup/cpuset/kubepods/pod1/ctr-a/cpuset.effective_cpus", "4\n")
+    return HostFS(root)
+
+
+@pytest.mark.parametrize("kind,v2,cpuset", [
+    ("unified", "/sys/fs/cgroup", None),
+    ("hybrid", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpuset"),
+    ("legacy", None, "/sys/fs/cgroup/cpuset"),
+])
+def test_hierarchies_are_found_by_their_files_in_each_layout(tmp_path: Path, kind: str, v2: str | None,
+                                                            cpuset: str | None) -> None:
+    fs = layout(tmp_path, kind)
+    assert hierarchy(fs, "v2") == v2
+    assert hierarchy(fs, "cpuset") == cpuset
+    assert hierarchy(fs, "blkio") is None
+
+
+@pytest.mark.parametrize("kind,proc,want", [
+    ("unified", PROC_UNIFIED, {2, 3}),  # inherited from the pod's cgroup
+    ("hybrid", PROC_HYBRID, {4}),  # the unified side has no cpuset: v1's
+    ("legacy", PROC_LEGACY, {4}),
+])
+def test_a_controller_file_is_read_from_v2_or_v1_whichever_the_host_has(tmp_path: Path, kind: str, proc: str,
+                                                                       want: set[int]) -> None:
+    fs = layout(tmp_path, kind)
+    v2, v1, _ = cgroup_paths(proc)
+    assert read_cpuset(fs, v2, v1) == want
+    assert read_controller(fs, "memory", v2, v1, "memory.max", "memory.limit_in_bytes") is None
+
+
+def test_controller_files_go_from_the_cgroup_up_v2_places_first_then_v1() -> None:
+    assert controller_files("cpuset", "/a/b", "/c", "cpuset.cpus.effective", "cpuset.effective_cpus") == [
+        "/sys/fs/cgroup/a/b/cpuset.cpus.effective", "/sys/fs/cgroup/a/cpuset.cpus.effective",
+        "/sys/fs/cgroup/cpuset.cpus.effective",
+        "/sys/fs/cgroup/unified/a/b/cpuset.cpus.effective", "/sys/fs/cgroup/unified/a/cpuset.cpus.effective",
+        "/sys/fs/cgroup/unified/cpuset.cpus.effective",
+        "/sys/fs/cgroup/cpuset/c/cpuset.effective_cpus", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"]
+    # No v2 path (a legacy host): v1 only, its root's file even without a v1 path.
+    assert controller_files("memory", "", "", "memory.max", "memory.limit_in_bytes") == [
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+
+
+def test_unparsable_cpuset_is_unknown(tmp_path: Path) -> None:
+    fs = layout(tmp_path, "unified")
+    put(tmp_path, "/sys/fs/cgroup/kubepods.slice/pod1/cpuset.cpus.effective", "garbage\n")
+    assert read_cpuset(fs, "/kubepods.slice/pod1/ctr-a", "") is None
+
+
+@pytest.mark.parametrize("mounts,dirs,want", [
+    # `ip netns exec`: a fresh sysfs without any cgroup mount; systemd's unified place.
+    ({"/sys": "sysfs"}, ["/sys/fs/cgroup"], "/sys/fs/cgroup"),
+    # A v1 host: /sys/fs/cgroup is a tmpfs of v1 hierarchies, never mounted over; the hybrid place if it is there.
+    ({"/sys/fs/cgroup": "tmpfs"}, ["/sys/fs/cgroup/unified"], "/sys/fs/cgroup/unified"),
+    ({"/sys/fs/cgroup": "tmpfs"}, ["/sys/fs/cgroup"], None),
+    # Mounted somewhere already: nothing to do.
+    ({"/sys/fs/cgroup/unified": "cgroup2"}, ["/sys/fs/cgroup"], None),
+    ({}, [], None),
+])
+def test_where_a_missing_cgroup2_would_be_mounted(tmp_path: Path, mounts: dict[str, str], dirs: list[str],
+                                                  want: str | None) -> None:
+    for d in dirs:
+        (tmp_path / d.lstrip("/")).mkdir(parents=True)
+    assert cgroup2_mount_target(HostFS(tmp_path), mounts) == want
+
+
+def test_v1_paths_from_a_container_namespace_are_rebased_per_hierarchy(tmp_path: Path) -> None:
+    """Hybrid host, the agent in a cgroup namespace of its own: its cpuset root is found in the v1 tree, and a pod's
+    paths as it reads them come out as the host's."""
+    fs = layout(tmp_path, "hybrid")
+    agent_cg = "/kubepods/podagent/ctr-q"
+    put(tmp_path, f"/sys/fs/cgroup/cpuset{agent_cg}/cgroup.procs", "4242\n")
+    put(tmp_path, "/proc/1/cgroup", "12:cpuset:/../../..\n1:name=systemd:/init.scope\n0::/init.scope\n")
+    put(tmp_path, "/proc/4242/cgroup", "12:cpuset:/\n1:name=systemd:/system.slice/q.service\n0::/q\n")
+    put(tmp_path, "/proc/77/cgroup", "12:cpuset:/../../pod1/ctr-a\n1:name=systemd:/s\n0::/s\n")
+    hc = HostCgroups(fs, 4242)
+    assert hc.of_pid(77) == ("/s", "/kubepods/pod1/ctr-a", "/s")  # only cpuset is namespaced here
+    assert hc.roots == {"cpuset": agent_cg}
+    assert hc.of_pid(99) == ("", "", "")  # exited

@@ -34,23 +34,11 @@ ALLOWED: dict[tuple[str, str], str] = {
         "shed: admission takes its baselines from QuotaPart, not from quota's rules",
     ("qosagent.features", "qosagent.dvfs.cpufreq"):
         "hostread: cpufreq's probing moves down a floor, out of dvfs",
-    ("qosagent.latency.cgroupwatch", "qosagent.placement.discovery"):
-        "hostread: cgroup paths move to the one cgroups room",
     ("qosagent.latency.datapath", "qosagent.quota.datapath"):
         "lean: the path of quota's pinned flow map moves down a floor",
-    ("qosagent.pods.service", "qosagent.placement.cgroupns"):
-        "hostread: host-view cgroups move to the one cgroups room",
-    ("qosagent.pods.source", "qosagent.placement.cgroupns"):
-        "hostread: host-view cgroups move to the one cgroups room",
-    ("qosagent.pods.source", "qosagent.placement.discovery"):
-        "hostread: cgroup paths move to the one cgroups room",
 }
 # Circles, by their members, with the same rule.
 ALLOWED_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"qosagent.features", "qosagent.ebpf.cgroups"}):
-        "hostread: the cgroup2 mount and mount types move to the one cgroups room",
-    frozenset({"qosagent.placement.cgroupns", "qosagent.placement.discovery"}):
-        "hostread: cgroup_paths moves to the one cgroups room",
 }
 
 

@@ -9,13 +9,14 @@ import pytest
 
 from qosagent import config as config_mod
 from qosagent.capability import State
+from qosagent.cgroups import read_cpuset
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import GpuProcess
 from qosagent.gpu.fake import FakeBackend
 from qosagent.hostfs import HostFS
 from qosagent.placement.capability import Placement
 from qosagent.placement.config import Selector
-from qosagent.placement.discovery import Matcher, discover, parse_numa_maps, proc_start, read_cpuset
+from qosagent.placement.discovery import Matcher, discover, parse_numa_maps, proc_start
 from qosagent.placement.model import Place
 from qosagent.snapshot import Snapshot
 from qosagent.status import render

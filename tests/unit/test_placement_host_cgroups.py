@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qosagent.cgroups import HostCgroups
 from qosagent.hostfs import HostFS
-from qosagent.placement.cgroupns import HostCgroups
 from qosagent.placement.config import Selector
 from qosagent.placement.discovery import Matcher, discover
 from testkit.placement_trees import _write, proc_entry

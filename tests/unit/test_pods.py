@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from qosagent.cgroups import HostCgroups
 from qosagent.hostfs import HostFS
-from qosagent.placement.cgroupns import HostCgroups
 from qosagent.pods import cri, wire
 from qosagent.pods.config import PodsConfig
 from qosagent.pods.model import Pod, by_cgroup_token, pod_of_cgroup
