@@ -4,9 +4,10 @@ One reading for every capability that follows pods (quota's classifier, latency'
 agent's services (qosagent/services.py), scans /proc once per NETNS_EVERY however many ask.
 
 Read from /proc through HostFS (the DaemonSet has hostPID): a process's /proc/PID/ns/net names its namespace by
-inode, /proc/PID/net/tcp{,6} lists that namespace's sockets. The host side of a veth into a namespace is the link
-whose peer's namespace id (IFLA_LINK_NETNSID) is the id the agent's namespace gives that namespace (RTM_GETNSID on
-a descriptor of /proc/PID/ns/net), which needs CAP_NET_ADMIN in the agent's namespace only, never setns.
+inode, /proc/PID/net/tcp{,6} lists that namespace's sockets (read by qosagent/listeners.py). The host side of a veth
+into a namespace is the link whose peer's namespace id (IFLA_LINK_NETNSID) is the id the agent's namespace gives that
+namespace (RTM_GETNSID on a descriptor of /proc/PID/ns/net), which needs CAP_NET_ADMIN in the agent's namespace only,
+never setns.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from qosagent import listeners
 from qosagent.hostfs import HostFS
 from qosagent.pods.model import selects
 from qosagent.schedule import Every
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
     from qosagent.config import Config, TenantConfig
     from qosagent.pods.model import Pod
 
-LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 # How often serving network namespaces are looked for (a scan of /proc: a stat per process).
 NETNS_EVERY = 1.0
 
@@ -46,38 +47,6 @@ class ServingNs:
     # client.
     addrs: frozenset[bytes] = frozenset()
     pids: tuple[int, ...] = field(default=(), compare=False)  # every process in it
-
-
-def listening_ports(lines: Iterable[str]) -> set[int]:
-    """Local ports in LISTEN state from the lines of /proc/net/tcp or tcp6. The kernel lists listeners before
-    every other socket, so the first row in another state ends them: a busy server's thousands of connections
-    are never read (reading them all cost ~13 ms for 2 800 sockets here, once a second per namespace)."""
-    out = set()
-    for line in lines:
-        f = line.split()
-        if len(f) < 4 or f[0] == "sl":
-            continue
-        if f[3] != LISTEN:
-            break
-        try:
-            out.add(int(f[1].rsplit(":", 1)[1], 16))
-        except (IndexError, ValueError):
-            continue
-    return out
-
-
-def _listening(fs: HostFS, pid: int) -> set[int] | None:
-    """Listening ports of pid's namespace (tcp and tcp6), None when its /proc entries are gone."""
-    out: set[int] = set()
-    seen = False
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(fs.path(f"/proc/{pid}/net/{name}"), encoding="ascii", errors="replace") as f:
-                out |= listening_ports(f)
-                seen = True
-        except OSError:
-            continue
-    return out if seen else None
 
 
 _V4_MAPPED = bytes(10) + b"\xff\xff"
@@ -167,8 +136,9 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
             ports, addrs = hit[1], hit[2]
         else:
             for pid in pids:
-                ports = _listening(fs, pid)
-                if ports is not None:
+                found = listeners.listeners(fs, pid)
+                if found is not None:
+                    ports = {s.port for s in found}
                     # The one that answered names the namespace: an earlier one has exited since it was listed,
                     # and quota would find no veth through its gone /proc/PID/ns/net.
                     reader = pid

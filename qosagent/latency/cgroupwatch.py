@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent.capability import CapabilityError
+from qosagent import listeners
 from qosagent.cgroups import CgroupIndex, cgroup_id, cgroup_paths
 from qosagent.ebpf.cgrouplinks import CgroupLinks
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS, ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS
@@ -93,15 +94,9 @@ class CgroupWatch:
         namespaces (pods) the listener's process is named by no table the agent can read without entering them, so
         every process of a serving namespace has its cgroup linked (a pod's pause and sidecars too: their packets
         cost the programs one storage lookup)."""
-        import psutil
-
-        try:
-            pids = {c.pid for c in psutil.net_connections("tcp")
-                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
-        except (psutil.Error, OSError) as e:
-            log.warning("listing the listening sockets failed (%s): serving cgroups are learnt from "
-                        "traffic only", e)
-            pids = set()
+        held = listeners.holders(self.fs, [s.inode for s in listeners.on_ports(self.fs, ports) if s.inode],
+                                 listeners.pids(self.fs), every=True)
+        pids = {pid for holders in held.values() for pid in holders}
         for pid in sorted(pids | set(pods)):
             v2 = cgroup_paths(self.fs.try_read(f"/proc/{pid}/cgroup") or "")[0]
             if not v2:

@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from qosagent import netns
+from qosagent import listeners, netns
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.config import UNMATCHED, Config
+from qosagent.hostfs import HostFS
 from qosagent.pods import service as pods_service
 from qosagent.pods.cri import CriError, grpc_module
 from qosagent.pods.service import Pods
@@ -31,20 +32,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("qosagent.quota")
 
 
-def interfaces(cfg: Config) -> list[str]:
+def interfaces(cfg: Config, fs: HostFS) -> list[str]:
     """quota.interfaces, or lo plus the interfaces whose addresses a listener on a watched port is bound to."""
     if cfg.quota.interfaces:
         return list(cfg.quota.interfaces)
     import psutil
 
-    watched = set(cfg.watched_ports())
-    bound: set[str] = set()
-    try:
-        for c in psutil.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in watched:
-                bound.add(c.laddr.ip)
-    except (psutil.Error, OSError):
-        pass
+    bound = set()
+    for s in listeners.on_ports(fs, cfg.watched_ports()):
+        try:
+            bound.add(s.address)
+        except (ValueError, OSError):
+            continue  # a row the kernel would not write
     out = ["lo"]
     for name, addrs in sorted(psutil.net_if_addrs().items()):
         if name == "lo":
@@ -154,7 +153,7 @@ class Quota(Capability):
             return Verdict(State.UNAVAILABLE, "the kernel lacks clsact or cls_bpf")
         if features.bpffs == "absent":
             return Verdict(State.UNAVAILABLE, "no bpffs to pin maps in (fail-static needs it)")
-        names = interfaces(self.ctx.config)
+        names = interfaces(self.ctx.config, self.ctx.hostfs)
         notes = []
         q = self.ctx.config.quota
         try:
@@ -194,7 +193,7 @@ class Quota(Capability):
         try:
             self.datapath = dp.Datapath(cfg)
             self.datapath.write_config(cfg, _baseline_buckets(cfg))
-            self.attached = interfaces(cfg)
+            self.attached = interfaces(cfg, self.ctx.hostfs)
             for line in self.datapath.attach(self.attached):
                 log.info("%s", line)
             self._follow(starting=True)
@@ -310,7 +309,7 @@ class Quota(Capability):
         d = self.datapath
         if d is None:
             return UNCHANGED
-        names = interfaces(config)
+        names = interfaces(config, self.ctx.hostfs)
         try:
             with tc.IPRoute() as ipr:
                 missing = [n for n in names if tc.ifindex(ipr, n) is None]

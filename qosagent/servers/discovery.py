@@ -1,4 +1,5 @@
-"""Which process serves a port, and what it is: listening socket → owning process → command line (through HostFS).
+"""Which process serves a port, and what it is: listening socket → owning process (qosagent/listeners.py) → command
+line (through HostFS).
 
 Also the host's process table, reduced to what admission needs: the processes of pre-allocating servers, so that
 GPU memory is not read as load on GPUs they hold (docs/servers.md).
@@ -7,20 +8,16 @@ GPU memory is not read as load on GPUs they hold (docs/servers.md).
 from __future__ import annotations
 
 import ipaddress
-import socket
 from dataclasses import dataclass
 
+from qosagent import listeners
 from qosagent.hostfs import HostFS
 from qosagent.servers import kinds
 
-LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
-
-def _address(hexaddr: str) -> str:
-    """/proc/net/tcp's address (host-order 32-bit words in hex) as text; where a wildcard listener answers: loopback."""
-    raw = bytes.fromhex(hexaddr)
-    host = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    addr = ipaddress.ip_address(socket.inet_ntop(socket.AF_INET if len(host) == 4 else socket.AF_INET6, host))
+def reach(address: str) -> str:
+    """Where to reach a listener bound to address; a wildcard one answers on loopback."""
+    addr = ipaddress.ip_address(address)
     if addr.is_unspecified:
         return "127.0.0.1"  # a wildcard "::" listener takes IPv4 too unless IPV6_V6ONLY, which servers do not set
     return str(addr)
@@ -29,19 +26,12 @@ def _address(hexaddr: str) -> str:
 def listening_inodes(fs: HostFS, ports: set[int]) -> dict[int, tuple[int, str]]:
     """Socket inode -> (port, address to reach it on), for the TCP sockets listening on one of ports."""
     out: dict[int, tuple[int, str]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        text = fs.try_read(table) or ""
-        for line in text.splitlines()[1:]:
-            cols = line.split()
-            if len(cols) < 10 or cols[3] != LISTEN:
-                continue
-            try:
-                addr, port_hex = cols[1].rsplit(":", 1)
-                port, inode = int(port_hex, 16), int(cols[9])
-                if port in ports and inode:
-                    out[inode] = (port, _address(addr))
-            except (IndexError, ValueError, OSError):
-                continue
+    for s in listeners.on_ports(fs, ports):
+        try:
+            if s.inode:
+                out[s.inode] = (s.port, reach(s.address))
+        except (ValueError, OSError):
+            continue
     return out
 
 
@@ -73,24 +63,13 @@ def processes(fs: HostFS) -> dict[int, Proc]:
 
 
 def owners(fs: HostFS, inodes: dict[int, tuple[int, str]], procs: dict[int, Proc]) -> dict[int, tuple[int, str]]:
-    """Port -> (pid of the process holding its listening socket, its address). Stops reading fds once every socket
-    is found."""
+    """Port -> (pid of the process holding its listening socket, its address): the lowest such pid. Stops reading
+    fds once every socket is found."""
+    held = listeners.holders(fs, inodes, sorted(procs))
     found: dict[int, tuple[int, str]] = {}
-    want = dict(inodes)
-    for pid in sorted(procs):
-        if not want:
-            break
-        for fd in fs.listdir(f"/proc/{pid}/fd"):
-            target = fs.readlink(f"/proc/{pid}/fd/{fd}")
-            if not target or not target.startswith("socket:["):
-                continue
-            try:
-                inode = int(target[8:-1])
-            except ValueError:
-                continue
-            where = want.pop(inode, None)
-            if where is not None:
-                found.setdefault(where[0], (pid, where[1]))
+    for pid, inode in sorted((pids[0], inode) for inode, pids in held.items()):
+        port, address = inodes[inode]
+        found.setdefault(port, (pid, address))
     return found
 
 

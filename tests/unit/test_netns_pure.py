@@ -1,6 +1,6 @@
-"""Serving network namespaces, the pure parts: listening ports from /proc/net/tcp text, a namespace's own addresses
-from /proc/PID/net, which process rules a namespace's processes or its pod match, the one scan every capability
-shares, and what the config accepts for match.process and match.pods."""
+"""Serving network namespaces, the pure parts: a namespace's own addresses from /proc/PID/net, which process rules
+a namespace's processes or its pod match, the one scan every capability shares, and what the config accepts for
+match.process and match.pods (its listening ports are tests/unit/test_listeners.py's)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from qosagent.netns import (
     ServingNs,
     fib_local_v4,
     if_inet6,
-    listening_ports,
     namespace_tenants,
     ns_rules,
 )
@@ -27,20 +26,6 @@ TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retr
 TCP6 = """  sl  local_address                         remote_address                        st tx_queue rx_queue
    0: 00000000000000000000000000000000:0BB8 00000000000000000000000000000000:0000 0A 00000000:00000000 00:0 0
 """
-
-
-def test_listening_ports_are_the_listen_rows_only() -> None:
-    assert listening_ports(TCP.splitlines()) == {8000, 8080}  # the established socket on 8000 is not a listener
-    assert listening_ports(TCP6.splitlines()) == {3000}
-    assert listening_ports(["header only"]) == set()
-
-
-def test_the_first_row_of_another_state_ends_the_listeners() -> None:
-    def rows():
-        yield from TCP.splitlines()
-        raise AssertionError("read past the listeners")
-
-    assert listening_ports(rows()) == {8000, 8080}
 
 
 def test_process_rules_first_match_wins_a_port() -> None:

@@ -1,0 +1,82 @@
+"""The listeners room on fixture /proc trees: listening sockets from /proc/net/tcp{,6} text (the agent's own
+namespace and any process's), their addresses, and the processes that hold them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qosagent import listeners
+from qosagent.hostfs import HostFS
+from qosagent.listeners import Listener, holders, listening_ports, on_ports, parse
+from tests.unit.test_netns_pure import TCP, TCP6
+
+# Every column the kernel writes; inodes 5001.. for the listeners. 0100007F is 127.0.0.1, 0A000005 5.0.0.10.
+V4 = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5001 1 0 100 0 0 10 0
+   1: 0A000005:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5002 1 0 100 0 0 10 0
+   2: 0100007F:1F40 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 5009 1 0 20 4 30 10 -1
+"""
+V6 = """  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:0BB8 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5003 1 0 100 0 0 10 0
+   1: 0000000000000000FFFF00000500000A:1F41 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5004 1 0 100 0 0 10 0
+"""  # noqa: E501 - the kernel's rows as it writes them
+
+
+def test_listening_ports_are_the_listen_rows_only() -> None:
+    assert listening_ports(TCP.splitlines()) == {8000, 8080}  # the established socket on 8000 is not a listener
+    assert listening_ports(TCP6.splitlines()) == {3000}
+    assert listening_ports(["header only"]) == set()
+
+
+def test_the_first_row_of_another_state_ends_the_listeners() -> None:
+    def rows():
+        yield from TCP.splitlines()
+        raise AssertionError("read past the listeners")
+
+    assert listening_ports(rows()) == {8000, 8080}
+
+
+def test_a_listener_says_its_port_address_and_socket() -> None:
+    got = list(parse(V4.splitlines())) + list(parse(V6.splitlines()))
+    assert [(s.port, s.address, s.inode) for s in got] == [
+        (8000, "0.0.0.0", 5001), (8080, "5.0.0.10", 5002), (3000, "::", 5003), (8001, "::ffff:10.0.0.5", 5004)]
+    assert Listener(1, "0100007F", 0).address == "127.0.0.1"
+
+
+def tables(d: Path, v4: str, v6: str | None = None) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tcp").write_text(v4)
+    if v6 is not None:
+        (d / "tcp6").write_text(v6)
+
+
+def test_the_agents_own_namespace_and_another_processes_are_read_alike(tmp_path: Path) -> None:
+    tables(tmp_path / "proc" / "net", V4, V6)  # the agent's own (/proc/net is /proc/self/net)
+    tables(tmp_path / "proc" / "40" / "net", TCP)  # a process in a pod: only 8000 and 8080 there, no tcp6
+    fs = HostFS(tmp_path)
+    assert {(s.port, s.inode) for s in on_ports(fs, [8000, 3000, 9])} == {(8000, 5001), (3000, 5003)}
+    assert [s.port for s in on_ports(fs, [8000, 8080], pid=40)] == [8000, 8080]
+    assert listeners.listeners(fs, pid=41) is None  # gone (or never there): no namespace to tell about
+    assert on_ports(fs, [8000], pid=41) == []
+
+
+def proc(root: Path, pid: int, sockets: tuple[int, ...]) -> None:
+    d = root / "proc" / str(pid) / "fd"
+    d.mkdir(parents=True)
+    os.symlink("/dev/null", d / "0")
+    os.symlink("anon_inode:[eventfd]", d / "1")
+    for i, inode in enumerate(sockets):
+        os.symlink(f"socket:[{inode}]", d / str(10 + i))
+
+
+def test_holders_first_or_every_process_of_a_shared_socket(tmp_path: Path) -> None:
+    # A pre-forking server: the master (100) and its workers (101, 102) share the listening socket 5001.
+    for pid, socks in ((1, ()), (100, (5001, 7)), (101, (5001,)), (102, (5001,)), (200, (5002,))):
+        proc(tmp_path, pid, socks)
+    fs = HostFS(tmp_path)
+    pids = listeners.pids(fs)
+    assert pids == [1, 100, 101, 102, 200]
+    assert holders(fs, [5001, 5002], pids) == {5001: [100], 5002: [200]}
+    assert holders(fs, [5001, 5002], pids, every=True) == {5001: [100, 101, 102], 5002: [200]}
+    assert holders(fs, [5003], pids) == {}
