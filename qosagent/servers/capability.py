@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from qosagent.capability import Capability, State, Verdict
+from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict, rewrite
 from qosagent.servers.model import ServersPart, gpu_holders
 from qosagent.servers.scraper import Scraper
 from qosagent.snapshot import Snapshot
@@ -61,6 +61,13 @@ class Servers(Capability):
 
     def start(self, plan: None = None) -> None:
         self.scraper.start()
+
+    def prepare(self, config: "Config") -> Change:
+        """A reload that changes the watched ports (tenants' ports, latency.ports) moves discovery onto them."""
+        old, new = self.ctx.config.watched_ports(), config.watched_ports()
+        if not self.scraper.discover or new == old:
+            return UNCHANGED
+        return rewrite(self.scraper.watch, new, old, "ports servers are discovered on")
 
     def stop(self) -> None:
         self.scraper.stop()

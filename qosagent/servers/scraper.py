@@ -173,6 +173,16 @@ class Scraper:
         self._thread = threading.Thread(target=self._run, name="servers", daemon=True)
         self._thread.start()
 
+    def watch(self, ports: list[int]) -> None:
+        """Discover on these ports from now on (a reload changed the watched ports): the next round walks /proc at
+        once. A server found on a port no longer watched stays listed, as any found server does once its process
+        has gone."""
+        with self.lock:
+            self.ports = list(ports)
+        # After the ports: a round that has just taken the old time walks with the new ports (rediscover reads them
+        # under the lock), one that has not walks now.
+        self._next_discovery = self.clock()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:

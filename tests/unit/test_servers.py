@@ -356,3 +356,33 @@ def test_probe_warns_when_a_tenant_claims_the_port_the_metrics_are_read_on(tmp_p
     assert "tenant" not in verdict([{"port": 8000, "kind": "vllm"}], {"ports": [8000], "cidrs": ["10.0.0.0/8"]})[1]
     assert "tenant" not in verdict([{"port": 8000, "kind": "vllm", "metrics": "http://127.0.0.1:9100/metrics"}],
                                    {"ports": [8000]})[1]
+
+
+def test_a_reload_that_adds_tenant_ports_is_seen_by_discovery_at_once(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server discovery looks on the watched ports, which a reload changes with the tenants: the next round
+    looks on the new ones, without waiting for the next walk of /proc; an undone reload puts the old ones back."""
+    from qosagent.capability import AgentContext
+    from qosagent.config import parse as parse_config
+    from qosagent.gpu.fake import FakeBackend
+    from qosagent.servers.capability import Servers
+
+    def cfg(*tenant_ports: int):
+        tenants = [{"name": f"t{p}", "tier": "gold", "match": {"ports": [p]}} for p in tenant_ports]
+        return parse_config({"latency": {"ports": [8000], "multiplexed_ports": []}, "tenants": tenants}, "t")
+
+    monkeypatch.setattr(Scraper, "_read", staticmethod(lambda t: ("down", "", "not read in this test", None)))
+    now = [100.0]
+    ctx = AgentContext(config=cfg(), hostfs=HostFS(host(tmp_path)), gpu=FakeBackend([]), clock=lambda: now[0])
+    cap = Servers(ctx)
+    cap.scraper.round()
+    assert [r.port for r in cap.collect().servers] == [8000]
+    new = cfg(3000)
+    change = cap.prepare(new)
+    change.commit()
+    ctx.config = new  # what the daemon does once every capability committed
+    now[0] += 1.0  # well inside DISCOVER_EVERY
+    cap.scraper.round()
+    assert {r.port: (r.kind, r.pid) for r in cap.collect().servers} == {8000: ("vllm", 100), 3000: ("tgi", 201)}
+    change.undo()
+    assert cap.scraper.ports == [8000]
