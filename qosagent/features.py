@@ -10,7 +10,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from qosagent import cgroups
+from qosagent import cgroups, cpufreq
 from qosagent.ebpf.loader import headers_present
 from qosagent.hostfs import HostFS, mount_types
 
@@ -113,8 +113,6 @@ def probe(fs: HostFS, nvml_state: str = "not probed") -> Features:
     f.clsact = "clsact_init" in syms or "ingress_init" in syms or _module_file(fs, f.kernel, "net/sched/sch_ingress.ko")
     f.tcx = "tcx_prog_attach" in syms
     # The policies as dvfs will see them (names included), so check and run never disagree.
-    from qosagent.dvfs import cpufreq
-
     for pol in cpufreq.discover(fs):
         f.cpufreq[pol.name] = {"driver": pol.driver, "governor": pol.governor}
     for zone in fs.glob("/sys/class/thermal", "thermal_zone*"):

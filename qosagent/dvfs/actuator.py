@@ -8,7 +8,8 @@ import logging
 import math
 from typing import Any
 
-from qosagent.dvfs import cpufreq
+from qosagent import cpufreq
+from qosagent.dvfs.cpufreq import WriteResult, Writer, freq_writes, same_khz, same_text
 from qosagent.dvfs.gpuclocks import GpuIO
 from qosagent.dvfs.rollback import Originals
 from qosagent.gpu.backend import GpuBackend
@@ -43,14 +44,14 @@ class CpuFreqActuator:
     def __init__(self, fs: HostFS, originals: Originals, readback_tolerance_mhz: float):
         self.fs = fs
         self.originals = originals
-        self.writer = cpufreq.Writer(fs, originals)
+        self.writer = Writer(fs, originals)
         self.readback_tolerance_mhz = readback_tolerance_mhz
         self.notes: dict[str, str] = {}  # policy -> why it is monitor only now
         self.epp_off: dict[str, str] = {}  # policy -> why its EPP is no longer written
         self.writes: dict[str, int] = {}  # results by kind, for metrics
         self._warned: set[str] = set()
 
-    def _count(self, r: cpufreq.WriteResult) -> None:
+    def _count(self, r: WriteResult) -> None:
         key = r.status if r.status != "failed" else f"failed_{r.error}"
         self.writes[key] = self.writes.get(key, 0) + 1
 
@@ -58,8 +59,8 @@ class CpuFreqActuator:
         """The policy's frequency cap, then its EPP (the point's, else the original back)."""
         tol = max(int(self.readback_tolerance_mhz * 1000),
                   max((b - a for a, b in zip(p.available, p.available[1:])), default=0))
-        same = cpufreq.same_khz(tol)
-        for path, value in cpufreq.freq_writes(self.fs, p, khz, self.originals):
+        same = same_khz(tol)
+        for path, value in freq_writes(self.fs, p, khz, self.originals):
             r = self.writer.set(path, value, same)
             self._count(r)
             if not self._settle(p, r, "frequency"):
@@ -68,7 +69,7 @@ class CpuFreqActuator:
             path = f"{p.dir}/energy_performance_preference"
             want = epp if epp in p.epp_prefs else self.originals.original(f"file:{path}")
             if want is not None:
-                r = self.writer.set(path, want, cpufreq.same_text)
+                r = self.writer.set(path, want, same_text)
                 self._count(r)
                 if r.status == "failed" and r.error == "EBUSY":
                     # The performance governor pins EPP; the governor is the operator's, so EPP is off here.
@@ -85,12 +86,12 @@ class CpuFreqActuator:
         pct = max(math.ceil(k * 100 / m) for k, m in targets)
         floor = cpufreq.ints(self.fs.try_read(f"{cpufreq.PSTATE}/min_perf_pct"))
         pct = min(100, max(pct, floor[0] if floor else 0))
-        r = self.writer.set(f"{cpufreq.PSTATE}/max_perf_pct", str(pct), cpufreq.same_text)
+        r = self.writer.set(f"{cpufreq.PSTATE}/max_perf_pct", str(pct), same_text)
         self._count(r)
         for p in group:
             self._settle(p, r, "max_perf_pct")
 
-    def _settle(self, p: cpufreq.Policy, r: cpufreq.WriteResult, what: str) -> bool:
+    def _settle(self, p: cpufreq.Policy, r: WriteResult, what: str) -> bool:
         """Act on a write result; False when the policy must not be written further now."""
         if r.status in ("written", "same"):
             return True

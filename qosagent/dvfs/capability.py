@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable
 
+from qosagent import cpufreq
 from qosagent.admission.model import AdmissionPart
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
-from qosagent.dvfs import cpufreq, export, policy, sensors
+from qosagent.dvfs import export, policy, sensors
 from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
+from qosagent.dvfs.cpufreq import resolve_khz
 from qosagent.dvfs.gpuclocks import GpuActuator
 from qosagent.dvfs.model import DvfsPart, GpuBandChange, PolicyView, SetFreq
 from qosagent.dvfs.rollback import Originals
@@ -43,7 +45,7 @@ _READ_ONLY = ("EROFS", "EACCES", "EPERM")
 def _params(cfg: DvfsConfig, p: cpufreq.Policy) -> policy.Params | None:
     khz = {}
     for pt in cfg.points:
-        k = cpufreq.resolve_khz(p, *parse_freq(pt.freq))
+        k = resolve_khz(p, *parse_freq(pt.freq))
         if k is None:
             return None
         khz[pt.name] = k

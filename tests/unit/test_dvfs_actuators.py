@@ -488,7 +488,7 @@ def test_restore_skips_a_knob_that_is_gone_and_keeps_one_that_fails(tmp_path) ->
 
 @pytest.mark.parametrize("driver", ["acpi-cpufreq", "intel_cpufreq", "amd-pstate"])
 def test_userspace_governor_gets_setspeed_on_every_passive_driver(tmp_path, driver) -> None:
-    from qosagent.dvfs import cpufreq
+    from qosagent import cpufreq
     from tests.unit.dvfs_helpers import policy
 
     policy(tmp_path, 0, "0", driver, "userspace", 800000, 3000000, setspeed="3000000")
@@ -498,7 +498,8 @@ def test_userspace_governor_gets_setspeed_on_every_passive_driver(tmp_path, driv
 
 
 def test_targets_are_clamped_and_snapped() -> None:
-    from qosagent.dvfs.cpufreq import Policy, resolve_khz
+    from qosagent.cpufreq import Policy
+    from qosagent.dvfs.cpufreq import resolve_khz
 
     p = Policy("policy0", "/x", (0,), "acpi-cpufreq", "userspace", 800000, 2400000)
     assert resolve_khz(p, "khz", 400000) == 800000  # the design's 400 MHz below cpuinfo_min_freq

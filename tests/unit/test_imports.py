@@ -32,8 +32,6 @@ LIST_USERS = {"qosagent.daemon", "qosagent.cli", "qosagent.status"}
 ALLOWED: dict[tuple[str, str], str] = {
     ("qosagent.admission.inputs", "qosagent.quota.rules"):
         "shed: admission takes its baselines from QuotaPart, not from quota's rules",
-    ("qosagent.features", "qosagent.dvfs.cpufreq"):
-        "hostread: cpufreq's probing moves down a floor, out of dvfs",
     ("qosagent.latency.datapath", "qosagent.quota.datapath"):
         "lean: the path of quota's pinned flow map moves down a floor",
 }
