@@ -4,16 +4,15 @@ classifier to run them through."""
 from __future__ import annotations
 
 import ipaddress
-import os
 import struct
 import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
 from qosagent.config import Config
+from qosagent.ebpf import pins
 from qosagent.ebpf.testrun import test_run
 from qosagent.quota import datapath as dp
-from qosagent.quota import layout
 from qosagent.quota.capability import _baseline_buckets
 from qosagent.tenants import UNMATCHED_ID, tenant_id
 
@@ -80,7 +79,7 @@ def scratch_pin_root() -> Iterator[str]:
     try:
         yield root
     finally:
-        dp.remove_pins(os.path.join(root, f"quota-v{layout.LAYOUT}"))
+        dp.remove_pins(pins.quota_dir(root))
 
 
 @contextmanager

@@ -166,6 +166,6 @@ def _flows_defines(cfg: "Config") -> dict[str, object]:
     """Attribute header-matched tenants through the quota classifier's pinned flow map (quota starts first)."""
     if not (cfg.quota.enabled and any(t.match.header for t in cfg.tenants)):
         return {}
-    from qosagent.quota.datapath import pin_dir
+    from qosagent.ebpf.pins import tenant_flows
 
-    return {"QOS_FLOWS_PIN": f'"{pin_dir(cfg)}/tenant_flows"', "QOS_FLOWS": cfg.quota.flow_entries}
+    return {"QOS_FLOWS_PIN": f'"{tenant_flows(cfg.bpf.pin_root)}"', "QOS_FLOWS": cfg.quota.flow_entries}

@@ -1,8 +1,9 @@
 """The classifier's kernel side: pinned maps adopted or replaced, the program loaded and attached, maps written
 from config, counters read back.
 
-Everything lives under <bpf.pin_root>/quota-v<LAYOUT>/ so that an agent of another layout never adopts these pins;
-the directory an agent of another layout left is taken over at attach (its filters replaced, its pins removed).
+Everything lives under <bpf.pin_root>/quota-v<QUOTA_LAYOUT>/ (qosagent/ebpf/pins.py) so that an agent of another
+layout never adopts these pins; the directory an agent of another layout left is taken over at attach (its filters
+replaced, its pins removed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from qosagent.config import Config
+from qosagent.ebpf import pins
 from qosagent.ebpf.libbpf import obj_pin, pinned_map_info
 from qosagent.ebpf.loader import compile_program
 from qosagent.ebpf.maps import Map, sync
@@ -34,7 +36,7 @@ HEADER_PROG_PIN = "quota_header"
 
 
 def pin_dir(cfg: Config) -> str:
-    return os.path.join(cfg.bpf.pin_root, f"quota-v{layout.LAYOUT}")
+    return pins.quota_dir(cfg.bpf.pin_root)
 
 
 def other_layouts(pin_root: str) -> list[str]:
@@ -43,7 +45,7 @@ def other_layouts(pin_root: str) -> list[str]:
         names = os.listdir(pin_root)
     except FileNotFoundError:
         return []
-    ours = f"quota-v{layout.LAYOUT}"
+    ours = os.path.basename(pins.quota_dir(pin_root))
     return sorted(os.path.join(pin_root, n) for n in names
                   if n != ours and re.fullmatch(r"quota-v\d+", n) and os.path.isdir(os.path.join(pin_root, n)))
 

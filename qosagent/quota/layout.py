@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from qosagent.ebpf.tenant_ports import PORTS, CidrKey, PortTenant
 
-LAYOUT = 3  # QOS_QUOTA_LAYOUT
 SLOTS = 4096  # QOS_SLOTS; slot 0 is the traffic of no tenant
 
 QOS_LIMIT_REQ = 1

@@ -11,7 +11,7 @@ from testkit.agent import AgentProcess
 
 def agent_of_layout(n: int, *args: str) -> list[str]:
     """This checkout's agent as if its pin layout were n: what an agent of another version leaves behind."""
-    return [sys.executable, "-c", f"import qosagent.quota.layout as m; m.LAYOUT = {n}; "
+    return [sys.executable, "-c", f"import qosagent.ebpf.pins as m; m.QUOTA_LAYOUT = {n}; "
             "from qosagent.cli import main; main()", *args]
 
 

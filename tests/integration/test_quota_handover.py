@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from qosagent.quota.layout import LAYOUT
+from qosagent.ebpf.pins import QUOTA_LAYOUT as LAYOUT
 from tests.conftest import require
 from tests.integration.netlab import Lab, sh
 from testkit.agent import AgentProcess, agent_argv, agent_env

@@ -17,7 +17,7 @@ import yaml
 
 from qosagent.config import parse
 from qosagent.ebpf import libbpf
-from qosagent.quota.layout import LAYOUT
+from qosagent.ebpf.pins import QUOTA_LAYOUT as LAYOUT
 from tests.conftest import netns, require
 from testkit.agent import agent_argv, agent_env
 from tests.integration.quota_agent import start_quota_agent

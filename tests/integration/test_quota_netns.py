@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from qosagent.ebpf.maps import Map
-from qosagent.quota.layout import LAYOUT, QOS_LIMIT_OVERRIDE, QuotaLimit
+from qosagent.ebpf.pins import QUOTA_LAYOUT as LAYOUT
+from qosagent.quota.layout import QOS_LIMIT_OVERRIDE, QuotaLimit
 from qosagent.quota.rules import bucket
 from qosagent.status import request
 from qosagent.tenants import tenant_id

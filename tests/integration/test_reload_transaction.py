@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from qosagent.quota.layout import LAYOUT
+from qosagent.ebpf.pins import QUOTA_LAYOUT as LAYOUT
 from qosagent.status import request
 from tests.conftest import netns, require
 from tests.integration.quota_agent import start_quota_agent

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 from qosagent import hist, tenants
-from qosagent.ebpf import tenant_ports
+from qosagent.ebpf import pins, tenant_ports
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import pods as latency_pods
 from qosagent.latency.cgroupwatch import CgroupEvent
@@ -69,7 +69,7 @@ def constants() -> list[tuple[str, int]]:
         ("QOS_HIST_SUB", hist.SUB),
         ("QOS_HIST_MAX_LOG2", hist.MAX_LOG2),
         ("QOS_HIST_NBUCKETS", hist.NBUCKETS),
-        ("QOS_QUOTA_LAYOUT", layout.LAYOUT),
+        ("QOS_QUOTA_LAYOUT", pins.QUOTA_LAYOUT),
         ("QOS_SLOTS", layout.SLOTS),
         ("QOS_LIMIT_REQ", layout.QOS_LIMIT_REQ),
         ("QOS_LIMIT_CONN", layout.QOS_LIMIT_CONN),

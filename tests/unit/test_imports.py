@@ -32,8 +32,6 @@ LIST_USERS = {"qosagent.daemon", "qosagent.cli", "qosagent.status"}
 ALLOWED: dict[tuple[str, str], str] = {
     ("qosagent.admission.inputs", "qosagent.quota.rules"):
         "shed: admission takes its baselines from QuotaPart, not from quota's rules",
-    ("qosagent.latency.datapath", "qosagent.quota.datapath"):
-        "lean: the path of quota's pinned flow map moves down a floor",
 }
 # Circles, by their members, with the same rule.
 ALLOWED_CIRCLES: dict[frozenset[str], str] = {
