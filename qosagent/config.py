@@ -209,11 +209,18 @@ class Config(Section):
         return self.tiers[tenant.tier]
 
     def watched_ports(self) -> list[int]:
-        """Local ports whose sockets are measured (and, with quota on, classified): defaults plus tenant ports."""
+        """The watched ports: latency.ports and the tenants' ports. Their requests are timed and, with quota on,
+        classified (the quota map `watched_ports`); inference servers are looked for on them."""
         ports = set(self.latency.ports)
         for t in self.tenants:
             ports.update(t.match.ports)
         return sorted(ports)
+
+    def tracked_ports(self) -> list[int]:
+        """The tracked ports: the watched ports and latency.multiplexed_ports. Latency tracks the connections on them
+        (those on multiplexed ports counted, not timed), and a network namespace where one listens is a serving
+        one (netns)."""
+        return sorted(set(self.watched_ports()) | set(self.latency.multiplexed_ports))
 
 
 class ConfigError(Exception):

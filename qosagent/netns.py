@@ -1,7 +1,7 @@
-"""Serving network namespaces: where a watched port listens outside the agent's own namespace (a pod behind a
-veth pair), the addresses each holds, the tenants its processes match, and the host-side veths that lead into each.
-One reading for every capability that follows pods (quota's classifier, latency's attribution): `Follower`, one of the
-agent's services (qosagent/services.py), scans /proc once per NETNS_EVERY however many ask.
+"""Serving network namespaces: where a tracked port (Config.tracked_ports) listens outside the agent's own namespace
+(a pod behind a veth pair), the addresses each holds, the tenants its processes match, and the host-side veths that
+lead into each. One reading for every capability that follows pods (quota's classifier, latency's attribution):
+`Follower`, one of the agent's services (qosagent/services.py), scans /proc once per NETNS_EVERY however many ask.
 
 Read from /proc through HostFS (the DaemonSet has hostPID): a process's /proc/PID/ns/net names its namespace by
 inode, /proc/PID/net/tcp{,6} lists that namespace's sockets (read by qosagent/listeners.py). The host side of a veth
@@ -28,7 +28,7 @@ from qosagent.tenants import tenant_id
 if TYPE_CHECKING:
     from pyroute2 import IPRoute
 
-    from qosagent.config import Config, TenantConfig
+    from qosagent.config import TenantConfig
     from qosagent.pods.model import Pod
 
 # How often serving network namespaces are looked for (a scan of /proc: a stat per process).
@@ -38,8 +38,8 @@ NETNS_EVERY = 1.0
 @dataclass(frozen=True)
 class ServingNs:
     ino: int  # the namespace's inode (what /proc/PID/ns/net links to)
-    pid: int  # a process in it that serves a watched port (for its /proc entries)
-    ports: frozenset[int]  # watched ports listening there
+    pid: int  # a process in it that serves a tracked port (for its /proc entries)
+    ports: frozenset[int]  # tracked ports listening there
     cmdlines: tuple[str, ...] = field(default=(), compare=False)  # every process in it (for process tenants)
     # Its own addresses, 16 bytes each (IPv4 mapped), loopback and link-local left out: what a server socket there
     # has as its local address when a client reaches it through the network (latency's key for process tenants,
@@ -101,16 +101,16 @@ RECHECK_IDLE, RECHECK_SERVING = 2.0, 10.0
 
 @dataclass
 class ListenCache:
-    """Per namespace inode: (monotonic time read, listening ports, its addresses when it serves a watched port)."""
+    """Per namespace inode: (monotonic time read, listening ports, its addresses when it serves a tracked port)."""
 
     read: dict[int, tuple[float, frozenset[int], frozenset[bytes]]] = field(default_factory=dict)
 
 
-def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cmdlines: bool,
+def serving_namespaces(fs: HostFS, tracked: Iterable[int], own_ino: int, with_cmdlines: bool,
                        cache: ListenCache | None = None, now: float = 0.0) -> dict[int, ServingNs]:
-    """Namespaces other than own_ino where a watched port listens, by inode. With a cache, a namespace's listeners
+    """Namespaces other than own_ino where a tracked port listens, by inode. With a cache, a namespace's listeners
     are taken from it while they are recent enough (RECHECK_*); a new namespace is always read."""
-    watched = set(watched)
+    tracked = set(tracked)
     members: dict[int, list[int]] = {}
     # Once a second over every process: plain strings and os.stat, not a Path per process.
     proc = str(fs.path("/proc"))
@@ -126,13 +126,13 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
     out = {}
     for ino, pids in members.items():
         # One process's view of the namespace's sockets is every process's: the first readable one is enough.
-        # Its addresses are read with its listeners, and only where a watched port listens: a pod's address is
+        # Its addresses are read with its listeners, and only where a tracked port listens: a pod's address is
         # set up before its containers start, and every reading is a few hundred bytes from the kernel.
         hit = cache.read.get(ino) if cache is not None else None
         ports: set[int] | frozenset[int] | None = None
         addrs: frozenset[bytes] = frozenset()
         reader = pids[0]
-        if hit is not None and now - hit[0] < (RECHECK_SERVING if hit[1] & watched else RECHECK_IDLE):
+        if hit is not None and now - hit[0] < (RECHECK_SERVING if hit[1] & tracked else RECHECK_IDLE):
             ports, addrs = hit[1], hit[2]
         else:
             for pid in pids:
@@ -142,17 +142,17 @@ def serving_namespaces(fs: HostFS, watched: Iterable[int], own_ino: int, with_cm
                     # The one that answered names the namespace: an earlier one has exited since it was listed,
                     # and quota would find no veth through its gone /proc/PID/ns/net.
                     reader = pid
-                    addrs = local_addresses(fs, pid) if ports & watched else frozenset()
+                    addrs = local_addresses(fs, pid) if ports & tracked else frozenset()
                     break
             if cache is not None and ports is not None:
                 cache.read[ino] = (now, frozenset(ports), addrs)
-        if not ports or not ports & watched:
+        if not ports or not ports & tracked:
             continue
         cmdlines: tuple[str, ...] = ()
         if with_cmdlines:
             cmdlines = tuple(c.replace("\0", " ").strip() for c in
                              (fs.try_read(f"/proc/{p}/cmdline") for p in pids) if c)
-        out[ino] = ServingNs(ino, reader, frozenset(ports & watched), cmdlines, addrs, tuple(pids))
+        out[ino] = ServingNs(ino, reader, frozenset(ports & tracked), cmdlines, addrs, tuple(pids))
     if cache is not None:
         for gone in cache.read.keys() - members.keys():
             del cache.read[gone]
@@ -223,14 +223,8 @@ def namespace_tenants(rules: Iterable[NsRule], ns: ServingNs, pod: "Pod | None")
     return out
 
 
-def serving_ports(cfg: "Config") -> list[int]:
-    """The ports a namespace serves when one of them listens there: every port the agent watches, the multiplexed
-    ones (latency.multiplexed_ports, counted but not timed) included."""
-    return sorted(set(cfg.watched_ports()) | set(cfg.latency.multiplexed_ports))
-
-
 class Follower(Service):
-    """The serving namespaces as of the last scan, scanned again when NETNS_EVERY has passed or the watched ports or
+    """The serving namespaces as of the last scan, scanned again when NETNS_EVERY has passed or the tracked ports or
     the need for command lines (process rules) changed: quota and latency each ask when they follow pods, and one
     scan serves both. What each makes of the namespaces is in its own part; the scan has none of its own."""
 
@@ -248,9 +242,9 @@ class Follower(Service):
         self._asked: tuple[frozenset[int], bool] | None = None
         self.found: dict[int, ServingNs] = {}
 
-    def current(self, watched: Iterable[int], cmdlines: bool, now: float) -> dict[int, ServingNs]:
-        """The namespaces where one of `watched` listens; with `cmdlines`, their processes' command lines too."""
-        asked = (frozenset(watched), cmdlines)
+    def current(self, tracked: Iterable[int], cmdlines: bool, now: float) -> dict[int, ServingNs]:
+        """The namespaces where one of `tracked` listens; with `cmdlines`, their processes' command lines too."""
+        asked = (frozenset(tracked), cmdlines)
         if asked != self._asked:
             self._every.again()
             if self._asked is not None and asked[0] != self._asked[0]:

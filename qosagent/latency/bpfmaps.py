@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from qosagent.config import Config
 from qosagent.hist import NBUCKETS
-from qosagent.netns import serving_ports
 from qosagent.tenants import UNMATCHED_ID
 
 # Histogram kinds and counters, as numbered in bpf/include/lat_state.h. A slot's rows are KINDS * slot + kind.
@@ -61,10 +59,6 @@ def slots_for(tenants: int) -> int:
     while n < need:
         n *= 2
     return n
-
-
-def watched(cfg: Config) -> list[int]:
-    return serving_ports(cfg)
 
 
 @dataclass(frozen=True)

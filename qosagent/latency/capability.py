@@ -130,14 +130,14 @@ class Latency(Capability):
         self._maps = None
         adopt.set_listing(dp.bpf, True)
         self._write_maps(dp.plan(self.ctx.config))
-        watched = set(bm.watched(self.ctx.config))
+        tracked = set(self.ctx.config.tracked_ports())
         root = None
         # Maps first, hooks last: a connection established before the tenant maps were written would be resolved
         # against empty ones.
         if self.mode == "sockops":
             self.watch = CgroupWatch(dp.bpf, self.ctx.hostfs, links.cgroup_root(self.ctx.hostfs), self.ctx.clock)
             try:
-                self.watch.start(watched, [p for ns in self._serving_namespaces(watched) for p in ns.pids])
+                self.watch.start(tracked, [p for ns in self._serving_namespaces(tracked) for p in ns.pids])
             except CapabilityError:
                 self._release()
                 raise
@@ -145,11 +145,11 @@ class Latency(Capability):
             root = self._attach_egress_root()
         self.adopter = adopt.Adopter(dp.bpf, self.ctx.hostfs, self.ctx.clock, self.watch, root,
                                      elsewhere=self._serving_pids)
-        self.adopter.open(watched)
+        self.adopter.open(tracked)
         self.programs = dp.program_ids(self.ctx.hostfs)
         log.info("latency probes attached (%s mode, %d programs, clock from %s, run-queue %s) on ports %s",
                  self.mode, self.attached(), "arrival" if self.arrival else "first read",
-                 "on" if self.runq else "off", bm.watched(self.ctx.config))
+                 "on" if self.runq else "off", self.ctx.config.tracked_ports())
         self.verdict = self.verified(self.verdict)
 
     def verified(self, verdict: Verdict) -> Verdict:
@@ -163,7 +163,7 @@ class Latency(Capability):
         rooted += ["lat_egress"] if self._egress_root_link is not None else []
         assert self.dp is not None
         try:
-            silent = selftest.check(self.dp.fds(rooted + self.dp.traced()), set(bm.watched(self.ctx.config)))
+            silent = selftest.check(self.dp.fds(rooted + self.dp.traced()), set(self.ctx.config.tracked_ports()))
         except selftest.Unverifiable as e:
             # Said, not degraded: the documented unit runs without CAP_SYS_ADMIN, and a capability degraded on every
             # such host would be a false alarm (and an agent never ready).
@@ -232,7 +232,7 @@ class Latency(Capability):
         force say (during a reload's commit, the new config's, which the context holds only after it)."""
         assert self._maps is not None
         found = self.ctx.service(netns.Follower).current(
-            self._maps.watched, any(not r.by_pod for r in self._maps.namespace_rules), self.ctx.clock())
+            self._maps.tracked, any(not r.by_pod for r in self._maps.namespace_rules), self.ctx.clock())
         return [ns for ns in found.values() if ns.ports & ports]
 
     def _serving_pids(self, ports: set[int]) -> list[int]:
@@ -244,7 +244,7 @@ class Latency(Capability):
         go."""
         assert self._pods is not None
         # The pods settings in force (a reload's new ones from the next follow on); only start lists before the first.
-        self._pods.follow(m.namespace_rules, m.watched, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()},
+        self._pods.follow(m.namespace_rules, m.tracked, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()},
                           self.ctx.config.pods, starting=self._maps is None)
 
     def prepare(self, config: "Config") -> Change:
@@ -257,7 +257,7 @@ class Latency(Capability):
     def _write_maps_adopting(self, m: MapsPlan) -> None:
         """_write_maps, then the connections already open on the ports m newly watches taken under observation."""
         assert self._maps is not None
-        added = set(m.watched) - set(self._maps.watched)
+        added = set(m.tracked) - set(self._maps.tracked)
         assert self.adopter is not None and self.dp is not None
         try:
             adopt.set_listing(self.dp.bpf, bool(added))
@@ -276,7 +276,7 @@ class Latency(Capability):
         if self.runq:
             runq.refresh_threads(self.dp.map("runq_tgids"), self.dp.map("runq_pids"), self.ctx.hostfs)
         assert self.adopter is not None
-        self.adopter.maintain(set(bm.watched(self.ctx.config)))
+        self.adopter.maintain(set(self.ctx.config.tracked_ports()))
         assert self._maps is not None
         self._follow_pods(self._maps)
         if self.watch is not None:

@@ -6,7 +6,7 @@ latency probes see a connection where it is established (the inet_sock_set_state
 segment of an adopted one), and all any of them carry is the socket's addresses and ports: tracing programs are
 refused bpf_get_netns_cookie (checked on 6.18: sock_ops and cgroup_skb may call it, raw tracepoints may not), and a
 socket's namespace is otherwise only in kernel structs we do not read. A pod's own addresses are its name there:
-lat_netns maps (local address, port or 0 for any watched port) to the tenant of the namespace that holds the address.
+lat_netns maps (local address, port or 0 for any tracked port) to the tenant of the namespace that holds the address.
 
 The namespaces come from the agent's one scan of /proc (qosagent.netns.Follower, shared with quota), their addresses
 from /proc/PID/net without entering them. An address two serving namespaces both hold (isolated networks reusing a
@@ -37,14 +37,14 @@ Key = tuple[bytes, int]  # (16-byte local address, port or 0)
 MAX_ENTRIES = 4096  # LAT_NETNS_MAX of bpf/include/lat_state.h: 1000 pods with two addresses on two ports each
 
 
-def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], watched: Iterable[int],
+def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule], tracked: Iterable[int],
             pod_in: "Callable[[int], Pod | None]" = lambda ino: None
             ) -> tuple[dict[Key, int], dict[int, dict[int, int]], set[bytes]]:
-    """What lat_netns holds for these namespaces: (address, port) -> tenant, a tenant of any watched port (0) entered
+    """What lat_netns holds for these namespaces: (address, port) -> tenant, a tenant of any tracked port (0) entered
     under each of them (one lookup in the kernel, not two); each namespace's tenants by port (as
     netns.namespace_tenants gives them, with its pod from pod_in); and the addresses left out because two namespaces
     hold them."""
-    watched = sorted(watched)
+    tracked = sorted(tracked)
     rules = list(rules)
     owners: dict[bytes, set[int]] = {}
     for ino, ns in found.items():
@@ -60,7 +60,7 @@ def entries(found: Mapping[int, netns.ServingNs], rules: Iterable[netns.NsRule],
         tenants[ino] = by_port
         for a in ns.addrs - shared:
             for port, tid in by_port.items():
-                for p in [port] if port else watched:
+                for p in [port] if port else tracked:
                     out.setdefault((a, p), tid)  # a tenant of that port before one of any port
     return out, tenants, shared & {a for ino in tenants for a in found[ino].addrs}
 
@@ -81,17 +81,17 @@ class PodTenants:
         self.overflow = 0  # entries wanted when more than MAX_ENTRIES, as last warned of
         self.followed: tuple[dict[str, Any], ...] = ()
 
-    def follow(self, rules: Iterable[netns.NsRule], watched: Iterable[int], now: float,
+    def follow(self, rules: Iterable[netns.NsRule], tracked: Iterable[int], now: float,
                names: Mapping[int, str], pods_config: "PodsConfig", starting: bool = False) -> bool:
         """Bring lat_netns up to date; True when it changed. Without process or pods rules nothing is scanned for
         it. A namespace's pod comes from the agent's one listing of the runtime's pods (the Pods service), the one
         quota uses too: any serving namespace, with or without quota, a veth or a classified port."""
-        rules, watched = list(rules), list(watched)
+        rules, tracked = list(rules), list(tracked)
         found = (services_mod.shared(self.services, netns.Follower, self.fs, self.clock).current(
-            watched, any(not r.by_pod for r in rules), now) if rules else {})
+            tracked, any(not r.by_pod for r in rules), now) if rules else {})
         pods = services_mod.shared(self.services, Pods, self.fs, self.clock)
         pods.current(any(r.by_pod for r in rules), pods_config, starting)
-        want, tenants, shared = entries(found, rules, watched, lambda ino: pods.pod_of(found[ino]))
+        want, tenants, shared = entries(found, rules, tracked, lambda ino: pods.pod_of(found[ino]))
         wanted = len(want)
         if wanted > MAX_ENTRIES:
             if wanted != self.overflow:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from qosagent.latency import bpfmaps as bm
 from qosagent.netns import NsRule, ns_rules
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, tenant_entries, tenant_table
 
@@ -21,7 +20,7 @@ class MapsPlan:
     slots: dict[int, int]  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched traffic's
     ports: dict[int, int]  # port -> the tenant that claims it alone
     cidrs: tuple[Any, ...]
-    watched: tuple[int, ...]
+    tracked: tuple[int, ...]
     mux: tuple[int, ...]
     window: float
     # match.process and match.pods tenants, for lat_netns (qosagent/latency/pods.py)
@@ -48,6 +47,6 @@ def plan(cfg: "Config", have: Mapping[int, int], nslots: int) -> MapsPlan:
     """The maps as cfg wants them, the slots given so far kept; ValueError for a config they cannot hold."""
     table = tenant_table(cfg)
     ports, cidrs = tenant_entries(cfg)
-    return MapsPlan(table, assign_slots(have, table, nslots), dict(ports), tuple(cidrs), tuple(bm.watched(cfg)),
+    return MapsPlan(table, assign_slots(have, table, nslots), dict(ports), tuple(cidrs), tuple(cfg.tracked_ports()),
                     tuple(cfg.latency.multiplexed_ports), cfg.latency.window,
                     tuple(ns_rules(cfg.tenants)))

@@ -270,7 +270,7 @@ class Quota(Capability):
         veths: dict[int, list[tuple[int, str]]] = {}
         if cfg.quota.namespaces:
             found = self.ctx.service(netns.Follower).current(
-                netns.serving_ports(cfg), any(not r.by_pod for r in rules), self.ctx.clock())
+                cfg.tracked_ports(), any(not r.by_pod for r in rules), self.ctx.clock())
             classified = set(cfg.watched_ports())
             found = {ino: ns for ino, ns in found.items() if ns.ports & classified}
             with tc.IPRoute() as ipr:

@@ -14,7 +14,7 @@ class QuotaConfig(Section):
     interfaces: list[str] = Field(default_factory=list)
     # Adaptive limits (from admission) are honoured in the kernel only while the agent's heartbeat is younger than
     # this; then the configured baseline applies again, so a dead agent never leaves a tenant shed.
-    # Also classify requests into the network namespaces where a watched port listens (pods): on the egress of each
+    # Also classify requests into the network namespaces where a tracked port listens (pods): on the egress of each
     # host-side veth into one, followed as namespaces come and go.
     namespaces: bool = True
     heartbeat_timeout: Duration = 5.0

@@ -45,8 +45,8 @@ def test_cidr_tenants_are_ipv4_mapped_and_prefixed_by_the_port() -> None:
     assert len(cidrs) == 3
 
 
-def test_watched_ports_include_tenant_and_multiplexed_ports() -> None:
-    assert bm.watched(parse(CFG, "t")) == [8000, 9001, 18001, 18003, 18004]
+def test_tracked_ports_are_the_watched_ones_and_the_multiplexed_ones() -> None:
+    assert parse(CFG, "t").tracked_ports() == [8000, 9001, 18001, 18003, 18004]
 
 
 def row(sum_ns: int, counts: dict[int, int]) -> bytes:
