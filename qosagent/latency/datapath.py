@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qosagent.capability import CapabilityError
 from qosagent.ebpf.loader import BpfError, compile_program
 from qosagent.ebpf.maps import ArrayRange, Map, sync
+from qosagent.ebpf.pins import tenant_flows
 from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import slots
@@ -166,6 +167,4 @@ def _flows_defines(cfg: "Config") -> dict[str, object]:
     """Attribute header-matched tenants through the quota classifier's pinned flow map (quota starts first)."""
     if not (cfg.quota.enabled and any(t.match.header for t in cfg.tenants)):
         return {}
-    from qosagent.ebpf.pins import tenant_flows
-
     return {"QOS_FLOWS_PIN": f'"{tenant_flows(cfg.bpf.pin_root)}"', "QOS_FLOWS": cfg.quota.flow_entries}

@@ -8,7 +8,10 @@ TYPE_CHECKING alike.
 - a capability imports another capability only through its typed part (`<capability>/model.py`), and
   `qosagent/config.py` each package's schema (`<package>/config.py`), which sits on the shared floor;
 - only the daemon's own endpoints (the CLI, the status socket, /metrics, /readyz) import the daemon, and only the
-  daemon, the CLI and status the list of capabilities.
+  daemon, the CLI and status the list of capabilities;
+- the project's own modules are imported inside a function only by the CLI (each command loads what it runs):
+  elsewhere such an import hides a circle or a floor. Heavy third-party modules (bcc, pyroute2, grpc, pynvml) stay
+  imported where they are used, which these rules do not read.
 """
 
 from __future__ import annotations
@@ -71,6 +74,21 @@ def imports(mods: dict[str, Path]) -> dict[str, dict[str, int]]:
                     found.setdefault(t, node.lineno)
         graph[name] = found
     return graph
+
+
+def lazy_imports(mods: dict[str, Path]) -> list[tuple[str, int, str]]:
+    """(module, line, imported) for each import of the project's modules inside a function."""
+    out = []
+    for name, path in mods.items():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("qosagent"):
+                    out.append((name, node.lineno, node.module or ""))
+                elif isinstance(node, ast.Import):
+                    out += [(name, node.lineno, a.name) for a in node.names if a.name.startswith("qosagent")]
+    return sorted(set(out))
 
 
 def capability_packages(package: Path = PACKAGE) -> set[str]:
@@ -172,6 +190,7 @@ def test_the_rules_see_imports_wherever_they_are(tmp_path: Path) -> None:
     (pkg / "hostfs.py").write_text("import qosagent.face\n")
     mods = modules(pkg)
     graph = imports(mods)
+    assert lazy_imports(mods) == [("qosagent.face", 2, "qosagent.a")]
     assert graph["qosagent.face"] == {"qosagent.a.capability": 2}
     assert set(graph["qosagent.a.capability"]) == {"qosagent.face", "qosagent.b.capability", "qosagent.b.model"}
     assert circles(graph) == [frozenset({"qosagent.face", "qosagent.a.capability"})]
@@ -197,6 +216,13 @@ def test_each_module_imports_only_its_own_floor_and_below() -> None:
                               for (m, t), why in sorted(new.items()))
     gone = set(ALLOWED) - set(found)
     assert not gone, f"no longer offences, take them out of ALLOWED: {sorted(gone)}"
+
+
+def test_only_the_cli_imports_the_project_inside_functions() -> None:
+    mods = modules()
+    found = [f"{mods[m].relative_to(ROOT)}:{line}: imports {t}" for m, line, t in lazy_imports(mods)
+             if m != "qosagent.cli"]
+    assert not found, "imports of the project's modules inside functions (move them to the top):\n" + "\n".join(found)
 
 
 def test_the_faces_import_no_implementation() -> None:
