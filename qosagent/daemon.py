@@ -65,8 +65,7 @@ def gpu_backend(cfg: Config) -> GpuBackend:
 
 
 class Agent:
-    def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None,
-                 kinds: Sequence[type[Capability]] | None = None):
+    def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None):
         self.config = cfg
         self.config_path = config_path
         self.hostfs = hostfs
@@ -78,7 +77,7 @@ class Agent:
             self._gpu_retry.due(time.monotonic())  # just opened: the first retry is a period away
         self.ctx = AgentContext(config=cfg, hostfs=hostfs, gpu=self.gpu)
         # Every capability there is, in start and tick order (qosagent/capabilities.py); those running, started.
-        self.kinds: Sequence[type[Capability]] = capabilities.CAPABILITIES if kinds is None else kinds
+        self.kinds: Sequence[type[Capability]] = capabilities.CAPABILITIES
         self.capabilities: list[Capability] = []
         # The services the enabled capabilities use, made at start, stopped after the last capability.
         self.services: list[Service] = []
