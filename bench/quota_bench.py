@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from qosagent.config import parse  # noqa: E402
 from qosagent.ebpf.testrun import test_run  # noqa: E402
 from qosagent.quota import datapath as dp  # noqa: E402
-from qosagent.quota.capability import _baseline_buckets  # noqa: E402
+from qosagent.quota.rules import baseline_buckets  # noqa: E402
 from testkit.agent import AgentProcess  # noqa: E402
 from testkit.quota_packets import ACK, ipv4, request, tcp  # noqa: E402
 
@@ -77,7 +77,7 @@ def prog_costs() -> dict[str, float]:
                       "match": {"header": {"name": "X-Tenant-ID", "value": "acme"}}}]}, "bench")
     d = dp.Datapath(cfg)
     try:
-        d.write_config(cfg, _baseline_buckets(cfg))
+        d.write_config(cfg, baseline_buckets(cfg))
         shim = BPF(text=FRONT_MISS_SHIM.encode(), cflags=[f"-I{REPO / 'bpf' / 'include'}",
                                                           f'-DPIN="{dp.pin_dir(cfg)}/quota_config"'])
         shim[b"bench_progs"][ctypes.c_int(0)] = ctypes.c_int(d.prog.fd)

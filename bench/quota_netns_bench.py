@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from qosagent.config import parse  # noqa: E402
 from qosagent.quota import datapath as dp  # noqa: E402
-from qosagent.quota.capability import _baseline_buckets  # noqa: E402
+from qosagent.quota.rules import baseline_buckets  # noqa: E402
 from qosagent.tenants import tenant_id  # noqa: E402
 
 ROUNDS, SECONDS = 5, 4
@@ -69,7 +69,7 @@ def main() -> None:
                      "tenants": [{"name": "pod", "tier": "gold", "match": {"process": "nginx"},
                                   "quota": {"rps": 1e9, "burst": 1000000}}]}, "bench")
         d = dp.Datapath(cfg)
-        d.write_config(cfg, _baseline_buckets(cfg))
+        d.write_config(cfg, baseline_buckets(cfg))
         tid = tenant_id("pod")
         d.set_netns({(ifindex(node, "pa"), 8000): tid, (ifindex(pod, "eth0"), 8000): tid})
         prog = f"{dp.pin_dir(cfg)}/{dp.PROG_PIN}"

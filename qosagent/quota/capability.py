@@ -1,5 +1,6 @@
 """Per-tenant quotas in the kernel: the quota capability's face (probe, start, collect, prepare, stop, detach),
-the adaptive-limit writer offered to admission, and its metrics and status."""
+wiring its datapath, where it sits (interfaces.py), the limits writer offered to admission (limits.py) and what it
+shows (export.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,20 @@ import collections
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable
 
-from qosagent import listeners, netns
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
-from qosagent.config import UNMATCHED, Config
-from qosagent.hostfs import HostFS
+from qosagent.config import Config
+from qosagent import netns
 from qosagent.pods import service as pods_service
 from qosagent.pods.cri import CriError, grpc_module
 from qosagent.pods.service import Pods
 from qosagent.quota import datapath as dp
-from qosagent.quota import tc
+from qosagent.quota import export, tc
+from qosagent.quota.interfaces import NamespaceEgress, interfaces
+from qosagent.quota.limits import FleetWriter, LimitsWriter
 from qosagent.quota.model import QuotaPart, TenantQuota
-from qosagent.quota.rules import Bucket, baseline, bucket, with_floor
-from qosagent.schedule import Every
+from qosagent.quota.rules import baseline, baseline_buckets, bucket, with_floor
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, tenant_id, tenant_table
 
@@ -32,38 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("qosagent.quota")
 
 
-def interfaces(cfg: Config, fs: HostFS) -> list[str]:
-    """quota.interfaces, or lo plus the interfaces whose addresses a listener on a watched port is bound to."""
-    if cfg.quota.interfaces:
-        return list(cfg.quota.interfaces)
-    import psutil
-
-    bound = set()
-    for s in listeners.on_ports(fs, cfg.watched_ports()):
-        try:
-            bound.add(s.address)
-        except (ValueError, OSError):
-            continue  # a row the kernel would not write
-    out = ["lo"]
-    for name, addrs in sorted(psutil.net_if_addrs().items()):
-        if name == "lo":
-            continue
-        ips = {a.address.split("%")[0] for a in addrs if a.family.name in ("AF_INET", "AF_INET6")}
-        if ips and (bound & ips or bound & {"0.0.0.0", "::"}):
-            out.append(name)
-    return out
-
-
-def _baseline_buckets(cfg: Config) -> dict[int, tuple[Bucket | None, Bucket | None]]:
-    out = {}
-    for name, spec in baseline(cfg).items():
-        req = bucket(spec.requests.rps, spec.requests.burst) if spec.requests else None
-        conn = bucket(spec.connections.rps, spec.connections.burst) if spec.connections else None
-        if req or conn:
-            out[tenant_id(name)] = (req, conn)
-    return out
-
-
 @dataclass(frozen=True)
 class _Written:
     """What a config makes of the datapath: kept for the old config too, so a reload can be undone."""
@@ -72,45 +41,6 @@ class _Written:
     interfaces: list[str]
     derived: tuple[dict[str, Any], dict[int, TenantInfo]]
     overrides: dict[str, TenantLimit]
-
-
-class LimitsWriter:
-    """tenants.LimitsWriter over the quota maps: overrides are clamped to the tier floor and expire in the kernel
-    with the heartbeat."""
-
-    def __init__(self, quota: "Quota"):
-        self.quota = quota
-
-    def baseline(self) -> Mapping[str, TenantLimit]:
-        return {n: s.requests for n, s in self.quota.specs.items() if s.requests is not None}
-
-    def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
-        specs = self.quota.specs
-        out = {}
-        for name, lim in limits.items():
-            if name not in specs:  # e.g. removed by a reload the caller has not seen yet
-                log.warning("override for unknown tenant %r ignored", name)
-                continue
-            lim = with_floor(lim, specs[name].floor)
-            out[tenant_id(name)] = bucket(lim.rps, lim.burst)
-        self.quota.overrides = {n: v for n, v in limits.items() if n in specs}
-        if self.quota.datapath is not None:
-            self.quota.datapath.set_overrides(out)
-
-
-class FleetWriter:
-    """tenants.FleetWriter over the quota maps: each share is one more limit (the lowest holds), ending in the
-    kernel with its lease or the heartbeat."""
-
-    def __init__(self, quota: "Quota"):
-        self.quota = quota
-
-    def set_shares(self, shares: Mapping[str, tuple[TenantLimit, int]]) -> None:
-        known = {n: v for n, v in shares.items() if n in self.quota.specs}
-        self.quota.fleet = known
-        if self.quota.datapath is not None:
-            self.quota.datapath.set_fleet({tenant_id(n): (bucket(lim.rps, lim.burst), until)
-                                           for n, (lim, until) in known.items()})
 
 
 class Quota(Capability):
@@ -125,11 +55,7 @@ class Quota(Capability):
         self.fleet: dict[str, tuple[TenantLimit, int]] = {}  # tenant -> fleet share, end of its lease (ktime ns)
         self.attached: list[str] = []
         self.others: list[str] = []
-        # Serving network namespaces followed: the host-side veths into each (inode -> (ifindex, name)), where the
-        # classifier is on egress, and what status shows of them.
-        self.egress: dict[int, list[tuple[int, str]]] = {}
-        self.followed: tuple[dict[str, Any], ...] = ()
-        self._follow_every = Every(netns.NETNS_EVERY)
+        self.namespaces = NamespaceEgress(ctx)
         self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
             collections.deque(maxlen=64)
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
@@ -192,7 +118,7 @@ class Quota(Capability):
         self.specs, self.table = self._derive(cfg)
         try:
             self.datapath = dp.Datapath(cfg)
-            self.datapath.write_config(cfg, _baseline_buckets(cfg))
+            self.datapath.write_config(cfg, baseline_buckets(cfg))
             self.attached = interfaces(cfg, self.ctx.hostfs)
             for line in self.datapath.attach(self.attached):
                 log.info("%s", line)
@@ -210,7 +136,7 @@ class Quota(Capability):
         assert self.datapath is not None
         self.datapath.heartbeat()
         # Serving network namespaces come and go (pods): followed on their own schedule, not by a restart.
-        if self._follow_every.due(self.ctx.clock()):
+        if self.namespaces.every.due(self.ctx.clock()):
             self._follow()
 
     def collect(self) -> QuotaPart:
@@ -257,53 +183,11 @@ class Quota(Capability):
         return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
                          unmatched_counts=r.counts.get(UNMATCHED_ID, (0, 0, 0, 0)), passed=dict(r.stats),
                          interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others),
-                         namespaces=self.followed)
+                         namespaces=self.namespaces.shown)
 
     def _follow(self, starting: bool = False) -> None:
-        d = self.datapath
-        assert d is not None
-        cfg = self.ctx.config
-        rules = netns.ns_rules(cfg.tenants)
-        pods = self.ctx.service(Pods)
-        pods.current(any(r.by_pod for r in rules), cfg.pods, starting)
-        found: dict[int, netns.ServingNs] = {}
-        veths: dict[int, list[tuple[int, str]]] = {}
-        if cfg.quota.namespaces:
-            found = self.ctx.service(netns.Follower).current(
-                cfg.tracked_ports(), any(not r.by_pod for r in rules), self.ctx.clock())
-            classified = set(cfg.watched_ports())
-            found = {ino: ns for ino, ns in found.items() if ns.ports & classified}
-            with tc.IPRoute() as ipr:
-                veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
-        pod = {ino: pods.pod_of(found[ino]) for ino in veths}
-        tenants = {ino: netns.namespace_tenants(rules, found[ino], pod[ino]) for ino in veths}
-        entries = {(idx, port): tid for ino, vs in veths.items() for idx, _ in vs
-                   for port, tid in tenants[ino].items()}
-        d.set_netns(entries)
-        for line in d.attach(self.attached, [name for vs in veths.values() for _, name in vs]):
-            log.info("%s", line)
-        names = {tid: info.name for tid, info in self.table.items()}
-        before = {n["netns"]: n["tenants"] for n in self.followed}
-        shown = {ino: {str(p or "any"): names.get(t, str(t)) for p, t in tenants[ino].items()} for ino in veths}
-        for ino in veths.keys() - self.egress.keys():
-            ns = found[ino]
-            log.info("following network namespace %d (pid %d, ports %s%s) through %s%s", ino, ns.pid,
-                     ",".join(map(str, sorted(ns.ports))), f", pod {pod[ino].ref}" if pod[ino] else "",
-                     ", ".join(n for _, n in veths[ino]), "".join(f"; port {p}: tenant {t}"
-                                                                  for p, t in shown[ino].items()))
-        for ino in veths.keys() & self.egress.keys():
-            if before.get(ino) != shown[ino]:  # its pod became known, or unknown, or changed its labels
-                log.info("network namespace %d%s: tenants now %s", ino,
-                         f" (pod {pod[ino].ref})" if pod[ino] else "",
-                         ", ".join(f"port {p}: {t}" for p, t in shown[ino].items()) or "by port and CIDR")
-        for ino in self.egress.keys() - veths.keys():
-            log.info("network namespace %d no longer serves here (gone, or its veth is): its rules removed", ino)
-        self.egress = veths
-        # As status shows them: worked out here, when they change, not in every tick's collect.
-        self.followed = tuple({
-            "netns": ino, "pid": found[ino].pid, "ports": sorted(found[ino].ports),
-            "egress": [n for _, n in vs], "pod": pod[ino].ref if pod[ino] else None, "tenants": shown[ino],
-        } for ino, vs in sorted(veths.items()))
+        assert self.datapath is not None
+        self.namespaces.follow(self.datapath, self.attached, self.table, starting)
 
     def prepare(self, config: Config) -> Change:
         d = self.datapath
@@ -325,14 +209,14 @@ class Quota(Capability):
     def _write(self, w: "_Written") -> None:
         d = self.datapath
         assert d is not None
-        d.write_config(w.config, _baseline_buckets(w.config))
+        d.write_config(w.config, baseline_buckets(w.config))
         d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in w.overrides.items()})
-        for line in d.attach(w.interfaces, [n for vs in self.egress.values() for _, n in vs]):
+        for line in d.attach(w.interfaces, self.namespaces.names()):
             log.info("%s", line)
         self.attached = list(w.interfaces)
         self.specs, self.table = w.derived
         self.overrides = dict(w.overrides)
-        self._follow_every.again()  # process rules may have changed: the next tick follows afresh
+        self.namespaces.every.again()  # process rules may have changed: the next tick follows afresh
 
     def _failed_start(self) -> None:
         """A start that failed leaves what it adopted enforcing (the previous agent's limits hold); a datapath of
@@ -379,86 +263,13 @@ class Quota(Capability):
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        part = snapshot.part("quota")
-        if not isinstance(part, QuotaPart):
-            return
-        req = CounterMetricFamily("qosagent_quota_requests", "New HTTP/1.x requests (request-start segments) by "
-                                  "verdict", labels=["tenant", "tier", "verdict"])
-        conn = CounterMetricFamily("qosagent_quota_connections", "New connections (SYN) by verdict",
-                                   labels=["tenant", "tier", "verdict"])
-        limit = GaugeMetricFamily("qosagent_quota_limit_rps", "Request-start rate limit in force (baseline or an "
-                                  "adaptive override while the heartbeat is fresh, or the node's fleet share where "
-                                  "lower)", labels=["tenant", "tier"])
-        base = GaugeMetricFamily("qosagent_quota_baseline_rps", "Configured request-start rate limit",
-                                 labels=["tenant", "tier"])
-        tokens = GaugeMetricFamily("qosagent_quota_bucket_tokens", "Request tokens left in the tenant's bucket",
-                                   labels=["tenant", "tier"])
-        for t in part.tenants.values():
-            req.add_metric([t.tenant, t.tier, "admitted"], t.admitted)
-            req.add_metric([t.tenant, t.tier, "dropped"], t.dropped)
-            conn.add_metric([t.tenant, t.tier, "admitted"], t.conn_admitted)
-            conn.add_metric([t.tenant, t.tier, "dropped"], t.conn_dropped)
-            if t.limit is not None:
-                limit.add_metric([t.tenant, t.tier], t.limit.rps)
-            if t.baseline is not None:
-                base.add_metric([t.tenant, t.tier], t.baseline.rps)
-            if t.bucket_tokens is not None:
-                tokens.add_metric([t.tenant, t.tier], t.bucket_tokens)
-        um = part.unmatched_counts
-        req.add_metric([UNMATCHED, "none", "admitted"], um[0])
-        conn.add_metric([UNMATCHED, "none", "admitted"], um[2])
-        yield from (req, conn, limit, base, tokens)
-        passed = CounterMetricFamily("qosagent_quota_passed_packets", "Packets passed without a quota check, by "
-                                     "reason (unmatched: new connections and requests of no tenant)",
-                                     labels=["reason"])
-        for reason, n in sorted(part.passed.items()):
-            passed.add_metric([reason], n)
-        yield passed
+        part = snapshot.part(self.name)
+        return export.metrics(part) if isinstance(part, QuotaPart) else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part = snapshot.part("quota")
-        if not isinstance(part, QuotaPart):
-            return {}
-
-        def lim(x: TenantLimit | None) -> Any:
-            return None if x is None else {"rps": x.rps, "burst": x.burst}
-
-        return {
-            "interfaces": list(part.interfaces),
-            "namespaces": [dict(n) for n in part.namespaces],
-            "pins": part.pins,
-            "others_on_hook": list(part.others_on_hook),
-            "unmatched_packets": part.unmatched_packets,
-            "passed": dict(part.passed),
-            "tenants": [{
-                "tenant": t.tenant, "tier": t.tier, "limit": lim(t.limit), "baseline": lim(t.baseline),
-                "admitted": t.admitted, "dropped": t.dropped, "conn_admitted": t.conn_admitted,
-                "conn_dropped": t.conn_dropped, "admitted_rps": t.admitted_rps, "dropped_rps": t.dropped_rps,
-                "bucket_tokens": t.bucket_tokens,
-            } for t in part.tenants.values()],
-        }
+        part = snapshot.part(self.name)
+        return export.status(part) if isinstance(part, QuotaPart) else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
-        def lim(x: Any) -> str:
-            return "-" if not x else f"{x['rps']:g}/{x['burst']}"
-
-        lines = [f"QUOTA on {', '.join(status.get('interfaces') or [])}  pins {status.get('pins')}  "
-                 f"unmatched packets {status.get('unmatched_packets', 0)}"]
-        for o in status.get("others_on_hook") or []:
-            lines.append(f"  {o}")
-        for n in status.get("namespaces") or []:
-            who = ", ".join(f"port {p}: {t}" for p, t in n["tenants"].items()) or "tenants by port and CIDR"
-            pod = f", pod {n['pod']}" if n.get("pod") else ""
-            lines.append(f"  netns {n['netns']} (pid {n['pid']}, ports {','.join(map(str, n['ports']))}{pod}) "
-                         f"egress of {', '.join(n['egress'])}: {who}")
-        lines.append(f"{'TENANT':<16} {'TIER':<8} {'LIMIT':>10} {'BASELINE':>10} {'ADMIT/S':>8} {'DROP/S':>8} "
-                     f"{'ADMITTED':>9} {'DROPPED':>8} {'CONN_ADM':>8} {'CONN_DROP':>9} {'TOKENS':>7}")
-        for t in status.get("tenants", []):
-            tok = "-" if t.get("bucket_tokens") is None else f"{t['bucket_tokens']:.1f}"
-            lines.append(f"{t['tenant']:<16} {t['tier']:<8} {lim(t['limit']):>10} {lim(t['baseline']):>10} "
-                         f"{t['admitted_rps']:>8.1f} {t['dropped_rps']:>8.1f} {t['admitted']:>9} {t['dropped']:>8} "
-                         f"{t['conn_admitted']:>8} {t['conn_dropped']:>9} {tok:>7}")
-        return "\n".join(lines)
+        return export.render(status)

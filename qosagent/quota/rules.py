@@ -107,3 +107,15 @@ def with_floor(limit: TenantLimit, floor: TenantLimit | None) -> TenantLimit:
     if floor is None:
         return limit
     return TenantLimit(max(limit.rps, floor.rps), max(limit.burst, floor.burst))
+
+
+def baseline_buckets(cfg: Config) -> dict[int, tuple[Bucket | None, Bucket | None]]:
+    """The configured limits as the quota maps hold them: tenant id -> (request bucket, connection bucket), for the
+    tenants with either."""
+    out = {}
+    for name, spec in baseline(cfg).items():
+        req = bucket(spec.requests.rps, spec.requests.burst) if spec.requests else None
+        conn = bucket(spec.connections.rps, spec.connections.burst) if spec.connections else None
+        if req or conn:
+            out[tenant_id(name)] = (req, conn)
+    return out

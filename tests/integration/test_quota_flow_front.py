@@ -11,7 +11,7 @@ import pytest
 from qosagent.config import parse
 from qosagent.ebpf.maps import Map
 from qosagent.quota import datapath as dp
-from qosagent.quota.capability import _baseline_buckets
+from qosagent.quota.rules import baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC, FlowKey, QuotaConf
 from qosagent.tenants import UNMATCHED_ID, tenant_id
 from testkit.quota_packets import SYN, counts, ipv4, loaded, request, run, scratch_pin_root, tcp
@@ -90,7 +90,7 @@ def test_a_reload_that_moves_the_cidr_charges_the_new_tenant(prog, one_cpu):
     gen = rules_gen(prog)
     assert front(prog, one_cpu) == {(40000, 8000): (tenant_id("cidrco"), gen)}
     moved = config(prog.cfg.bpf.pin_root, cidrco=FAR, otherco=NEAR)
-    prog.write_config(moved, _baseline_buckets(moved))
+    prog.write_config(moved, baseline_buckets(moved))
     assert rules_gen(prog) == gen + 1
     assert run(prog, frame) == TC_ACT_UNSPEC
     assert run(prog, frame) == TC_ACT_UNSPEC
@@ -122,11 +122,11 @@ def test_only_a_rule_change_moves_the_generation_and_an_adopted_pin_keeps_it(bpf
         cfg = config(pin_root)
         first = dp.Datapath(cfg)
         try:
-            first.write_config(cfg, _baseline_buckets(cfg))
+            first.write_config(cfg, baseline_buckets(cfg))
             gen = rules_gen(first)
             assert gen == 1  # fresh pins: the first rules are a change
             first.heartbeat()
-            first.write_config(cfg, _baseline_buckets(cfg))  # nothing changed
+            first.write_config(cfg, baseline_buckets(cfg))  # nothing changed
             first.heartbeat()
             assert rules_gen(first) == gen
         finally:
@@ -135,7 +135,7 @@ def test_only_a_rule_change_moves_the_generation_and_an_adopted_pin_keeps_it(bpf
         d = dp.Datapath(moved)
         try:
             assert d.adopted and rules_gen(d) == gen
-            d.write_config(moved, _baseline_buckets(moved))
+            d.write_config(moved, baseline_buckets(moved))
             d.heartbeat()
             assert rules_gen(d) == gen + 1
         finally:

@@ -10,7 +10,7 @@ import pytest
 from qosagent.config import parse
 from qosagent.ebpf.tenant_ports import read_claims
 from qosagent.quota import datapath as dp
-from qosagent.quota.capability import _baseline_buckets
+from qosagent.quota.rules import baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC
 from qosagent.tenants import FLEET_NO_END, UNMATCHED_ID, tenant_id
 from testkit.quota_packets import ACK, SYN, counts, eth, ipv4, ipv6, loaded, request, run, scratch_pin_root, tcp
@@ -228,7 +228,7 @@ def test_a_reload_moves_a_port_claim_and_zeroes_the_old_port(prog):
     assert slot > 0 and claims(prog) == {8100: (tid, slot)}
     # portco moves to 8200; 8100 stays watched, so its traffic goes on to the client-address rules.
     cfg = config(prog.cfg.bpf.pin_root, portco_ports=(8200,), watched=(8000, 8100))
-    prog.write_config(cfg, _baseline_buckets(cfg))
+    prog.write_config(cfg, baseline_buckets(cfg))
     assert claims(prog) == {8200: (tid, slot)}  # the slot stays with the tenant
     for port in (40000, 40001):  # still claimed, the second would be over portco's 1/s
         assert run(prog, ipv4(C4, S4, tcp(port, 8100, payload=request()))) == TC_ACT_UNSPEC
@@ -244,7 +244,7 @@ def test_a_restarted_agent_adopts_the_port_claims_and_zeroes_the_ones_it_drops(p
     frame = ipv4(C4, S4, tcp(40000, 8100, payload=request()))
     cfg = config(pin_root)
     first = dp.Datapath(cfg)
-    first.write_config(cfg, _baseline_buckets(cfg))
+    first.write_config(cfg, baseline_buckets(cfg))
     slot = first.slots[tid]
     assert run(first, frame) == TC_ACT_UNSPEC  # the one token
     first.close()  # the agent dies; the pins stay
@@ -255,7 +255,7 @@ def test_a_restarted_agent_adopts_the_port_claims_and_zeroes_the_ones_it_drops(p
         assert d.adopted
         assert d.ports.written == {8100: (tid, slot)}  # read back from the pinned array
         run(d, frame)  # still portco's until the new config is written (the verdict depends on the time since)
-        d.write_config(moved, _baseline_buckets(moved))
+        d.write_config(moved, baseline_buckets(moved))
         assert claims(d) == {8200: (tid, slot)}
         assert run(d, frame) == TC_ACT_UNSPEC  # 8100: claimed by no one and not watched
         assert run(d, ipv4(C4, S4, tcp(40001, 8200, payload=request()))) in (TC_ACT_UNSPEC, TC_ACT_SHOT)
