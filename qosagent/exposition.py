@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import copy
 import struct
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 
 from qosagent.nativehist import Native, native
 
@@ -239,3 +246,61 @@ def with_deprecated(fams: Iterable[Metric], renamed: Mapping[str, str], was: str
                                f"{fam.documentation}")
         alias.samples = [s._replace(name=old + s.name[len(fam.name):]) for s in fam.samples]
         yield alias
+
+
+# ---- families declared as data -----------------------------------------------------------------------------------
+S = TypeVar("S")
+Series = Iterable[tuple[Sequence[str], Any]]  # (label values, value) per series
+
+
+def _always(_source: Any) -> bool:
+    return True
+
+
+def _add(fam: Metric, labels: Sequence[str], value: Any) -> None:
+    fam.add_metric(labels, value)  # type: ignore[attr-defined]
+
+
+_KINDS: dict[str, Callable[..., Metric]] = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                                            "summary": SummaryMetricFamily, "histogram": NativeHistogramMetricFamily}
+
+
+@dataclass(frozen=True)
+class Family(Generic[S]):
+    """One metric family as a row of its capability's table: what a scrape says of it (name, type, help, labels),
+    where its series come from (`series`, from the exporter's source: a part and what goes with it), whether it is
+    written at all (`shown`: a family left out has no HELP or TYPE either), how one value becomes samples (`add`:
+    add_metric, unless a histogram or summary needs more) and the name it had before a rename (`old`: exposed as a
+    deprecated copy, with_deprecated, while metrics.deprecated_names is on)."""
+
+    name: str
+    type: str  # counter, gauge, summary or histogram (with native histograms for protobuf scrapers)
+    help: str
+    labels: tuple[str, ...]
+    series: Callable[[S], Series]
+    shown: Callable[[S], bool] = _always
+    add: Callable[[Metric, Sequence[str], Any], None] = _add
+    old: str = ""
+
+    def build(self, source: S) -> Metric:
+        fam = _KINDS[self.type](self.name, self.help, labels=list(self.labels))
+        for labels, value in self.series(source):
+            self.add(fam, labels, value)
+        return fam
+
+
+def families(table: Iterable[Family[S]], source: S) -> Iterator[Metric]:
+    """The table's families, in its order, for one source: what every exporter is."""
+    for f in table:
+        if f.shown(source):
+            yield f.build(source)
+
+
+def renamed(table: Iterable[Family[Any]]) -> dict[str, str]:
+    """new name -> old name of the table's renamed families (with_deprecated's `renamed`)."""
+    return {f.name: f.old for f in table if f.old}
+
+
+def one(value: Callable[[S], Any]) -> Callable[[S], Series]:
+    """The series of a family without labels: one value."""
+    return lambda source: (((), value(source)),)

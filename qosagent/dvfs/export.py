@@ -2,82 +2,81 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
-from qosagent.dvfs.model import DvfsPart
-from qosagent.gpu.backend import GpuState
+from prometheus_client.core import Metric
 
-if TYPE_CHECKING:
-    from prometheus_client.core import Metric
+from qosagent.dvfs.model import DvfsPart, PolicyView
+from qosagent.exposition import Family, Series, families, one
+from qosagent.gpu.backend import GpuSample, GpuState
 
 
-def metrics(part: DvfsPart, gpus: GpuState | None) -> Iterable["Metric"]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+@dataclass(frozen=True)
+class Source:
+    """What DVFS's families are read from: its part and the tick's GPU sample (clocks, power, temperature)."""
 
-    temp = GaugeMetricFamily("qosagent_dvfs_temperature_celsius", "Temperature per sensor (valid readings)",
-                             labels=["sensor"])
-    for s, v in sorted(part.temperatures.items()):
-        temp.add_metric([s], v)
-    yield temp
-    bad = CounterMetricFamily("qosagent_dvfs_bad_readings", "Sensor readings discarded, by reason",
-                              labels=["sensor", "reason"])
-    for (s, why), n in sorted(part.bad_readings.items()):
-        bad.add_metric([s, why], n)
-    yield bad
-    yield GaugeMetricFamily("qosagent_dvfs_emergency", "1 while a thermal emergency holds the lowest point",
-                            value=1.0 if part.emergency else 0.0)
-    load = GaugeMetricFamily("qosagent_dvfs_load_ratio", "Smoothed busy fraction of the policy's CPUs",
-                             labels=["policy"])
-    target = GaugeMetricFamily("qosagent_dvfs_target_frequency_hertz", "Frequency of the operating point",
-                               labels=["policy"])
-    cur = GaugeMetricFamily("qosagent_dvfs_current_frequency_hertz", "scaling_cur_freq, read per policy",
-                            labels=["policy"])
-    point = GaugeMetricFamily("qosagent_dvfs_operating_point", "1 for the policy's operating point",
-                              labels=["policy", "point"])
-    trans = CounterMetricFamily("qosagent_dvfs_transitions", "Operating-point changes", labels=["policy"])
-    last = GaugeMetricFamily("qosagent_dvfs_last_change_info", "What caused the policy's last change",
-                             labels=["policy", "kind"])
-    for v in part.policies:
-        if v.load is not None:
-            load.add_metric([v.name], v.load)
-        if v.target_khz is not None:
-            target.add_metric([v.name], v.target_khz * 1000.0)
-        if v.cur_khz is not None:
-            cur.add_metric([v.name], v.cur_khz * 1000.0)
-        if v.point:
-            point.add_metric([v.name, v.point], 1.0)
-            trans.add_metric([v.name], v.transitions)
-            last.add_metric([v.name, v.kind], 1.0)
-    yield from (load, target, cur, point, trans, last)
-    writes = CounterMetricFamily("qosagent_dvfs_writes", "Knob writes by result (same: skipped, value there)",
-                                 labels=["result"])
-    for k, n in sorted(part.writes.items()):
-        writes.add_metric([k], n)
-    yield writes
-    if gpus is not None and gpus.available:
-        fams = {
-            "temperature_c": GaugeMetricFamily("qosagent_dvfs_gpu_temperature_celsius", "GPU temperature",
-                                               labels=["gpu"]),
-            "power_w": GaugeMetricFamily("qosagent_dvfs_gpu_power_watts", "GPU power draw", labels=["gpu"]),
-            "power_limit_w": GaugeMetricFamily("qosagent_dvfs_gpu_power_limit_watts", "Enforced power limit",
-                                               labels=["gpu"]),
-            "sm_clock_mhz": GaugeMetricFamily("qosagent_dvfs_gpu_sm_clock_hertz", "SM clock", labels=["gpu"]),
-            "mem_clock_mhz": GaugeMetricFamily("qosagent_dvfs_gpu_memory_clock_hertz", "Memory clock",
-                                               labels=["gpu"]),
-            "clock_event_reasons": GaugeMetricFamily("qosagent_dvfs_gpu_clock_event_reasons",
-                                                     "NVML clock event reasons bitmask", labels=["gpu"]),
-        }
-        for g in gpus.gpus:
-            for attr, fam in fams.items():
-                val = getattr(g, attr)
-                if val is not None:
-                    fam.add_metric([str(g.index)], val * (1e6 if attr.endswith("_mhz") else 1.0))
-        yield from fams.values()
-        band = GaugeMetricFamily("qosagent_dvfs_gpu_band", "1 for the GPU's band (none: no band)",
-                                 labels=["gpu", "band"])
-        for i, b in sorted(part.gpu_bands.items()):
-            band.add_metric([str(i), b or "none"], 1.0)
-        yield band
+    part: DvfsPart
+    gpus: GpuState | None
+
+    @property
+    def gpus_known(self) -> bool:
+        return self.gpus is not None and self.gpus.available
+
+
+def _policies(row: Callable[[PolicyView], tuple[list[str], float] | None]) -> Callable[[Source], Series]:
+    """A family with a series per policy that has one (row: None where the policy has no value)."""
+    return lambda s: (r for v in s.part.policies if (r := row(v)) is not None)
+
+
+def _gpus(attr: str, scale: float = 1.0) -> Callable[[Source], Series]:
+    """A family with a series per GPU reading attr (valid readings only), times scale (MHz to Hz)."""
+    def series(s: Source) -> Series:
+        samples: tuple[GpuSample, ...] = s.gpus.gpus if s.gpus is not None else ()
+        return (([str(g.index)], val * scale) for g in samples if (val := getattr(g, attr)) is not None)
+    return series
+
+
+def _gpu_family(name: str, help_: str, attr: str, scale: float = 1.0) -> Family[Source]:
+    return Family(name, "gauge", help_, ("gpu",), _gpus(attr, scale), shown=lambda s: s.gpus_known)
+
+
+FAMILIES: tuple[Family[Source], ...] = (
+    Family("qosagent_dvfs_temperature_celsius", "gauge", "Temperature per sensor (valid readings)", ("sensor",),
+           lambda s: (([k], v) for k, v in sorted(s.part.temperatures.items()))),
+    Family("qosagent_dvfs_bad_readings", "counter", "Sensor readings discarded, by reason", ("sensor", "reason"),
+           lambda s: (([k, why], n) for (k, why), n in sorted(s.part.bad_readings.items()))),
+    Family("qosagent_dvfs_emergency", "gauge", "1 while a thermal emergency holds the lowest point", (),
+           one(lambda s: 1.0 if s.part.emergency else 0.0)),
+    Family("qosagent_dvfs_load_ratio", "gauge", "Smoothed busy fraction of the policy's CPUs", ("policy",),
+           _policies(lambda v: ([v.name], v.load) if v.load is not None else None)),
+    Family("qosagent_dvfs_target_frequency_hertz", "gauge", "Frequency of the operating point", ("policy",),
+           _policies(lambda v: ([v.name], v.target_khz * 1000.0) if v.target_khz is not None else None)),
+    Family("qosagent_dvfs_current_frequency_hertz", "gauge", "scaling_cur_freq, read per policy", ("policy",),
+           _policies(lambda v: ([v.name], v.cur_khz * 1000.0) if v.cur_khz is not None else None)),
+    Family("qosagent_dvfs_operating_point", "gauge", "1 for the policy's operating point", ("policy", "point"),
+           _policies(lambda v: ([v.name, v.point], 1.0) if v.point else None)),
+    Family("qosagent_dvfs_transitions", "counter", "Operating-point changes", ("policy",),
+           _policies(lambda v: ([v.name], v.transitions) if v.point else None)),
+    Family("qosagent_dvfs_last_change_info", "gauge", "What caused the policy's last change", ("policy", "kind"),
+           _policies(lambda v: ([v.name, v.kind], 1.0) if v.point else None)),
+    Family("qosagent_dvfs_writes", "counter", "Knob writes by result (same: skipped, value there)", ("result",),
+           lambda s: (([k], n) for k, n in sorted(s.part.writes.items()))),
+    _gpu_family("qosagent_dvfs_gpu_temperature_celsius", "GPU temperature", "temperature_c"),
+    _gpu_family("qosagent_dvfs_gpu_power_watts", "GPU power draw", "power_w"),
+    _gpu_family("qosagent_dvfs_gpu_power_limit_watts", "Enforced power limit", "power_limit_w"),
+    _gpu_family("qosagent_dvfs_gpu_sm_clock_hertz", "SM clock", "sm_clock_mhz", 1e6),
+    _gpu_family("qosagent_dvfs_gpu_memory_clock_hertz", "Memory clock", "mem_clock_mhz", 1e6),
+    _gpu_family("qosagent_dvfs_gpu_clock_event_reasons", "NVML clock event reasons bitmask", "clock_event_reasons"),
+    Family("qosagent_dvfs_gpu_band", "gauge", "1 for the GPU's band (none: no band)", ("gpu", "band"),
+           lambda s: (([str(i), b or "none"], 1.0) for i, b in sorted(s.part.gpu_bands.items())),
+           shown=lambda s: s.gpus_known),
+)
+
+
+def metrics(part: DvfsPart, gpus: GpuState | None) -> Iterable[Metric]:
+    return families(FAMILIES, Source(part, gpus))
+
 
 def status(part: DvfsPart, gpus: GpuState | None) -> dict[str, Any]:
     gpu_rows = []

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
+from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
 from qosagent import exposition
-from qosagent.exposition import NativeHistogramMetricFamily
+from qosagent.exposition import Family, NativeHistogramMetricFamily, Series, one
 from qosagent.hist import Histogram, export_bounds_ns
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.config import ClassicBucketsConfig
@@ -58,133 +54,141 @@ SIGNALS = {
 }
 
 
-# The families' names before they were grouped under qosagent_latency_ (0.2.0), kept as deprecated copies
-# (exposition.with_deprecated).
-RENAMED = {
-    **{f"qosagent_latency_{name}_seconds": f"qosagent_{name}_seconds" for name in SIGNALS},
-    **{f"qosagent_latency_{name}_window_seconds": f"qosagent_{name}_window_seconds" for name in SIGNALS},
-    "qosagent_latency_slo_seconds": "qosagent_slo_latency_seconds",
-    "qosagent_latency_runqueue_seconds": "qosagent_runqueue_latency_seconds",
-    **{f"qosagent_latency_{name}": f"qosagent_{name}" for name in (
-        "requests", "requests_unpaired", "requests_pipelined", "requests_overlapped", "requests_in_flight",
-        "responses_without_ttft", "responses_interim", "responses_framed", "connections", "connections_untracked",
-        "connections_adopted", "connections_multiplexed", "connections_unobserved")},
-}
+def add_histogram(fam: NativeHistogramMetricFamily, lv: Sequence[str], h: Histogram,
+                  bounds_ns: tuple[int, ...]) -> None:
+    """One series of a latency histogram: classic buckets at bounds_ns and, for protobuf scrapers, the native
+    histogram. Every latency histogram family is filled through here."""
+    cum = h.cumulative(list(bounds_ns))
+    buckets = [(le_text(b), float(c)) for b, c in zip(bounds_ns, cum)] + [("+Inf", float(h.count))]
+    fam.add_metric(list(lv), buckets, h.sum_ns / 1e9)
+    fam.add_native(list(lv), h)
+
+
+@dataclass(frozen=True)
+class Source:
+    """What the latency families are read from: the part, the SLO as admission judges it, and the classic edges."""
+
+    part: LatencyPart
+    signal: str
+    quantile: float
+    bounds: tuple[int, ...]
+
+
+def _add_histogram(fam: Metric, lv: Sequence[str], value: tuple[Histogram, tuple[int, ...]]) -> None:
+    add_histogram(fam, lv, *value)  # type: ignore[arg-type]
+
+
+def _add_window(fam: Metric, lv: Sequence[str], win: Histogram) -> None:
+    """A window as a summary: its quantiles (absent while it is empty), count and sum."""
+    for q in QUANTILES:
+        v = win.quantile(q)
+        if v is not None:
+            fam.samples.append(Sample(fam.name, {"tenant": lv[0], "tier": lv[1], "quantile": str(q)}, v))
+    fam.add_metric(lv, win.count, win.sum_ns / 1e9)  # type: ignore[attr-defined]
+
+
+LABELS = ("tenant", "tier")
+
+
+def _tenants(value: Callable[[Any], Any]) -> Callable[[Source], Series]:
+    """A family with one series per tenant: value(TenantLatency)."""
+    return lambda s: (([t.tenant, t.tier], value(t)) for t in s.part.tenants.values())
+
+
+def _signal(name: str, help_: str) -> tuple[Family[Source], Family[Source]]:
+    """A signal's two families: its histogram since start and its window as a summary."""
+    return (Family(f"qosagent_latency_{name}_seconds", "histogram", f"{help_}, since start", LABELS,
+                   lambda s: (([t.tenant, t.tier], (getattr(t, name), s.bounds)) for t in s.part.tenants.values()),
+                   add=_add_histogram, old=f"qosagent_{name}_seconds"),
+            Family(f"qosagent_latency_{name}_window_seconds", "summary", f"{help_}, over the last latency.window: "
+                   "quantiles (absent while the window is empty), count and sum", LABELS,
+                   _tenants(lambda t: getattr(t, f"{name}_window")), add=_add_window,
+                   old=f"qosagent_{name}_window_seconds"))
+
+
+def _counter(name: str, help_: str, value: Callable[[Any], Any]) -> Family[Source]:
+    """A per-tenant count, renamed in 0.2.0 from qosagent_<name>."""
+    return Family(f"qosagent_latency_{name}", "counter", help_, LABELS, _tenants(value), old=f"qosagent_{name}")
+
+
+def _slo(s: Source) -> Series:
+    for t in s.part.tenants.values():
+        judged = t.window(s.signal).quantile(s.quantile)
+        if judged is not None:
+            yield [t.tenant, t.tier, s.signal, str(s.quantile)], judged
+
+
+def _by_reason(s: Source) -> Series:
+    for t in s.part.tenants.values():
+        yield [t.tenant, t.tier, "response_without_request"], t.unpaired_send
+        yield [t.tenant, t.tier, "closed_without_response"], t.unpaired_close
+
+
+def _no_ttft(s: Source) -> Series:
+    return (([t.tenant, t.tier, reason], t.no_ttft.get(reason, 0)) for t in s.part.tenants.values()
+            for reason in bm.NO_TTFT_REASONS)
+
+
+_SIGNALS = [_signal(name, help_) for name, help_ in SIGNALS.items()]
+
+# In the order a scrape writes them; `old`: the name before the families were grouped under qosagent_latency_
+# (0.2.0), kept as a deprecated copy (exposition.with_deprecated).
+FAMILIES: tuple[Family[Source], ...] = (
+    *(hist for hist, _ in _SIGNALS),
+    *(win for _, win in _SIGNALS),
+    Family("qosagent_latency_slo_seconds", "gauge", "The latency the SLO is judged on, as admission judges it: "
+           "admission.quantile of admission.signal over the last latency.window (absent while the window is empty)",
+           (*LABELS, "signal", "slo_quantile"), _slo, old="qosagent_slo_latency_seconds"),
+    _counter("requests", "Requests whose response completed", lambda t: t.requests),
+    Family("qosagent_latency_requests_unpaired", "counter", "Reads and writes that could not be paired: "
+           "response_without_request (server wrote first), closed_without_response", (*LABELS, "reason"),
+           _by_reason, old="qosagent_requests_unpaired"),
+    Family("qosagent_latency_responses_without_ttft", "counter", "Responses with no time to first token, by "
+           "reason: not_http (no HTTP/1.x status line: TLS, another protocol), header_too_long, no_body (ended "
+           "before any body byte: the client left first, or an empty body), unseen (no egress program saw it "
+           "leave)", (*LABELS, "reason"), _no_ttft, old="qosagent_responses_without_ttft"),
+    _counter("responses_interim", "Interim (1xx) responses passed over", lambda t: t.interim),
+    _counter("responses_framed", "Responses counted at their last byte by their framing (Content-Length, chunked, "
+             "204/304), not by the next request or the close", lambda t: t.framed),
+    _counter("requests_pipelined", "Request lines that arrived while a request still waited for its response "
+             "(HTTP/1.1 pipelining; sockops mode)", lambda t: t.pipelined),
+    _counter("connections", "Server-side connections on watched ports tracked", lambda t: t.connections),
+    _counter("connections_adopted", "Tracked connections that were open before their port was watched (at start "
+             "or a reload), observed from their next request", lambda t: t.adopted),
+    _counter("connections_multiplexed", "Tracked connections on latency.multiplexed_ports (their requests overlap "
+             "by protocol: counted, not timed)", lambda t: t.multiplexed_connections),
+    _counter("connections_untracked", "Server-side connections on watched ports not tracked: no room for their "
+             "state (tracepoint mode: socket table full)", lambda t: t.untracked),
+    _counter("requests_overlapped", "Requests whose bytes arrived while the previous response was still being "
+             "written (pipelining; tracepoint mode only): counted, not timed", lambda t: t.overlapped),
+    Family("qosagent_latency_observations_lost", "counter", "Latency observations dropped because their tenant had "
+           "no slot in the kernel's arrays (never expected)", LABELS, _tenants(lambda t: t.lost)),
+    Family("qosagent_latency_requests_in_flight", "gauge", "Requests started and not yet complete", LABELS,
+           _tenants(lambda t: t.in_flight), old="qosagent_requests_in_flight"),
+    Family("qosagent_latency_connections_unobserved", "gauge", "Watched-port connections open now that are not "
+           "observed, by reason: awaiting_request (open before their port was watched, observed from their next "
+           "request), not_hooked (no program sees their packets), no_room (the kernel's list of connections to "
+           "adopt was full)", ("reason",), lambda s: (([r], n) for r, n in s.part.unobserved.items()),
+           shown=lambda s: bool(s.part.unobserved), old="qosagent_connections_unobserved"),
+    Family("qosagent_latency_runqueue_seconds", "histogram", "Time threads of the processes serving watched ports "
+           "waited runnable for a CPU, since start", (), lambda s: (((), (s.part.runqueue, s.bounds)),),
+           shown=lambda s: s.part.runqueue is not None, add=_add_histogram,
+           old="qosagent_runqueue_latency_seconds"),
+)
+ATTACHED: Family[int] = Family("qosagent_latency_programs_attached", "gauge", "Latency BPF programs attached to "
+                               "their hooks", (), one(lambda n: n))
+RENAMED = exposition.renamed(FAMILIES)
 
 
 def with_deprecated(fams: Iterable[Metric]) -> Iterator[Metric]:
     return exposition.with_deprecated(fams, RENAMED, "before 0.2.0")
 
 
-def add_histogram(fam: NativeHistogramMetricFamily, lv: list[str], h: Histogram, bounds_ns: tuple[int, ...]) -> None:
-    """One series of a latency histogram: classic buckets at bounds_ns and, for protobuf scrapers, the native
-    histogram. Every latency histogram family is filled through here."""
-    cum = h.cumulative(list(bounds_ns))
-    buckets = [(le_text(b), float(c)) for b, c in zip(bounds_ns, cum)] + [("+Inf", float(h.count))]
-    fam.add_metric(lv, buckets, h.sum_ns / 1e9)
-    fam.add_native(lv, h)
-
-
 def families(part: LatencyPart | None, programs_attached: int, signal: str, quantile: float,
              classic_buckets: ClassicBucketsConfig = DEFAULT_BUCKETS) -> Iterable[Metric]:
-    yield GaugeMetricFamily("qosagent_latency_programs_attached", "Latency BPF programs attached to their hooks",
-                            value=programs_attached)
-    if part is None:
-        return
-    labels = ["tenant", "tier"]
-    bounds = classic_bounds_ns(classic_buckets)
-    hists = {name: NativeHistogramMetricFamily(f"qosagent_latency_{name}_seconds", f"{help_}, since start",
-                                               labels=labels)
-             for name, help_ in SIGNALS.items()}
-    windows = {name: SummaryMetricFamily(f"qosagent_latency_{name}_window_seconds",
-                                         f"{help_}, over the last latency.window: quantiles (absent while the window "
-                                         "is empty), count and sum", labels=labels)
-               for name, help_ in SIGNALS.items()}
-    slo = GaugeMetricFamily("qosagent_latency_slo_seconds", "The latency the SLO is judged on, as admission judges "
-                            "it: admission.quantile of admission.signal over the last latency.window (absent while "
-                            "the window is empty)", labels=labels + ["signal", "slo_quantile"])
-    requests = CounterMetricFamily("qosagent_latency_requests", "Requests whose response completed", labels=labels)
-    unpaired = CounterMetricFamily("qosagent_latency_requests_unpaired", "Reads and writes that could not be "
-                                   "paired: response_without_request (server wrote first), closed_without_response",
-                                   labels=labels + ["reason"])
-    no_ttft = CounterMetricFamily("qosagent_latency_responses_without_ttft", "Responses with no time to first "
-                                  "token, by reason: not_http (no HTTP/1.x status line: TLS, another protocol), "
-                                  "header_too_long, no_body (ended before any body byte: the client left first, or an "
-                                  "empty body), unseen (no egress program saw it leave)", labels=labels + ["reason"])
-    interim = CounterMetricFamily("qosagent_latency_responses_interim", "Interim (1xx) responses passed over",
-                                  labels=labels)
-    framed = CounterMetricFamily("qosagent_latency_responses_framed", "Responses counted at their last byte by "
-                                 "their framing (Content-Length, chunked, 204/304), not by the next request or the "
-                                 "close", labels=labels)
-    pipelined = CounterMetricFamily("qosagent_latency_requests_pipelined", "Request lines that arrived while a "
-                                    "request still waited for its response (HTTP/1.1 pipelining; sockops mode)",
-                                    labels=labels)
-    conns = CounterMetricFamily("qosagent_latency_connections", "Server-side connections on watched ports tracked",
-                                labels=labels)
-    untracked = CounterMetricFamily("qosagent_latency_connections_untracked", "Server-side connections on watched "
-                                    "ports not tracked: no room for their state (tracepoint mode: socket table full)",
-                                    labels=labels)
-    adopted = CounterMetricFamily("qosagent_latency_connections_adopted", "Tracked connections that were open "
-                                  "before their port was watched (at start or a reload), observed from their next "
-                                  "request", labels=labels)
-    mux = CounterMetricFamily("qosagent_latency_connections_multiplexed", "Tracked connections on "
-                              "latency.multiplexed_ports (their requests overlap by protocol: counted, not timed)",
-                              labels=labels)
-    overlapped = CounterMetricFamily("qosagent_latency_requests_overlapped", "Requests whose bytes arrived while the "
-                                     "previous response was still being written (pipelining; tracepoint mode only): "
-                                     "counted, not timed", labels=labels)
-    lost = CounterMetricFamily("qosagent_latency_observations_lost", "Latency observations dropped because their "
-                               "tenant had no slot in the kernel's arrays (never expected)", labels=labels)
-    inflight = GaugeMetricFamily("qosagent_latency_requests_in_flight", "Requests started and not yet complete",
-                                 labels=labels)
-    for t in part.tenants.values():
-        lv = [t.tenant, t.tier]
-        for name in SIGNALS:
-            total: Histogram = getattr(t, name)
-            add_histogram(hists[name], lv, total, bounds)
-            win: Histogram = getattr(t, f"{name}_window")
-            fam = windows[name]
-            for q in QUANTILES:
-                v = win.quantile(q)
-                if v is not None:
-                    fam.samples.append(Sample(fam.name, {"tenant": t.tenant, "tier": t.tier, "quantile": str(q)}, v))
-            fam.add_metric(lv, win.count, win.sum_ns / 1e9)
-        judged = t.window(signal).quantile(quantile)
-        if judged is not None:
-            slo.add_metric(lv + [signal, str(quantile)], judged)
-        requests.add_metric(lv, t.requests)
-        unpaired.add_metric(lv + ["response_without_request"], t.unpaired_send)
-        unpaired.add_metric(lv + ["closed_without_response"], t.unpaired_close)
-        for reason in bm.NO_TTFT_REASONS:
-            no_ttft.add_metric(lv + [reason], t.no_ttft.get(reason, 0))
-        interim.add_metric(lv, t.interim)
-        framed.add_metric(lv, t.framed)
-        pipelined.add_metric(lv, t.pipelined)
-        conns.add_metric(lv, t.connections)
-        adopted.add_metric(lv, t.adopted)
-        mux.add_metric(lv, t.multiplexed_connections)
-        untracked.add_metric(lv, t.untracked)
-        overlapped.add_metric(lv, t.overlapped)
-        lost.add_metric(lv, t.lost)
-        inflight.add_metric(lv, t.in_flight)
-    yield from hists.values()
-    yield from windows.values()
-    yield from (slo, requests, unpaired, no_ttft, interim, framed, pipelined, conns, adopted, mux, untracked,
-                overlapped, lost, inflight)
-    if part.unobserved:
-        unobserved = GaugeMetricFamily("qosagent_latency_connections_unobserved", "Watched-port connections open now "
-                                       "that are not observed, by reason: awaiting_request (open before their port "
-                                       "was watched, observed from their next request), not_hooked (no program sees "
-                                       "their packets), no_room (the kernel's list of connections to adopt was full)",
-                                       labels=["reason"])
-        for reason, n in part.unobserved.items():
-            unobserved.add_metric([reason], n)
-        yield unobserved
-    if part.runqueue is not None:
-        rq = NativeHistogramMetricFamily("qosagent_latency_runqueue_seconds", "Time threads of the processes "
-                                         "serving watched ports waited runnable for a CPU, since start")
-        add_histogram(rq, [], part.runqueue, bounds)
-        yield rq
+    yield ATTACHED.build(programs_attached)
+    if part is not None:
+        yield from exposition.families(FAMILIES, Source(part, signal, quantile, classic_bounds_ns(classic_buckets)))
 
 
 def _quantiles(h: Histogram) -> dict[str, Any]:
