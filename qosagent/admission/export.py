@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from qosagent.admission.model import AdmissionPart
 from qosagent.admission.policy import BY_CONFIG
+from qosagent.exposition import Family, families, one
 from qosagent.tenants import TenantLimit
 
 
@@ -16,50 +17,42 @@ def fmt(limit: TenantLimit | None) -> str:
     return "unlimited" if limit is None else f"{limit.rps:g}/s burst {limit.burst}"
 
 
+def _decided(part: AdmissionPart) -> bool:
+    return part.decided
+
+
+FAMILIES: tuple[Family[AdmissionPart], ...] = (
+    Family("qosagent_admission_decisions", "counter", "Limit changes decided, by tenant, action and reason (dry-run "
+           "ones included)", ("tenant", "action", "reason"),
+           lambda p: (([tenant, action, reason], n) for (tenant, action, reason), n in sorted(p.decisions.items()))),
+    Family("qosagent_admission_limit_rps", "gauge", "Request starts per second in force (or that would be in "
+           "dry-run) per tenant; +Inf when unlimited", ("tenant", "tier"),
+           lambda p: (([t.tenant, t.tier], math.inf if t.limit is None else t.limit.rps) for t in p.tenants)),
+    Family("qosagent_admission_enforcing", "gauge", "1 when limits are written to the quota maps", (),
+           one(lambda p: 1.0 if p.enforcing else 0.0)),
+    Family("qosagent_admission_tier_latency_seconds", "gauge", "The policy's latency quantile per tier over the "
+           "latency window", ("tier",), lambda p: (([v.tier], v.observed) for v in p.tiers if v.observed is not None),
+           shown=_decided),
+    Family("qosagent_admission_tier_in_breach", "gauge", "1 while a tier is in SLO breach", ("tier",),
+           lambda p: (([v.tier], 1.0 if v.in_breach else 0.0) for v in p.tiers), shown=_decided),
+    Family("qosagent_admission_shed_tiers", "gauge", "Tiers whose new requests are refused for GPU memory pressure",
+           (), one(lambda p: p.shed_tiers), shown=_decided),
+    Family("qosagent_admission_server_pressure", "gauge", "1 while the server on the port is pressed (KV cache or "
+           "queue over its enter threshold)", ("port",),
+           lambda p: (([str(port)], 1.0 if port in p.server_pressure else 0.0) for port in p.servers_known),
+           shown=_decided),
+    # Enforce-mode shedding and dry-run "would shed" are told apart with qosagent_admission_enforcing.
+    Family("qosagent_admission_limited", "gauge", "1 while admission holds the tenant below its configured limit (or "
+           "would, in dry-run), by the signal that set it", ("tenant", "tier", "cause"),
+           lambda p: (([t.tenant, t.tier, t.signal], 1.0) for t in p.tenants if t.signal != BY_CONFIG),
+           shown=_decided),
+    Family("qosagent_admission_pre_cleanup_runs", "counter", "Pre-cleanup actions by result", ("result",),
+           lambda p: (([result], n) for result, n in sorted(p.pre_cleanup_runs.items()))),
+)
+
+
 def metrics(part: AdmissionPart) -> Iterable[Metric]:
-    decisions = CounterMetricFamily("qosagent_admission_decisions", "Limit changes decided, by tenant, action "
-                                    "and reason (dry-run ones included)", labels=["tenant", "action", "reason"])
-    for (tenant, action, reason), n in sorted(part.decisions.items()):
-        decisions.add_metric([tenant, action, reason], n)
-    yield decisions
-    limit = GaugeMetricFamily("qosagent_admission_limit_rps", "Request starts per second in force (or that "
-                              "would be in dry-run) per tenant; +Inf when unlimited", labels=["tenant", "tier"])
-    for t in part.tenants:
-        limit.add_metric([t.tenant, t.tier], math.inf if t.limit is None else t.limit.rps)
-    yield limit
-    yield GaugeMetricFamily("qosagent_admission_enforcing", "1 when limits are written to the quota maps",
-                            value=1.0 if part.enforcing else 0.0)
-    if part.decided:
-        q = GaugeMetricFamily("qosagent_admission_tier_latency_seconds", "The policy's latency quantile per "
-                              "tier over the latency window", labels=["tier"])
-        breach = GaugeMetricFamily("qosagent_admission_tier_in_breach", "1 while a tier is in SLO breach",
-                                   labels=["tier"])
-        for v in part.tiers:
-            if v.observed is not None:
-                q.add_metric([v.tier], v.observed)
-            breach.add_metric([v.tier], 1.0 if v.in_breach else 0.0)
-        yield q
-        yield breach
-        yield GaugeMetricFamily("qosagent_admission_shed_tiers", "Tiers whose new requests are refused for GPU "
-                                "memory pressure", value=part.shed_tiers)
-        pressed = GaugeMetricFamily("qosagent_admission_server_pressure", "1 while the server on the port is "
-                                    "pressed (KV cache or queue over its enter threshold)", labels=["port"])
-        for port in part.servers_known:
-            pressed.add_metric([str(port)], 1.0 if port in part.server_pressure else 0.0)
-        yield pressed
-        # Enforce-mode shedding and dry-run "would shed" are told apart with qosagent_admission_enforcing.
-        limited = GaugeMetricFamily("qosagent_admission_limited", "1 while admission holds the tenant below its "
-                                    "configured limit (or would, in dry-run), by the signal that set it",
-                                    labels=["tenant", "tier", "cause"])
-        for t in part.tenants:
-            if t.signal != BY_CONFIG:
-                limited.add_metric([t.tenant, t.tier, t.signal], 1.0)
-        yield limited
-    runs = CounterMetricFamily("qosagent_admission_pre_cleanup_runs", "Pre-cleanup actions by result",
-                               labels=["result"])
-    for result, n in sorted(part.pre_cleanup_runs.items()):
-        runs.add_metric([result], n)
-    yield runs
+    return families(FAMILIES, part)
 
 
 def status(part: AdmissionPart) -> dict[str, Any]:

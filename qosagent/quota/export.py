@@ -2,47 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from qosagent.config import UNMATCHED
-from qosagent.quota.model import QuotaPart
+from qosagent.exposition import Family, Series, families
+from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.tenants import TenantLimit
+
+VERDICT = ("tenant", "tier", "verdict")
+TENANT = ("tenant", "tier")
+
+
+def _verdicts(admitted: Callable[[TenantQuota], int], dropped: Callable[[TenantQuota], int],
+              unmatched: int) -> Callable[[QuotaPart], Series]:
+    """Admitted and dropped per tenant, then the unmatched tenant's admitted (never limited, still counted;
+    unmatched: its index in QuotaPart.unmatched_counts)."""
+    def series(part: QuotaPart) -> Series:
+        for t in part.tenants.values():
+            yield [t.tenant, t.tier, "admitted"], admitted(t)
+            yield [t.tenant, t.tier, "dropped"], dropped(t)
+        yield [UNMATCHED, "none", "admitted"], part.unmatched_counts[unmatched]
+    return series
+
+
+def _rates(value: Callable[[TenantQuota], float | None]) -> Callable[[QuotaPart], Series]:
+    """Per tenant, where it has the value (a limit, a bucket)."""
+    return lambda part: (([t.tenant, t.tier], v) for t in part.tenants.values() if (v := value(t)) is not None)
+
+
+FAMILIES: tuple[Family[QuotaPart], ...] = (
+    Family("qosagent_quota_requests", "counter", "New HTTP/1.x requests (request-start segments) by verdict",
+           VERDICT, _verdicts(lambda t: t.admitted, lambda t: t.dropped, 0)),
+    Family("qosagent_quota_connections", "counter", "New connections (SYN) by verdict", VERDICT,
+           _verdicts(lambda t: t.conn_admitted, lambda t: t.conn_dropped, 2)),
+    Family("qosagent_quota_limit_rps", "gauge", "Request-start rate limit in force (baseline or an adaptive "
+           "override while the heartbeat is fresh, or the node's fleet share where lower)", TENANT,
+           _rates(lambda t: None if t.limit is None else t.limit.rps)),
+    Family("qosagent_quota_baseline_rps", "gauge", "Configured request-start rate limit", TENANT,
+           _rates(lambda t: None if t.baseline is None else t.baseline.rps)),
+    Family("qosagent_quota_bucket_tokens", "gauge", "Request tokens left in the tenant's bucket", TENANT,
+           _rates(lambda t: t.bucket_tokens)),
+    Family("qosagent_quota_passed_packets", "counter", "Packets passed without a quota check, by reason "
+           "(unmatched: new connections and requests of no tenant)", ("reason",),
+           lambda part: (([reason], n) for reason, n in sorted(part.passed.items()))),
+)
 
 
 def metrics(part: QuotaPart) -> Iterable[Metric]:
-    req = CounterMetricFamily("qosagent_quota_requests", "New HTTP/1.x requests (request-start segments) by "
-                              "verdict", labels=["tenant", "tier", "verdict"])
-    conn = CounterMetricFamily("qosagent_quota_connections", "New connections (SYN) by verdict",
-                               labels=["tenant", "tier", "verdict"])
-    limit = GaugeMetricFamily("qosagent_quota_limit_rps", "Request-start rate limit in force (baseline or an "
-                              "adaptive override while the heartbeat is fresh, or the node's fleet share where "
-                              "lower)", labels=["tenant", "tier"])
-    base = GaugeMetricFamily("qosagent_quota_baseline_rps", "Configured request-start rate limit",
-                             labels=["tenant", "tier"])
-    tokens = GaugeMetricFamily("qosagent_quota_bucket_tokens", "Request tokens left in the tenant's bucket",
-                               labels=["tenant", "tier"])
-    for t in part.tenants.values():
-        req.add_metric([t.tenant, t.tier, "admitted"], t.admitted)
-        req.add_metric([t.tenant, t.tier, "dropped"], t.dropped)
-        conn.add_metric([t.tenant, t.tier, "admitted"], t.conn_admitted)
-        conn.add_metric([t.tenant, t.tier, "dropped"], t.conn_dropped)
-        if t.limit is not None:
-            limit.add_metric([t.tenant, t.tier], t.limit.rps)
-        if t.baseline is not None:
-            base.add_metric([t.tenant, t.tier], t.baseline.rps)
-        if t.bucket_tokens is not None:
-            tokens.add_metric([t.tenant, t.tier], t.bucket_tokens)
-    um = part.unmatched_counts
-    req.add_metric([UNMATCHED, "none", "admitted"], um[0])
-    conn.add_metric([UNMATCHED, "none", "admitted"], um[2])
-    yield from (req, conn, limit, base, tokens)
-    passed = CounterMetricFamily("qosagent_quota_passed_packets", "Packets passed without a quota check, by "
-                                 "reason (unmatched: new connections and requests of no tenant)", labels=["reason"])
-    for reason, n in sorted(part.passed.items()):
-        passed.add_metric([reason], n)
-    yield passed
+    return families(FAMILIES, part)
 
 
 def status(part: QuotaPart) -> dict[str, Any]:
