@@ -68,18 +68,34 @@ def main() -> None:
               help="On SIGTERM/SIGINT remove the quota filter and pins too (for uninstalling). Without it they stay "
                    "enforcing for the next agent (an upgrade or restart leaves no gap); `qosagent detach` removes "
                    "them later. [env: QOSAGENT_DETACH_ON_EXIT]")
-def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
+@click.option("--metrics-listen", envvar="QOSAGENT_METRICS_LISTEN", default=None, metavar="HOST:PORT",
+              help="Overrides metrics.listen (the DaemonSet binds the node's own IP). [env: QOSAGENT_METRICS_LISTEN]")
+@click.option("--health-listen", envvar="QOSAGENT_HEALTH_LISTEN", default=None, metavar="HOST:PORT",
+              help="Overrides metrics.health_listen: /healthz and /readyz alone, in plain HTTP, for probes. "
+                   "[env: QOSAGENT_HEALTH_LISTEN]")
+@click.option("--web-config-file", envvar="QOSAGENT_WEB_CONFIG_FILE", default=None, metavar="FILE",
+              help="Overrides metrics.web_config_file: TLS, client certificates and basic auth users in "
+                   "exporter-toolkit's web config shape. [env: QOSAGENT_WEB_CONFIG_FILE]")
+def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_listen: str | None,
+        health_listen: str | None, web_config_file: str | None) -> None:
     """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config). On exit every capability
     rolls back, except that quota's classifier stays enforcing for the next agent (see --detach-on-exit)."""
     from qosagent import logs
     from qosagent.daemon import Agent
-    from qosagent.metrics import MetricsServer
+    from qosagent.metrics import MetricsServer, health_server
     from qosagent.status import StatusServer
+    from qosagent.weblisten import security
 
-    cfg = load_config(config_path)
+    overrides = {"listen": metrics_listen, "health_listen": health_listen, "web_config_file": web_config_file}
+    try:
+        cfg = config_mod.with_metrics(load_config(config_path), overrides)
+    except ValueError as e:
+        click.echo(f"command line: {e}", err=True)
+        sys.exit(2)
     logs.setup(cfg.log_level)
     log = logging.getLogger("qosagent.cli")
     agent = Agent(cfg, HostFS(host_root), config_path)
+    agent.metrics_overrides = overrides
     agent.ctx.detach_on_exit = detach_on_exit
     agent.install_signal_handlers()
     try:
@@ -90,16 +106,22 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool) -> None:
     agent.add_endpoint(status_server)
     status_server.start()
     if cfg.metrics.enabled:
+        m = cfg.metrics
         try:
-            metrics_server = MetricsServer(agent, cfg.metrics.listen, cfg.metrics.tls, cfg.metrics.basic_auth)
+            metrics_server = MetricsServer(agent, m.listen, sec=security(m))
+            health = health_server(agent, m.health_listen) if m.health_listen else None
         except OSError as e:
-            log.error("metrics listen %s: %s", cfg.metrics.listen, e)
+            log.error("metrics listen %s: %s", m.listen, e)
             agent.stop()
             sys.exit(1)
-        agent.add_endpoint(metrics_server)
-        metrics_server.start()
-        scheme = "https" if cfg.metrics.tls else "http"
-        log.info("metrics on %s://%s:%s/metrics", scheme, *metrics_server.address[:2])
+        for server in (metrics_server, health):
+            if server is not None:
+                agent.add_endpoint(server)
+                server.start()
+        log.info("metrics on %s://%s:%s/metrics", "https" if metrics_server.tls else "http",
+                 *metrics_server.address[:2])
+        if health is not None:
+            log.info("health on http://%s:%s/healthz and /readyz", *health.address[:2])
     watchdog_us = os.environ.get("WATCHDOG_USEC", "")
     if watchdog_us.isdigit() and 3 * cfg.interval * 1e6 > int(watchdog_us):
         # The loop pings once per tick: a unit's WatchdogSec shorter than three ticks would kill a healthy agent.

@@ -101,6 +101,16 @@ class TenantConfig(Section):
 class MetricsTls(Section):
     cert_file: str = Field(description="PEM certificate (chain) served on the metrics listener")
     key_file: str = Field(description="PEM private key of cert_file")
+    # Client certificates: "require" (and verify) makes /metrics answer only scrapers holding a certificate that
+    # client_ca_file signed; "verify_if_given" verifies one when a client offers it.
+    client_auth: Literal["none", "verify_if_given", "require"] = "none"
+    client_ca_file: str | None = None
+
+    @model_validator(mode="after")
+    def _client_ca(self) -> "MetricsTls":
+        if self.client_auth != "none" and not self.client_ca_file:
+            raise ValueError(f"client_auth {self.client_auth} needs client_ca_file")
+        return self
 
 
 class MetricsBasicAuth(Section):
@@ -124,17 +134,30 @@ class MetricsConfig(Section):
     # /metrics only: kubelet probes and load balancers reach /healthz and /readyz without credentials.
     tls: MetricsTls | None = None
     basic_auth: MetricsBasicAuth | None = None
+    # Instead of tls and basic_auth: a web config file in the shape of Prometheus' exporter-toolkit
+    # (tls_server_config, basic_auth_users), as node_exporter's --web.config.file takes.
+    web_config_file: str | None = None
+    # /healthz and /readyz alone, in plain HTTP on their own address: probes need neither TLS nor credentials.
+    health_listen: str | None = None
     # The latency families' names before 0.2.0 grouped them under qosagent_latency_, exposed beside the new ones
     # until 0.3.0 (qosagent/latency/export.py, RENAMED).
     deprecated_names: bool = True
 
-    @field_validator("listen")
+    @field_validator("listen", "health_listen")
     @classmethod
-    def _listen(cls, v: str) -> str:
+    def _listen(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         host, sep, port = v.rpartition(":")
         if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f"expected HOST:PORT, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "MetricsConfig":
+        if self.web_config_file and (self.tls or self.basic_auth):
+            raise ValueError("web_config_file replaces tls and basic_auth: set one or the other")
+        return self
 
 
 class StatusConfig(Section):
@@ -221,6 +244,16 @@ class Config(Section):
         (those on multiplexed ports counted, not timed), and a network namespace where one listens is a serving
         one (netns)."""
         return sorted(set(self.watched_ports()) | set(self.latency.multiplexed_ports))
+
+
+def with_metrics(cfg: Config, overrides: dict[str, str | None]) -> Config:
+    """cfg with metrics keys set from the command line (`qosagent run --metrics-listen ...`), validated as the file's
+    would be. The agent applies the same to every config it reloads, so they never count as a restart-only change."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return cfg
+    metrics = MetricsConfig.model_validate({**cfg.metrics.model_dump(), **given})
+    return cfg.model_copy(update={"metrics": metrics})
 
 
 class ConfigError(Exception):

@@ -68,6 +68,8 @@ class Agent:
     def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None):
         self.config = cfg
         self.config_path = config_path
+        # Metrics keys the command line set (config.with_metrics): applied again to each reloaded config.
+        self.metrics_overrides: dict[str, str | None] = {}
         self.hostfs = hostfs
         self.gpu = gpu if gpu is not None else gpu_backend(cfg)
         # A backend the agent chose itself and could not open is tried again (a driver that loads after the agent,
@@ -261,8 +263,8 @@ class Agent:
         """Re-read the config file, as one transaction over every capability: all of them prepare against the new
         config before any writes, and a refusal or a failed commit leaves every one on the old config."""
         try:
-            new = config_mod.load(self.config_path)
-        except ConfigError as e:
+            new = config_mod.with_metrics(config_mod.load(self.config_path), self.metrics_overrides)
+        except (ConfigError, ValueError) as e:
             return self._reload_failed(str(e))
         restart = restart_changes(self.config, new)
         if restart:

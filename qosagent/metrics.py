@@ -5,25 +5,20 @@ No gauge is mutated from the loop: a scrape reads one Snapshot, so every series 
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import logging
-import ssl
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from qosagent import exposition
+from qosagent import exposition, weblisten
 from qosagent.capability import State
+from qosagent.config import MetricsBasicAuth, MetricsConfig, MetricsTls
 from qosagent.readiness import readiness
+from qosagent.weblisten import Listener, Reply, Route, Security
 
 if TYPE_CHECKING:
-    from qosagent.config import MetricsBasicAuth, MetricsTls
     from qosagent.daemon import Agent
 
 log = logging.getLogger("qosagent.metrics")
@@ -116,80 +111,40 @@ def make_registry(agent: "Agent") -> CollectorRegistry:
     return reg
 
 
-class MetricsServer:
+class MetricsServer(Listener):
     """/metrics, /healthz (the loop is ticking; not while starting, so a start that hangs fails a startup probe)
-    and /readyz (first tick done, every enabled capability active or optional: readiness.readiness())."""
+    and /readyz (first tick done, every enabled capability active, idle or optional: readiness.readiness()).
+    Basic auth guards /metrics only: kubelet probes and load balancers reach the health routes without it."""
 
-    def __init__(self, agent: "Agent", listen: str, tls: "MetricsTls | None" = None,
-                 basic_auth: "MetricsBasicAuth | None" = None):
-        """Raises OSError (with the offending file named) when the listener, certificate or password is unusable."""
-        host, _, port = listen.rpartition(":")
-        host = host.strip("[]") or "0.0.0.0"
+    def __init__(self, agent: "Agent", listen: str, tls: MetricsTls | None = None,
+                 basic_auth: MetricsBasicAuth | None = None, sec: Security | None = None):
+        """sec (from weblisten.security) or else tls and basic_auth say what clients must show. Raises OSError
+        (with the offending file named) when the listener, certificate or password is unusable."""
+        if sec is None:
+            sec = weblisten.security(MetricsConfig(listen=listen, tls=tls, basic_auth=basic_auth))
         registry = make_registry(agent)
-        ssl_ctx = _tls_context(tls) if tls else None
-        authorized = _basic_auth_checker(basic_auth) if basic_auth else None
 
-        class Handler(BaseHTTPRequestHandler):
-            # A client that stalls (or never finishes a TLS handshake) holds only its own thread, and not for long.
-            timeout = 10
+        def metrics(headers: Mapping[str, str]) -> Reply:
+            return (200, *scrape_body(registry, headers.get("Accept")))
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    if authorized and not authorized(self.headers.get("Authorization", "")):
-                        self.send_response(401)
-                        self.send_header("WWW-Authenticate", 'Basic realm="qosagent", charset="UTF-8"')
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return
-                    self._send(200, *scrape_body(registry, self.headers.get("Accept")))
-                elif path == "/healthz":
-                    ok, why = agent_health(agent)
-                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
-                elif path == "/readyz":
-                    ok, why = readiness(agent)
-                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
-                else:
-                    self._send(404, b"not found\n", "text/plain")
+        super().__init__(listen, {"/metrics": metrics, **health_routes(agent)}, sec, frozenset({"/metrics"}),
+                         name="metrics")
 
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
-            def log_message(self, *_args: object) -> None:
-                pass
+def health_routes(agent: "Agent") -> dict[str, Route]:
+    def answer(check: Callable[["Agent"], tuple[bool, str]]) -> Route:
+        def route(_headers: Mapping[str, str]) -> Reply:
+            ok, why = check(agent)
+            return 200 if ok else 503, (why + "\n").encode(), "text/plain"
+        return route
 
-        family = __import__("socket").AF_INET6 if ":" in host else __import__("socket").AF_INET
+    return {"/healthz": answer(agent_health), "/readyz": answer(readiness)}
 
-        class Server(ThreadingHTTPServer):
-            address_family = family
-            daemon_threads = True
 
-            def finish_request(self, request, client_address):  # type: ignore[no-untyped-def]
-                if ssl_ctx is None:
-                    return super().finish_request(request, client_address)
-                # The handshake runs here, in the request's thread, so a slow client cannot stall accept().
-                request.settimeout(Handler.timeout)
-                with ssl_ctx.wrap_socket(request, server_side=True) as tls_sock:
-                    super().finish_request(tls_sock, client_address)
-
-            def handle_error(self, request, client_address):  # type: ignore[no-untyped-def]
-                # Failed handshakes and dropped clients are the client's problem, not the agent's.
-                log.debug("metrics request from %s failed", client_address, exc_info=True)
-
-        self.httpd = Server((host, int(port)), Handler)
-        self.address = self.httpd.server_address
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+def health_server(agent: "Agent", listen: str) -> Listener:
+    """/healthz and /readyz alone, in plain HTTP (metrics.health_listen): probes keep working when /metrics asks
+    for TLS, client certificates or credentials, and tell nothing but health."""
+    return Listener(listen, health_routes(agent), name="health")
 
 
 def scrape_body(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
@@ -215,57 +170,3 @@ def agent_health(agent: "Agent") -> tuple[bool, str]:
     if age > limit:
         return False, f"last tick {age:.1f}s ago"
     return True, "ok"
-
-
-def _tls_context(tls: "MetricsTls") -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
-    except (OSError, ssl.SSLError) as e:
-        raise OSError(f"metrics.tls: cannot use cert_file {tls.cert_file} with key_file {tls.key_file}: {e}") from e
-    return ctx
-
-
-def _basic_auth_checker(auth: "MetricsBasicAuth") -> Callable[[str], bool]:
-    """A check of an Authorization header against the configured user and password (file or bcrypt hash)."""
-    if auth.password_file is not None:
-        try:
-            with open(auth.password_file, encoding="utf-8") as f:
-                password = f.read().rstrip("\r\n").encode()
-        except OSError as e:
-            raise OSError(f"metrics.basic_auth.password_file {auth.password_file}: {e.strerror}") from e
-        if not password:
-            raise OSError(f"metrics.basic_auth.password_file {auth.password_file}: empty")
-        def matches(given: bytes) -> bool:
-            return hmac.compare_digest(given, password)
-    else:
-        import bcrypt
-
-        hashed = auth.password_hash.encode()  # type: ignore[union-attr]
-        # bcrypt costs tens of milliseconds by design; remember the one credential that passed, as a digest.
-        passed: list[bytes] = []
-
-        def matches(given: bytes) -> bool:
-            digest = hashlib.sha256(given).digest()
-            if passed and hmac.compare_digest(passed[0], digest):
-                return True
-            if bcrypt.checkpw(given, hashed):
-                passed[:] = [digest]
-                return True
-            return False
-    user = auth.username.encode()
-
-    def authorized(header: str) -> bool:
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        try:
-            raw = base64.b64decode(value.strip(), validate=True)
-        except ValueError:
-            return False
-        given_user, sep, given_password = raw.partition(b":")
-        # Both compared every time so a wrong user takes as long as a wrong password.
-        user_ok = hmac.compare_digest(given_user, user)
-        return bool(sep) and matches(given_password) and user_ok
-    return authorized

@@ -82,7 +82,7 @@ def test_every_manifest_and_component_is_used() -> None:
         here = {p.name for p in kust.parent.glob("*.yaml")} - {"kustomization.yaml"}
         assert here <= names, (kust, here - names)
     assert {p.name for p in COMPONENTS.iterdir()} == {
-        "kubernetes-1.28", "kube-prometheus-stack", "placement", "writable-sys"}
+        "kubernetes-1.28", "kube-prometheus-stack", "placement", "writable-sys", "metrics-tls"}
 
 
 def _core(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,7 +96,7 @@ def test_manifests_validate_strictly_on_every_minor(minor: str, tmp_path: Path) 
     old = int(minor.split(".")[1]) < 30
     variants = {"base": with_components(tmp_path, "kubernetes-1.28") if old else manifests(),
                 "all components": with_components(tmp_path, *(["kubernetes-1.28"] if old else []), "placement",
-                                                  "writable-sys", "kube-prometheus-stack")}
+                                                  "writable-sys", "kube-prometheus-stack", "metrics-tls")}
     if not old:
         variants["node pools"] = manifests(K8S / "overlays" / "node-pools")
     for name, docs in variants.items():
@@ -169,11 +169,19 @@ def _configmap_config() -> config_mod.Config:
     return config_mod.parse_text(by_kind("ConfigMap")["data"]["config.yaml"], "configmap")
 
 
-def test_configmap_is_the_embedded_default_listening_on_the_node() -> None:
+def _env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def test_configmap_is_the_embedded_default_and_metrics_bind_the_nodes_own_ip() -> None:
+    """Not 0.0.0.0: with hostNetwork that is every address of the node, public and storage interfaces included."""
     cm = _configmap_config()
     default = config_mod.load(None)
-    assert cm.model_dump(exclude={"metrics"}) == default.model_dump(exclude={"metrics"})
-    assert cm.metrics.listen == "0.0.0.0:9464"
+    assert cm.model_dump(exclude={"status"}) == default.model_dump(exclude={"status"})
+    env = _env(_container())
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["QOSAGENT_METRICS_LISTEN"] == "$(POD_IP):9464"
+    assert [e["name"] for e in _container()["env"]].index("POD_IP") == 0, "defined before the values using it"
 
 
 def test_daemonset_holds_the_units_capabilities_and_no_more(tmp_path: Path) -> None:
@@ -207,7 +215,7 @@ def test_header_mounts_never_hold_the_pod() -> None:
 def test_probes_ports_and_mounts_agree() -> None:
     c = _container()
     port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
-    assert port == int(_configmap_config().metrics.listen.rpartition(":")[2])
+    assert port == int(_env(c)["QOSAGENT_METRICS_LISTEN"].rpartition(":")[2])
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     volumes = {v["name"] for v in by_kind("DaemonSet")["spec"]["template"]["spec"]["volumes"]}
@@ -407,6 +415,28 @@ def test_fleet_alerts_fire_when_agents_or_gpu_data_are_missing(tmp_path: Path) -
     path.write_text(yaml.safe_dump(tests))
     r = promtool("test", "rules", str(path))
     assert r.returncode == 0, r.stdout + r.stderr
+
+def test_metrics_tls_component_moves_probes_to_the_health_port_and_scrapes_over_tls(tmp_path: Path) -> None:
+    """What components/metrics-tls gives the agent and the ServiceMonitor is what test_ship_web_config.py runs for
+    real (a web config requiring a client certificate, a plain health listener, Prometheus with serverName)."""
+    from tests.integration.test_ship_web_config import SERVER_NAME
+
+    docs = with_components(tmp_path, "metrics-tls")
+    c = by_kind("DaemonSet", docs)["spec"]["template"]["spec"]["containers"][0]
+    env = _env(c)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert env["QOSAGENT_HEALTH_LISTEN"] == f"$(POD_IP):{ports['health']}"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["port"] == "health", probe
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    web = env["QOSAGENT_WEB_CONFIG_FILE"]
+    assert mounts[str(Path(web).parent)] == "metrics-tls"
+    vols = {v["name"]: v for v in by_kind("DaemonSet", docs)["spec"]["template"]["spec"]["volumes"]}
+    assert vols["metrics-tls"]["secret"]["secretName"] == "qosagent-metrics-tls"
+    (ep,) = by_kind("ServiceMonitor", docs)["spec"]["endpoints"]
+    assert ep["scheme"] == "https" and ep["tlsConfig"]["serverName"] == SERVER_NAME
+    assert {"ca", "cert", "keySecret"} <= set(ep["tlsConfig"]) and set(ep["basicAuth"]) == {"username", "password"}
+
 
 ENTRYPOINT = REPO / "deploy" / "entrypoint.sh"
 
