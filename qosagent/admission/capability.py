@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.admission import export, policy
 from qosagent.admission.inputs import config_baseline, tick_input
-from qosagent.admission.model import AdmissionPart, TenantAdmission, TierAdmission
+from qosagent.admission.model import AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
 from qosagent.snapshot import Decision, Snapshot
@@ -32,6 +32,22 @@ def _rps(limit: TenantLimit | None) -> float | None:
     return None if limit is None else limit.rps
 
 
+def _gpu_line(out: policy.Outcome, dry_run: bool) -> str:
+    """The status's GPU field: pressure, or why memory over `enter` sheds nothing ("would not shed: the server
+    reports KV 30 % ..." in dry-run), or the fullest GPU whose memory counts."""
+    best, views = out.gpu, out.gpus
+    if out.state.gpu_pressure and best is not None:
+        return f"pressure (max {best.ratio or 0:.1%} on GPU {best.index})"
+    ignored = [v.why for v in views if v.ignored]
+    if ignored:
+        return f"{'would not shed' if dry_run else 'not shedding'}: {'; '.join(ignored)}"
+    if best is not None:
+        return f"ok (max {best.ratio or 0:.1%} on GPU {best.index})"
+    if any(v.ratio is not None for v in views):
+        return f"ok ({'; '.join(v.why for v in views if v.ratio is not None)})"
+    return f"unknown ({'; '.join(v.why for v in views) or out.gpu_reason})"
+
+
 class Admission(Capability):
     name = "admission"
 
@@ -41,6 +57,7 @@ class Admission(Capability):
         self.outcome: policy.Outcome | None = None
         self.baseline: dict[str, TenantLimit] = {}
         self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.ignored: collections.Counter[tuple[int, str]] = collections.Counter()  # (gpu, why) -> ticks
         self.pre_cleanup = PreCleanup()
         self._written = False  # overrides were written and must be withdrawn when we stop writing
         self._published: AdmissionPart | None = None  # the last part settled: the next tick's collected one
@@ -110,6 +127,9 @@ class Admission(Capability):
         out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state
         self.outcome = out
+        for v in out.gpus:
+            if v.ignored:
+                self.ignored[(v.index, v.ignored)] += 1
         applied = self._enforcing()
         decisions = []
         for c in out.changes:
@@ -138,8 +158,8 @@ class Admission(Capability):
             writer.set_overrides({})
             self._written = False
         pc = self.ctx.config.admission.gpu_pressure.pre_cleanup
-        if out.run_pre_cleanup and pc is not None:
-            why = f"GPU {out.gpu.gpu} memory {out.gpu.ratio or 0:.1%}"
+        if out.run_pre_cleanup and pc is not None and out.gpu is not None:
+            why = f"GPU {out.gpu.index} memory {out.gpu.ratio or 0:.1%}"
             if self._enforcing():
                 self.pre_cleanup.trigger(pc, why)
             else:
@@ -156,11 +176,7 @@ class Admission(Capability):
         if out is None:
             return AdmissionPart(**common)  # type: ignore[arg-type]
         state = out.state
-        gpu = "unknown"
-        if out.gpu.reason and not out.gpu.known:
-            gpu = f"unknown ({out.gpu.reason})"  # what sheds nothing: no NVML, a lost GPU, a pre-allocated GPU
-        if out.gpu.known:
-            gpu = f"{'pressure' if state.gpu_pressure else 'ok'} (max {out.gpu.ratio or 0:.1%} on GPU {out.gpu.gpu})"
+        gpu = _gpu_line(out, dry_run=not self._enforcing())
         tenants = []
         for t in cfg.tenants:
             s = state.tenants.get(t.name, policy.TenantState())
@@ -174,7 +190,9 @@ class Admission(Capability):
             healthy_streak=state.healthy_streak, servers_known=tuple(sorted(out.servers)),
             tiers=tuple(TierAdmission(n, v.observed, v.slo, v.breach_streak, v.in_breach, v.near_slo)
                         for n, v in out.tiers.items()),
-            tenants=tuple(tenants), **common)
+            tenants=tuple(tenants),
+            gpus=tuple(GpuAdmission(v.index, v.ratio, v.evidence, v.counts, v.why, v.conflict) for v in out.gpus),
+            gpu_ignored=dict(self.ignored), **common)
 
     def metrics(self, snapshot: Snapshot) -> Iterable[Metric]:
         part = snapshot.part(self.name)

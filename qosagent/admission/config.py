@@ -26,10 +26,17 @@ class PreCleanupConfig(Section):
 
 
 class GpuPressureConfig(Section):
+    """Shedding the sheddable tiers while a GPU's memory is nearly full, where memory is the evidence: only on GPUs
+    that no server with a reading may use (docs/admission.md, "GPU memory: evidence first")."""
+
     # GPU indices that serve the tenants; empty means every GPU the backend reports.
     gpus: list[int] = Field(default_factory=list)
     enter: float = Field(default=0.90, gt=0, le=1, description="memory used ratio above which shedding starts")
     exit: float = Field(default=0.85, gt=0, le=1, description="memory used ratio below which shedding ends")
+    # growth: memory counts once it has grown past `enter` from at or below `exit` while the agent watched (a
+    # pre-allocating server's reservation is there from the first reading and never counts); level: over `enter`
+    # counts whatever it started at, for hosts where the operator knows memory is load.
+    trigger: Literal["growth", "level"] = "growth"
     # While a GPU stays above `enter`, one more tier is shed after each escalate_after.
     escalate_after: Duration = 5.0
     pre_cleanup: PreCleanupConfig | None = None
@@ -79,8 +86,8 @@ class AdmissionConfig(Section):
     cut_factor: float = Field(default=0.7, gt=0, lt=1)
     raise_step: float = Field(default=0.10, gt=0, le=1)
     cooldown: Duration = 5.0
-    # No path takes a tenant below this rate (nor below its tier's floor) unless its tier is sheddable: a cut or a
-    # shed must never black-hole a tenant.
+    # Where latency and server-pressure cuts stop for a tier without a floor (a tier's floor, where set, is where
+    # they stop): a cut must never black-hole a tenant. GPU shedding touches only sheddable tiers, down to their floor.
     min_rps: float = Field(default=1.0, gt=0)
     gpu_pressure: GpuPressureConfig = GpuPressureConfig()
     server_pressure: ServerPressureConfig = ServerPressureConfig()

@@ -46,6 +46,15 @@ FAMILIES: tuple[Family[AdmissionPart], ...] = (
            "would, in dry-run), by the signal that set it", ("tenant", "tier", "cause"),
            lambda p: (([t.tenant, t.tier, t.signal], 1.0) for t in p.tenants if t.signal != BY_CONFIG),
            shown=_decided),
+    Family("qosagent_admission_evidence_conflict", "gauge", "1 while a serving GPU's memory would count as pressure "
+           "(grown past enter, or over it with trigger level) yet every server that may use the GPU reports its KV "
+           "cache low: worth a look, not an action", ("gpu",),
+           lambda p: (([str(g.gpu)], 1.0 if g.conflict else 0.0) for g in p.gpus if g.memory_used_ratio is not None),
+           shown=_decided),
+    Family("qosagent_admission_gpu_memory_ignored", "counter", "Ticks a serving GPU's memory was over "
+           "gpu_pressure.enter and shed nothing, by what overrode it (server: a server's reading; missing: a server or "
+           "process with no reading; no_growth)", ("gpu", "evidence"),
+           lambda p: (([str(gpu), why], n) for (gpu, why), n in sorted(p.gpu_ignored.items()))),
     Family("qosagent_admission_pre_cleanup_runs", "counter", "Pre-cleanup actions by result", ("result",),
            lambda p: (([result], n) for result, n in sorted(p.pre_cleanup_runs.items()))),
 )
@@ -66,6 +75,8 @@ def status(part: AdmissionPart) -> dict[str, Any]:
         "server_pressure": sorted(part.server_pressure),
         "escalation": part.escalation,
         "healthy_streak": part.healthy_streak,
+        "gpus": [{"gpu": g.gpu, "memory_used_ratio": g.memory_used_ratio, "evidence": g.evidence, "counts": g.counts,
+                  "why": g.why, "conflict": g.conflict} for g in part.gpus],
         "tiers": {v.tier: {"observed_s": v.observed, "slo_s": v.slo, "breach_streak": v.breach_streak,
                            "in_breach": v.in_breach, "near_slo": v.near_slo} for v in part.tiers},
         "tenants": [{"tenant": t.tenant, "tier": t.tier, "baseline": fmt(t.baseline), "limit": fmt(t.limit),

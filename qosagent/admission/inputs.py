@@ -4,15 +4,26 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from qosagent.admission.policy import GpuInput, ServerInput, TenantInput, TickInput, TierInput
+from qosagent.admission.policy import (
+    MEMORY_EVIDENCE,
+    MISSING_EVIDENCE,
+    SERVER_EVIDENCE,
+    UNKNOWN_EVIDENCE,
+    GpuInput,
+    GpuReading,
+    ServerInput,
+    TenantInput,
+    TickInput,
+    TierInput,
+)
 from qosagent.config import Config, LimitSpec
-from qosagent.gpu.backend import GpuState
+from qosagent.gpu.backend import GpuSample, GpuState
 from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
 from qosagent.quota.model import QuotaPart
 from qosagent.quota.rules import baseline as quota_baseline
 from qosagent.quota.rules import limit_of
-from qosagent.servers.model import ServersPart
+from qosagent.servers.model import ServerReading, ServersPart
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit
 
@@ -30,55 +41,78 @@ def _floor_burst(floor: LimitSpec | None) -> int:
     return limit_of(floor.rps, floor.burst).burst
 
 
-def _preallocated(servers: ServersPart | None, gpu: GpuState, index: int) -> str:
-    """Why GPU index's memory is not load, or "": a pre-allocating server (vLLM, SGLang, TGI, TensorRT-LLM) takes
-    most of its GPUs' memory at start, so memory used there sits near its configured fraction whatever the load;
-    the server's own KV-cache usage is the reading that moves with load (docs/admission.md, "GPU memory")."""
-    sample = gpu.by_index(index)
-    if servers is None or not servers.processes_known or sample is None:
-        return ""  # no process table to tell by (servers off, or no /proc): memory is load, as before servers
-    if any(e[0] == "processes" for e in sample.errors):
-        if not servers.preallocating_pids:
-            return ""
-        # Pre-allocating servers run here, but which GPUs they hold cannot be told: memory is no evidence anywhere.
-        return "held by a pre-allocating server? (process list unreadable)"
-    on = {p.pid for p in sample.processes}
-    pids = on & servers.preallocating_pids
-    if pids:
-        ports = sorted(s.port for s in servers.servers if s.pids & pids)
-        return "held by pre-allocating server " + (", ".join(map(str, ports)) if ports else f"pid {min(pids)}")
-    new = on - servers.known_pids
+def _may_use(pids: frozenset[int], sample: GpuSample, placed: frozenset[int]) -> bool:
+    """Whether processes may use a GPU: NVML lists one of them on it, or it cannot tell where they are (its process
+    list unreadable there, or none of them listed on any GPU: an empty list inside a container, PIDs of another PID
+    namespace, a MIG or vGPU slice, a server whose processes the agent cannot see)."""
+    if not pids or any(f == "processes" for f, _ in sample.errors):
+        return True
+    return bool(pids & {p.pid for p in sample.processes}) or not pids & placed
+
+
+def _server_says(readings: list[ServerReading]) -> tuple[str, float | None]:
+    """What the servers with a reading report, as status shows it, and their highest KV-cache usage."""
+    kvs = [s.kv_cache_usage for s in readings if s.kv_cache_usage is not None]
+    kv = max(kvs) if kvs else None
+    ports = ", ".join(str(s.port) for s in readings)
+    who = "the server reports" if len(readings) == 1 else "the servers report"
+    if kv is not None:
+        said = f"KV {kv * 100:.0f} %" if len(readings) == 1 else f"KV up to {kv * 100:.0f} %"
+    else:
+        said = f"{max(s.requests_waiting or 0 for s in readings):g} waiting"
+    return f"{who} {said} on port{'s' if len(readings) > 1 else ''} {ports}", kv
+
+
+def _evidence(servers: ServersPart | None, gpu: GpuState, sample: GpuSample) -> tuple[str, str, float | None]:
+    """Evidence before GPU memory: (evidence, why, KV) for one GPU. A server that may use it and reports its KV
+    cache or queue speaks for it; one that may use it with no reading, a pre-allocating process with no server
+    reading, or a process the agent cannot identify leaves it without evidence; otherwise memory is all there is."""
+    i = sample.index
+    if servers is None:
+        return MEMORY_EVIDENCE, "", None  # servers: [] (or off): memory is load, as before servers were read
+    readable = [g for g in gpu.gpus if not any(f == "processes" for f, _ in g.errors)]
+    placed = frozenset(p.pid for g in readable for p in g.processes)
+    # A generic server exports no KV cache or queue: it can neither speak for a GPU nor leave one without evidence.
+    near = [s for s in servers.servers if s.kind != "generic" and _may_use(s.pids, sample, placed)]
+    read = [s for s in near if s.known and (s.kv_cache_usage is not None or s.requests_waiting is not None)]
+    if read:
+        why, kv = _server_says(read)
+        return SERVER_EVIDENCE, why, kv
+    if near:
+        s = near[0]
+        return MISSING_EVIDENCE, f"server {s.port} may use GPU {i} and has no reading: {s.reason or 'no fields'}", None
+    if not servers.processes_known:
+        return MEMORY_EVIDENCE, "", None
+    theirs = frozenset().union(*(s.pids for s in servers.servers))
+    alone = servers.preallocating_pids - theirs
+    if alone and _may_use(alone, sample, placed):
+        return MISSING_EVIDENCE, f"pre-allocating process {min(alone)} may use GPU {i} and no server reads it", None
+    if any(f == "processes" for f, _ in sample.errors):
+        return MEMORY_EVIDENCE, "", None
+    new = {p.pid for p in sample.processes} - servers.known_pids
     if new:
-        # Started since the last walk of /proc (a server loading its model takes its memory in those seconds).
-        return f"process {min(new)} on it not identified yet"
-    return ""
+        return MISSING_EVIDENCE, (f"process {min(new)} on GPU {i} not identified (started since the last walk of "
+                                  "/proc, or in another PID namespace)"), None
+    return MEMORY_EVIDENCE, "", None
 
 
 def gpu_input(gpu: GpuState | None, serving: list[int], servers: ServersPart | None = None) -> GpuInput:
-    """The highest memory ratio over the serving GPUs that answered and that no pre-allocating server holds;
-    unknown when none is left."""
+    """Each serving GPU's memory and the evidence beside it (docs/admission.md, "GPU memory: evidence first")."""
     if gpu is None or not gpu.available:
         return GpuInput.unknown(gpu.reason if gpu is not None else "no GPU data")
     wanted = serving or [g.index for g in gpu.gpus]
-    best: tuple[float, int] | None = None
-    missing = []
+    out = []
     for index in wanted:
-        held = _preallocated(servers, gpu, index)
-        if held:
-            missing.append(f"GPU {index} {held}")
-            continue
         sample = gpu.by_index(index)
         ratio = sample.memory_used_ratio if sample is not None and not sample.lost else None
-        if ratio is None:
+        if sample is None or ratio is None:
             why = "absent" if sample is None else "lost" if sample.lost else \
                 ",".join(f"{f}:{k}" for f, k in sample.errors) or "no memory reading"
-            missing.append(f"GPU {index} {why}")
+            out.append(GpuReading(index, None, UNKNOWN_EVIDENCE, f"GPU {index} {why}"))
             continue
-        if best is None or ratio > best[0]:
-            best = (ratio, index)
-    if best is None:
-        return GpuInput.unknown("; ".join(missing) or "no serving GPU")
-    return GpuInput(True, best[0], best[1], "; ".join(missing))
+        evidence, why, kv = _evidence(servers, gpu, sample)
+        out.append(GpuReading(index, ratio, evidence, why, kv))
+    return GpuInput(tuple(out), "" if out else "no serving GPU")
 
 
 def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit]) -> TickInput:
@@ -118,7 +152,7 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
     for name in sorted({t.tier for t in cfg.tenants}):
         tier = cfg.tiers[name]
         observed = Histogram(windows[name]).quantile(policy.quantile) if name in windows else None
-        tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed)
+        tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed, tier.sheddable)
     rq = lat.runqueue_window if lat is not None else None
     servers: ServersPart | None = snap.part("servers")
     return TickInput(

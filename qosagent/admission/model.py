@@ -32,6 +32,18 @@ class TenantAdmission:
 
 
 @dataclass(frozen=True)
+class GpuAdmission:
+    """What a serving GPU's memory counted for (docs/admission.md, "GPU memory: evidence first")."""
+
+    gpu: int
+    memory_used_ratio: float | None
+    evidence: str  # server, missing, memory, unknown
+    counts: bool  # memory is the pressure signal on this GPU
+    why: str
+    conflict: bool = False  # memory would count as pressure while every server that may use the GPU reports KV low
+
+
+@dataclass(frozen=True)
 class AdmissionPart:
     # Tiers whose measured quantile is at or above a configured fraction of their SLO: DVFS must not lower
     # frequency for load or power reasons while this is non-empty.
@@ -52,6 +64,9 @@ class AdmissionPart:
     servers_known: tuple[int, ...] = ()  # ports with a pressure state, pressed or not
     tiers: tuple[TierAdmission, ...] = ()
     tenants: tuple[TenantAdmission, ...] = ()
+    gpus: tuple[GpuAdmission, ...] = ()
+    # (gpu, evidence or no_growth) -> ticks its memory was over `enter` and not acted on, by what overrode it
+    gpu_ignored: Mapping[tuple[int, str], int] = field(default_factory=dict)
     decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (tenant, action, reason) -> n
     pre_cleanup_runs: Mapping[str, int] = field(default_factory=dict)  # by result
     pre_cleanup_last: Mapping[str, str] = field(default_factory=dict)

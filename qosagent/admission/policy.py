@@ -10,10 +10,12 @@ Two reasons change a limit:
 - server pressure: a server whose KV cache is above `kv_enter` (until below `kv_exit`) or whose queue stays above
   `queue_enter` for `queue_ticks` ticks (until at most `queue_exit`) is pressed; while one is, the lowest tier with
   headroom among the tenants it serves is cut, once per `cut_every`; recovery as for latency.
-- GPU memory: above `enter` on a serving GPU, new requests of the lowest tier are refused, one more tier per
-  `escalate_after`, until every serving GPU is below `exit`. An unknown GPU state never sheds.
-Floors hold on every path: no limit below the tier's floor, nor below `min_rps` unless the tier is sheddable (then
-a shed goes to the floor, 0 without one). Each tenant's state says which signal and rule set its limit.
+- GPU memory, where it is evidence (a serving GPU that no server with a reading may use, whose memory grew past
+  `enter` while watched, or is over it with `trigger: level`): new requests of the lowest sheddable tier are
+  refused, one more sheddable tier per `escalate_after`, until every such GPU is below `exit`. A tier that is not
+  sheddable is never touched by this path; an unknown or overridden GPU reading sheds nothing.
+Floors: a cut stops at the tier's floor, or at `min_rps` where the tier has none; a shed goes to the floor, 0
+without one. Each tenant's state says which signal and rule set its limit.
 """
 
 from __future__ import annotations
@@ -34,11 +36,20 @@ SLO_RECOVERED = "slo_recovered"
 GPU_PRESSURE = "gpu_memory_pressure"
 GPU_RELIEVED = "gpu_memory_relieved"
 GPU_UNKNOWN = "gpu_state_unknown"
+GPU_NOT_EVIDENCE = "gpu_memory_not_evidence"
 SERVER_PRESSURE = "server_pressure"
 SERVER_RELIEVED = "server_relieved"
 
 # The signals that set a tenant's limit: the values of status's `signal` and the metric label `cause`.
 BY_CONFIG, BY_SLO, BY_SERVER, BY_GPU = "config", "slo", "server", "gpu_memory"
+
+# What a serving GPU's memory reading is worth (docs/admission.md, "GPU memory: evidence first"): the values of the
+# metric label `evidence`. SERVER: a server that may use the GPU reports its KV cache or queue, and that reading
+# speaks for it; MISSING: a server or a pre-allocating process may use it but no reading says how loaded it is;
+# MEMORY: nothing but memory speaks for it; UNKNOWN: no memory reading.
+SERVER_EVIDENCE, MISSING_EVIDENCE, MEMORY_EVIDENCE, UNKNOWN_EVIDENCE = "server", "missing", "memory", "unknown"
+# Why memory over `enter` was not acted on: one of the above, or no growth seen (trigger: growth).
+NO_GROWTH = "no_growth"
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class TierInput:
     weight: int
     slo: float  # seconds
     observed: float | None  # the policy's quantile over the latency window, seconds; None: no requests
+    sheddable: bool = False  # the GPU-memory path may shed it; it never touches a tier that is not
 
 
 @dataclass(frozen=True)
@@ -73,15 +85,24 @@ class ServerInput:
 
 
 @dataclass(frozen=True)
+class GpuReading:
+    """One serving GPU: its memory and what else speaks for its load."""
+
+    index: int
+    ratio: float | None  # memory used; None: no reading (why says)
+    evidence: str  # SERVER_EVIDENCE, MISSING_EVIDENCE, MEMORY_EVIDENCE, UNKNOWN_EVIDENCE
+    why: str = ""  # what the evidence is, as status shows it ("the server reports KV 30 % (port 8000)")
+    kv: float | None = None  # SERVER_EVIDENCE: the highest KV-cache usage the servers that may use it report
+
+
+@dataclass(frozen=True)
 class GpuInput:
-    known: bool
-    ratio: float | None = None  # highest memory used ratio over the serving GPUs that answered
-    gpu: int | None = None  # the GPU with that ratio
-    reason: str = ""  # why unknown
+    gpus: tuple[GpuReading, ...] = ()  # the serving GPUs
+    reason: str = ""  # why there are none (no NVML, no serving GPU)
 
     @staticmethod
     def unknown(reason: str) -> "GpuInput":
-        return GpuInput(False, reason=reason)
+        return GpuInput(reason=reason)
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,9 @@ class LoopState:
     gpu_pressure: bool = False
     shed_tiers: int = 0  # how many of the lowest tiers are shed
     last_shed: float = -math.inf
+    # Per GPU: the evidence its memory was last read under, and the lowest ratio seen since that evidence began
+    # (growth is judged from it; a change of evidence starts it again).
+    gpu_low: Mapping[int, tuple[str, float]] = field(default_factory=dict)
     servers: Mapping[int, ServerState] = field(default_factory=dict)  # by port
     last_server_cut: float = -math.inf
 
@@ -155,6 +179,19 @@ class TierView:
 
 
 @dataclass(frozen=True)
+class GpuView:
+    """What one serving GPU's memory counted for this tick."""
+
+    index: int
+    ratio: float | None
+    evidence: str
+    counts: bool  # GPU memory is the pressure signal here (memory evidence, and grown or trigger: level)
+    why: str  # why it counts or not, as status shows it
+    ignored: str = ""  # over `enter` but not acted on: the evidence that overrode it, or NO_GROWTH
+    conflict: bool = False  # memory would count as pressure, yet every server that may use the GPU reports KV low
+
+
+@dataclass(frozen=True)
 class SetBy:
     """Which signal and which rule set a tenant's limit in force."""
 
@@ -170,23 +207,26 @@ class Outcome:
     overrides: Mapping[str, TenantLimit]  # what the kernel should enforce instead of the baseline
     part: AdmissionPart
     tiers: Mapping[str, TierView]
-    gpu: GpuInput
+    gpus: tuple[GpuView, ...] = ()
+    gpu: GpuView | None = None  # of the GPUs whose memory counts, the fullest
+    gpu_reason: str = ""  # why no GPU is served or read at all
     run_pre_cleanup: bool = False
     servers: Mapping[int, ServerState] = field(default_factory=dict)
     set_by: Mapping[str, SetBy] = field(default_factory=dict)
 
 
 def minimum(t: TenantInput, policy: AdmissionConfig, shedding: bool = False) -> float:
-    """The lowest rate any path may give a tenant: its tier's floor, and min_rps unless a shed of a sheddable tier.
-    The one place the floors live: cuts, sheds and the status's attribution all ask here."""
-    if shedding and t.sheddable:
+    """The lowest rate a path may give a tenant: a cut stops at its tier's floor, or at min_rps where the tier has
+    none; a shed (of a sheddable tier: no other is shed) goes to the floor, 0 without one. The one place the floors
+    live: cuts, sheds and the status's attribution all ask here."""
+    if shedding:
         return t.floor_rps
-    return max(t.floor_rps, policy.min_rps)
+    return t.floor_rps if t.floor_rps > 0 else policy.min_rps
 
 
 def shed_limit(t: TenantInput, policy: AdmissionConfig) -> TenantLimit:
-    """A shed tenant's limit: no new requests beyond what its floor guarantees (the tier floor, which the quota
-    writer also holds the kernel to, and min_rps for a tier that is not sheddable)."""
+    """A shed tenant's limit: no new requests beyond what its floor guarantees (which the quota writer also holds
+    the kernel to)."""
     rps = minimum(t, policy, shedding=True)
     return TenantLimit(rps, max(1, t.floor_burst, math.ceil(rps * 0.1)) if rps > 0 else 0)
 
@@ -408,28 +448,68 @@ class _Tick:
             self.healthy_streak = 0
             self.last_change = now
 
+    def weigh_gpus(self) -> None:
+        """What each serving GPU's memory counts for: pressure only where nothing but memory speaks for the GPU,
+        and there by growth past `enter` while watched (a pre-allocating server's reservation is there from its
+        first reading) or, with `trigger: level`, by the level alone."""
+        gp, sp = self.policy.gpu_pressure, self.policy.server_pressure
+        self.gpu_low: dict[int, tuple[str, float]] = {}
+        self.gpu_views: list[GpuView] = []
+        for g in self.inp.gpu.gpus:
+            prev = self.prev.gpu_low.get(g.index)
+            if g.ratio is None:
+                # No reading says nothing new: the growth seen so far is kept for when the reading is back.
+                if prev is not None:
+                    self.gpu_low[g.index] = prev
+                self.gpu_views.append(GpuView(g.index, None, g.evidence, False, g.why or "no memory reading"))
+                continue
+            low = min(prev[1], g.ratio) if prev is not None and prev[0] == g.evidence else g.ratio
+            self.gpu_low[g.index] = (g.evidence, low)
+            by_memory = gp.trigger == "level" or low <= gp.exit  # what memory alone would say
+            over = g.ratio > gp.enter
+            mem = f"GPU {g.index} memory {g.ratio:.0%}"
+            if g.evidence == MEMORY_EVIDENCE and by_memory:
+                grown = f", grown from {low:.0%}" if gp.trigger == "growth" else ""
+                self.gpu_views.append(GpuView(g.index, g.ratio, g.evidence, True, mem + grown))
+            elif g.evidence == MEMORY_EVIDENCE:
+                self.gpu_views.append(GpuView(
+                    g.index, g.ratio, g.evidence, False,
+                    f"{mem} since it was first read, no growth past {gp.enter:g} seen (gpu_pressure.trigger growth)",
+                    NO_GROWTH if over else ""))
+            else:
+                conflict = (g.evidence == SERVER_EVIDENCE and over and by_memory and g.kv is not None
+                            and g.kv < sp.kv_exit)
+                self.gpu_views.append(GpuView(g.index, g.ratio, g.evidence, False, f"{g.why} ({mem})",
+                                              g.evidence if over else "", conflict))
+
     def shed_on_gpu_memory(self) -> None:
-        """Tier by tier, with hysteresis; an unknown GPU state sheds nothing and releases what was shed."""
-        g, gp, now = self.inp.gpu, self.policy.gpu_pressure, self.now
+        """Sheddable tiers only, lowest first, with hysteresis, on the GPUs whose memory counts; where none does
+        (unknown, or another reading speaks for the GPU) nothing is shed and what was shed is released."""
+        self.weigh_gpus()
+        gp, now = self.policy.gpu_pressure, self.now
         pressure, shed_tiers, last_shed = self.prev.gpu_pressure, self.prev.shed_tiers, self.prev.last_shed
+        sheddable = [n for n in self.order if self.inp.tiers[n].sheddable]
+        counted = [v for v in self.gpu_views if v.counts and v.ratio is not None]
+        self.gpu_max = best = max(counted, key=lambda v: (v.ratio, -v.index)) if counted else None
         release_reason = GPU_RELIEVED
-        if not g.known or g.ratio is None:
+        if best is None or best.ratio is None:
             if pressure:
-                release_reason = GPU_UNKNOWN
+                release_reason = GPU_NOT_EVIDENCE if any(v.ratio is not None for v in self.gpu_views) else GPU_UNKNOWN
             pressure, shed_tiers = False, 0
-        elif not pressure and g.ratio > gp.enter:
-            pressure, shed_tiers, last_shed, self.run_pre_cleanup = True, 1, now, True
-        elif pressure and g.ratio < gp.exit:
+        elif not pressure and best.ratio > gp.enter:
+            pressure, shed_tiers, last_shed, self.run_pre_cleanup = True, min(1, len(sheddable)), now, True
+        elif pressure and best.ratio < gp.exit:
             pressure, shed_tiers = False, 0
-        elif (pressure and g.ratio > gp.enter and shed_tiers < len(self.order)
+        elif (pressure and best.ratio > gp.enter and shed_tiers < len(sheddable)
               and now - last_shed >= gp.escalate_after):
             shed_tiers, last_shed = shed_tiers + 1, now
         self.gpu_pressure, self.shed_tiers, self.last_shed = pressure, shed_tiers, last_shed
-        shed_set = set(self.order[:shed_tiers])
-        gpu_note = {"gpu": g.gpu, "memory_used_ratio": g.ratio, "enter": gp.enter, "exit": gp.exit,
-                    "shed_tiers": sorted(shed_set)}
-        if not g.known:
-            gpu_note["gpu_unknown"] = g.reason
+        shed_set = set(sheddable[:shed_tiers])
+        gpu_note: dict[str, Any] = {"gpu": best.index if best else None,
+                                    "memory_used_ratio": best.ratio if best else None, "enter": gp.enter,
+                                    "exit": gp.exit, "trigger": gp.trigger, "shed_tiers": sorted(shed_set)}
+        if best is None:
+            gpu_note["gpu_unknown"] = "; ".join(v.why for v in self.gpu_views) or self.inp.gpu.reason
         for name, t in self.inp.tenants.items():
             s = self.states[name]
             want = t.tier in shed_set
@@ -437,7 +517,10 @@ class _Tick:
                 continue
             before = effective(t, s)
             if want:
-                why = f"GPU {g.gpu} memory {g.ratio or 0:.0%} > {gp.enter:g}"
+                assert best is not None
+                why = f"GPU {best.index} memory {best.ratio or 0:.0%} > {gp.enter:g}"
+                if gp.trigger == "growth":
+                    why += f", grown from {self.gpu_low[best.index][1]:.0%}"
                 self.states[name] = replace(s, shed=True, shed_to=shed_limit(t, self.policy), why=why)
                 self.changes.append(Change(name, SHED, before, self.states[name].shed_to, GPU_PRESSURE,
                                            self.note(name, gpu_note)))
@@ -467,6 +550,7 @@ class _Tick:
             gpu_pressure=self.gpu_pressure,
             shed_tiers=self.shed_tiers,
             last_shed=self.last_shed,
+            gpu_low=MappingProxyType(self.gpu_low),
             servers=MappingProxyType(self.servers),
             last_server_cut=self.last_server_cut,
         )
@@ -477,7 +561,8 @@ class _Tick:
             server_pressure=frozenset(srv.port for srv in self.pressed),
         )
         return Outcome(state, tuple(self.changes), MappingProxyType(overrides), part, MappingProxyType(self.views),
-                       self.inp.gpu, self.run_pre_cleanup, MappingProxyType(self.servers), MappingProxyType(set_by))
+                       tuple(self.gpu_views), self.gpu_max, self.inp.gpu.reason, self.run_pre_cleanup,
+                       MappingProxyType(self.servers), MappingProxyType(set_by))
 
 
 def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: AdmissionConfig) -> SetBy:
@@ -490,5 +575,5 @@ def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: Adm
         return SetBy(BY_CONFIG, "baseline")
     if lim is not None and lim.rps <= minimum(t, policy, shedding=s.shed):
         rule += ", held at the tier floor" if lim.rps == t.floor_rps and t.floor_rps > 0 else \
-            ", held at min_rps" if lim.rps == policy.min_rps else ", shed to 0 (sheddable tier)"
+            ", shed to 0 (sheddable tier)" if s.shed else ", held at min_rps"
     return SetBy(signal, rule, s.why)

@@ -51,14 +51,25 @@ _H200X8_BUSES = ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
                  "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
 
 
+def _mig(index: int, profile: str, gib: int) -> FakeGpu:
+    # A MIG instance of one H100 (00:01:00.0): NVML reports memory per instance, and inside a container usually no
+    # process on it, or none whose PID the agent can resolve.
+    dev = GpuDevice(index, f"MIG-fake-{index:04d}", f"NVIDIA H100 80GB HBM3 MIG {profile}", "0000:01:00.0",
+                    tuple(range(0, 2)), 0)
+    return FakeGpu(dev, memory_total=gib * GiB, memory_used=gib * GiB // 10, power_limit_w=350.0,
+                   power_limit_range=(200.0, 350.0), default_power_limit_w=350.0)
+
+
 def _preset(name: str) -> list[FakeGpu]:
+    if name == "h100-mig":
+        return [_mig(0, "3g.40gb", 40), _mig(1, "2g.20gb", 20), _mig(2, "1g.10gb", 10)]
     if name == "h200x8":
         return [_h200(i, i // 4, bus, range(0, 48) if i < 4 else range(48, 96)) for i, bus in enumerate(_H200X8_BUSES)]
     if name == "single":
         return [_h200(0, 0, "0000:01:00.0", range(0, 2))]
     if name == "none":
         return []
-    raise ValueError(f"unknown fake GPU preset {name!r}; expected h200x8, single or none")
+    raise ValueError(f"unknown fake GPU preset {name!r}; expected h200x8, single, h100-mig or none")
 
 
 class FakeBackend:

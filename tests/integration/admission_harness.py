@@ -4,6 +4,7 @@ inside it (server, clients, agent), the agent's config and status."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import secrets
@@ -15,7 +16,12 @@ from typing import Any, Iterator
 
 import pytest
 
+from qosagent.config import load
+from qosagent.ebpf.maps import Map
+from qosagent.quota.datapath import pin_dir
+from qosagent.quota.layout import QOS_LIMIT_OVERRIDE, QOS_LIMIT_REQ, QuotaLimit
 from qosagent.status import NoAgent, request
+from qosagent.tenants import tenant_id
 from tests.conftest import netns
 from testkit.agent import AgentProcess, agent_argv, agent_env
 
@@ -111,6 +117,33 @@ admission: {admission}
 {extra.replace("$PORT", str(port))}
 """)
     return path
+
+
+def _rate(interval_ns: int, tau_ns: int) -> tuple[float, int]:
+    """A GCRA bucket as (requests/s, burst), as quota.rules.bucket wrote it; tau 0 sheds every request."""
+    if tau_ns == 0:
+        return 0.0, 0
+    return round(1e9 / interval_ns, 2), round(tau_ns / interval_ns)
+
+
+def kernel_limits(cfg: Path, *tenants: str) -> dict[str, dict[str, Any]]:
+    """Each tenant's entry in the classifier's quota_limits map, read from its pin: the configured request limit
+    and the override admission wrote (None: none in force), so a test sees what the kernel enforces."""
+    path = pin_dir(load(str(cfg)))
+    out: dict[str, dict[str, Any]] = {}
+    with Map.pinned(os.path.join(path, "quota_slots"), ctypes.c_uint32, ctypes.c_uint32) as slots, \
+            Map.pinned(os.path.join(path, "quota_limits"), ctypes.c_uint32, QuotaLimit) as limits:
+        for name in tenants:
+            slot = slots.lookup(tenant_id(name))
+            assert slot is not None, f"{name} has no slot in the kernel"
+            lim = limits.lookup(slot)
+            assert lim is not None and lim.tenant == tenant_id(name)
+            out[name] = {
+                "baseline": _rate(lim.req.interval_ns, lim.req.tau_ns) if lim.flags & QOS_LIMIT_REQ else None,
+                "override": _rate(lim.override.interval_ns, lim.override.tau_ns)
+                if lim.flags & QOS_LIMIT_OVERRIDE else None,
+            }
+    return out
 
 
 class Agent(AgentProcess):

@@ -118,8 +118,8 @@ def test_server_pressure_end_to_end(bpf: None, tmp_path: Path) -> None:
         assert len(bronze_reqs) > 20 and all(ok for _, _, ok in gold_reqs + bronze_reqs)
         assert agent.decisions("gold-app") == [] and agent.decisions("bronze-app") == []
         st = agent.status()["admission"]
-        # Held by the server once /proc was walked after it started; until then its process is not identified.
-        assert st["gpu"].startswith("unknown (GPU 0 ") and st["shed_tiers"] == 0, st
+        # The server's reading speaks for the GPU (its process on it is the metrics stand-in, not the listener).
+        assert st["gpu"].startswith("not shedding: the server reports KV 30 %") and st["shed_tiers"] == 0, st
 
         # ---- KV 0.99, 20 waiting: bronze cut (in the kernel), gold never under its floor ----
         write_json(control, {"kv": 0.99, "waiting": 20, "running": 48})

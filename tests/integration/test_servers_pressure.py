@@ -289,7 +289,8 @@ def test_admission_on_a_vllm_server_at_92_percent_gpu_memory(tmp_path: Path) -> 
             ticks(30)
             assert decided == [] and w.last == {}
             st = a.status()
-            assert st["admission"]["gpu"] == f"unknown (GPU 0 held by pre-allocating server {s.port})"
+            assert st["admission"]["gpu"] == \
+                f"not shedding: the server reports KV 30 % on port {s.port} (GPU 0 memory 92%)"
             assert st["admission"]["shed_tiers"] == 0
             assert all(t["signal"] == "config" for t in st["admission"]["tenants"])
             # ---- KV 0.99 and 20 waiting: bronze cut first, then silver; gold never under its floor ----

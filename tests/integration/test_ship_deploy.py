@@ -311,6 +311,8 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_server_reading_known", ', port="8001", kind="sglang"', "1x30"),
             ("qosagent_fleet_on_safe_share", ', tenant="acme"', "0x3 1x20"),
             ("qosagent_fleet_on_safe_share", ', tenant="blog"', "0x30"),
+            ("qosagent_admission_evidence_conflict", ', gpu="0"', "1x30"),
+            ("qosagent_admission_evidence_conflict", ', gpu="1"', "0x30"),
         )] + [{"series": f'{name}{{instance="node-b:9464", job="qosagent"{labels}}}', "values": values}
               for name, labels, values in (
             ("qosagent_admission_enforcing", "", "0x30"),
@@ -345,6 +347,9 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
                 {"exp_labels": {"severity": "info", "instance": "node-b:9464", "tenant": "hobby", "tier": "bronze",
                                 "cause": "gpu_memory"}}]},
             {"eval_time": "5m", "alertname": "QosagentAdmissionWouldShed", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "QosagentAdmissionEvidenceConflict", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "gpu": "0"}}]},
+            {"eval_time": "5m", "alertname": "QosagentAdmissionEvidenceConflict", "exp_alerts": []},
             {"eval_time": "15m", "alertname": "QosagentServerReadingUnknown", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "port": "8000", "kind": "vllm"}}]},
             {"eval_time": "4m", "alertname": "QosagentFleetSafeShare", "exp_alerts": []},

@@ -16,6 +16,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from qosagent.features import Features
+from qosagent.admission import export
 from qosagent.admission.capability import LIMITS_SERVICE, Admission
 from qosagent.admission.inputs import gpu_input, tick_input
 from qosagent.admission.precleanup import PreCleanup
@@ -26,6 +27,7 @@ from qosagent.gpu.backend import (
     GPU_LOST,
     NO_PERMISSION,
     NOT_SUPPORTED,
+    GpuProcess,
     GpuSample,
     GpuState,
 )
@@ -35,6 +37,7 @@ from qosagent.hostfs import HostFS
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.metrics import make_registry
 from qosagent.quota.model import QuotaPart, TenantQuota
+from qosagent.servers.model import ServerReading, ServersPart
 from qosagent.snapshot import Snapshot
 from qosagent.status import render
 from qosagent.tenants import TenantLimit
@@ -43,7 +46,7 @@ CONFIG = """
     interval: 100ms
     tiers:
       gold:   {slo_p99: 120ms, weight: 10}
-      bronze: {slo_p99: 1200ms, weight: 1, quota: {rps: 100, burst: 10}, floor: {rps: 5}}
+      bronze: {slo_p99: 1200ms, weight: 1, quota: {rps: 100, burst: 10}, floor: {rps: 5}, sheddable: true}
     tenants:
       - {name: acme, tier: gold, match: {cidrs: [127.0.0.2/32]}}
       - {name: hobby, tier: bronze, match: {cidrs: [127.0.0.3/32]}}
@@ -75,7 +78,8 @@ def hist_ms(ms: float, n: int = 100) -> Histogram:
     return Histogram.of([int(ms * 1e6)] * n)
 
 
-def snapshot(seq: int, gold_ms: float, gpu: GpuState | None = None, hobby_rps: float = 80.0) -> Snapshot:
+def snapshot(seq: int, gold_ms: float, gpu: GpuState | None = None, hobby_rps: float = 80.0,
+             servers: ServersPart | None = None) -> Snapshot:
     def lat(name: str, tier: str, ms: float) -> TenantLatency:
         h = hist_ms(ms)
         return TenantLatency(name, tier, 100, h, h, h, h, h, h, h, h, rate_rps=10.0, in_flight=3)
@@ -83,7 +87,9 @@ def snapshot(seq: int, gold_ms: float, gpu: GpuState | None = None, hobby_rps: f
     latency = LatencyPart(1.0, {"acme": lat("acme", "gold", gold_ms), "hobby": lat("hobby", "bronze", 50)})
     quota = QuotaPart({"hobby": TenantQuota("hobby", "bronze", TenantLimit(100, 10), None, 0, 0,
                                             admitted_rps=hobby_rps)})
-    parts = {"latency": latency, "quota": quota, "gpu": gpu or GpuState(False, "no GPU")}
+    parts: dict[str, Any] = {"latency": latency, "quota": quota, "gpu": gpu or GpuState(False, "no GPU")}
+    if servers is not None:
+        parts["servers"] = servers
     return Snapshot.build(seq, 100.0 + seq * 0.1, 1.7e9 + seq * 0.1, parts)
 
 
@@ -96,10 +102,11 @@ def capability(mode: str = "enforce", writer: FakeLimits | None = None,
     return Admission(ctx)
 
 
-def run(cap: Admission, ticks: int, gold_ms: float, gpu: GpuState | None = None) -> list[Any]:
+def run(cap: Admission, ticks: int, gold_ms: float, gpu: GpuState | None = None,
+        servers: ServersPart | None = None, start: int = 0) -> list[Any]:
     out = []
-    for i in range(ticks):
-        d = cap.decide(snapshot(i, gold_ms, gpu))
+    for i in range(start, start + ticks):
+        d = cap.decide(snapshot(i, gold_ms, gpu, servers=servers))
         cap.apply(d)
         out += d
     return out
@@ -188,7 +195,7 @@ def test_tick_input_merges_tier_histograms_and_reads_rates() -> None:
     assert inp.tenants["hobby"].admitted_rps == 80.0  # the classifier's rate, not the completions'
     assert inp.tenants["acme"].admitted_rps == 10.0  # no quota data for acme: completions
     assert inp.tenants["hobby"].floor_rps == 5.0 and inp.tenants["hobby"].in_flight == 3
-    assert not inp.gpu.known
+    assert inp.gpu.gpus == () and inp.gpu.reason == "no GPU"
 
 
 def test_gpu_input_only_counts_serving_gpus_that_answer() -> None:
@@ -196,11 +203,58 @@ def test_gpu_input_only_counts_serving_gpus_that_answer() -> None:
     gpus = (GpuSample(0, "a", 100 * gib, 95 * gib), GpuSample(1, "b", 100 * gib, 99 * gib),
             GpuSample(2, "c", lost=True, errors=(("sample", GPU_LOST),)))
     state = GpuState(True, gpus=gpus)
-    assert gpu_input(state, [0]).ratio == pytest.approx(0.95)
-    assert gpu_input(state, []).ratio == pytest.approx(0.99) and gpu_input(state, []).gpu == 1
-    lost = gpu_input(state, [2])
-    assert not lost.known and "lost" in lost.reason
-    assert not gpu_input(GpuState(False, "NVML not available"), [0]).known
+    assert [(g.index, g.ratio, g.evidence) for g in gpu_input(state, [0]).gpus] == [(0, 0.95, "memory")]
+    assert [g.index for g in gpu_input(state, []).gpus] == [0, 1, 2]
+    (lost,) = gpu_input(state, [2]).gpus
+    assert lost.ratio is None and lost.evidence == "unknown" and "lost" in lost.why
+    none = gpu_input(GpuState(False, "NVML not available"), [0])
+    assert none.gpus == () and none.reason == "NVML not available"
+
+
+def vllm_at(kv: float, pids: frozenset[int] = frozenset({4121, 4122})) -> ServersPart:
+    """A vLLM server on port 18008 that the agent found, its processes 4121 (and its engine 4122)."""
+    srv = ServerReading(port=18008, kind="vllm", url="http://127.0.0.1:18008/metrics", configured=True, known=True,
+                        pid=4121, pids=pids, preallocates=True, kv_cache_usage=kv, requests_waiting=0,
+                        requests_running=4)
+    return ServersPart((srv,), pids, True, frozenset({1}) | pids)
+
+
+def gpu_at(ratio: float, pids: tuple[int, ...] = ()) -> GpuState:
+    return GpuState(True, gpus=(GpuSample(0, "a", 100, round(ratio * 100),
+                                          processes=tuple(GpuProcess(p, 90) for p in pids)),))
+
+
+@pytest.mark.parametrize("pids", [(), (3_999_999,)], ids=["no process list", "pids of another namespace"])
+@pytest.mark.parametrize("mode", ["enforce", "dry-run"])
+def test_a_server_reporting_kv_30_percent_overrides_92_percent_gpu_memory(mode: str, pids: tuple[int, ...]) -> None:
+    """Issue 23: vLLM's KV at 30 %, GPU memory at 92 % with NVML listing no process of its (an empty list, or PIDs
+    the agent cannot see): nobody shed, nobody cut; status says why, and the tick is counted."""
+    w = FakeLimits()
+    cap = capability(mode, w)
+    decided = run(cap, 60, gold_ms=7, gpu=gpu_at(0.92, pids), servers=vllm_at(0.30))
+    assert decided == [] and all(c == {} for c in w.calls)
+    part = cap.settled(cap.collect())
+    verb = "not shedding" if mode == "enforce" else "would not shed"
+    assert part.gpu == f"{verb}: the server reports KV 30 % on port 18008 (GPU 0 memory 92%)"
+    assert part.shed_tiers == 0 and all(t.signal == "config" for t in part.tenants)
+    assert part.gpu_ignored == {(0, "server"): 60}
+    st = Admission.render(export.status(part))
+    assert "would not shed: the server reports KV 30 %" in st if mode == "dry-run" else "not shedding: " in st
+    text = "".join(f"{s.name} {s.labels} {s.value}\n" for m in export.metrics(part) for s in m.samples)
+    assert "qosagent_admission_gpu_memory_ignored_total {'gpu': '0', 'evidence': 'server'} 60" in text
+    assert "qosagent_admission_evidence_conflict {'gpu': '0'} 0.0" in text
+
+
+def test_memory_grown_past_enter_while_the_server_reports_kv_low_is_flagged_not_acted_on() -> None:
+    w = FakeLimits()
+    cap = capability("enforce", w)
+    for i, ratio in enumerate((0.50, 0.70, 0.95, 0.96)):
+        run(cap, 1, gold_ms=7, gpu=gpu_at(ratio), servers=vllm_at(0.20), start=i)
+    part = cap.settled(cap.collect())
+    assert [(g.gpu, g.evidence, g.counts, g.conflict) for g in part.gpus] == [(0, "server", False, True)]
+    assert all(c == {} for c in w.calls)
+    text = "".join(f"{s.name} {s.labels} {s.value}\n" for m in export.metrics(part) for s in m.samples)
+    assert "qosagent_admission_evidence_conflict {'gpu': '0'} 1.0" in text
 
 
 def agent(tmp_path: Path, mode: str = "enforce") -> tuple[Agent, FakeBackend, FakeLimits]:
@@ -218,6 +272,7 @@ def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) ->
     a, fake, w = agent(tmp_path)
     try:
         assert [c.name for c in a.capabilities] == ["servers", "admission"]
+        a.tick()  # memory at 7 %: then it grows past enter
         fake.gpus[0].memory_used = int(fake.gpus[0].memory_total * 0.95)
         a.tick()
         assert w.calls[-1] == {"hobby": TenantLimit(5.0, 5)}
@@ -242,6 +297,7 @@ def test_nvml_errors_mid_run_keep_the_loop_running(tmp_path: Path, kind: str) ->
 def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
     a, fake, _ = agent(tmp_path)
     try:
+        a.tick()
         fake.gpus[0].memory_used = int(fake.gpus[0].memory_total * 0.95)
         a.tick()
         text = generate_latest(make_registry(a)).decode()
@@ -255,7 +311,7 @@ def test_metrics_and_status_show_decisions_and_limits(tmp_path: Path) -> None:
         human = render(st)
         assert "ADMISSION  mode enforce  P95 ttft  GPU pressure (max 95.0% on GPU 0)  shed tiers 1" in human
         assert ("hobby          bronze     100/s burst 10         5/s burst 5 SHED       gpu_memory: shed, held at the "
-                "tier floor (GPU 0 memory 95% > 0.9)") in human
+                "tier floor (GPU 0 memory 95% > 0.9, grown from 7%)") in human
         assert "acme           gold       unlimited              unlimited              config: baseline" in human
         assert 'qosagent_admission_limited{cause="gpu_memory",tenant="hobby",tier="bronze"} 1.0' in text
         assert "admission  hobby          shed       100/s burst 10 -> 5/s burst 5  gpu_memory_pressure" in human
@@ -346,7 +402,7 @@ def test_pre_cleanup_http_post(post_server: tuple[str, list[str]]) -> None:
 def test_pre_cleanup_runs_once_per_pressure_entry_and_not_in_dry_run(tmp_path: Path) -> None:
     marker = tmp_path / "count"
     cmd = [sys.executable, "-c", "import sys; open(sys.argv[1], 'a').write('x')", str(marker)]
-    extra = f"gpu_pressure: {{gpus: [0], pre_cleanup: {{command: {json.dumps(cmd)}}}}}\n"
+    extra = f"gpu_pressure: {{gpus: [0], trigger: level, pre_cleanup: {{command: {json.dumps(cmd)}}}}}\n"
     hot = GpuState(True, gpus=(GpuSample(0, "a", 100, 95),))
     for mode, expected in (("enforce", "x"), ("dry-run", None)):
         marker.unlink(missing_ok=True)

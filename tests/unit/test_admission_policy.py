@@ -43,7 +43,7 @@ class Loop:
     def tick(self, observed: dict[str, float | None] | None = None, gpu: P.GpuInput | None = None,
              servers: tuple[P.ServerInput, ...] = ()) -> P.Outcome:
         observed = observed or {}
-        tiers = {t: P.TierInput(t, WEIGHT[t], SLO[t], observed.get(t, SLO[t] * 0.5)) for t in SLO}
+        tiers = {t: P.TierInput(t, WEIGHT[t], SLO[t], observed.get(t, SLO[t] * 0.5), t in self.sheddable) for t in SLO}
         tenants = {}
         for name, tier in TENANT_TIER.items():
             lim = self.limit(name)
@@ -223,12 +223,15 @@ def test_unlimited_baseline_is_cut_from_the_admitted_rate_and_restored_to_unlimi
     assert restore and restore[0].new is None
 
 
-def gpu(ratio: float) -> P.GpuInput:
-    return P.GpuInput(True, ratio, 0)
+def gpu(ratio: float, evidence: str = P.MEMORY_EVIDENCE, kv: float | None = None) -> P.GpuInput:
+    return P.GpuInput((P.GpuReading(0, ratio, evidence, "the server reports KV" if kv is not None else "", kv),))
+
+
+LEVEL = {"trigger": "level"}  # GPU memory over enter counts whatever it started at: the operator says it is load
 
 
 def test_gpu_pressure_sheds_the_lowest_tier_first_with_hysteresis() -> None:
-    loop = Loop(cfg(gpu_pressure={"escalate_after": "1s"}))
+    loop = Loop(cfg(gpu_pressure={"escalate_after": "1s", **LEVEL}))
     out = loop.tick(gpu=gpu(0.95))
     assert out.run_pre_cleanup
     assert [(c.tenant, c.action, c.reason) for c in out.changes] == [("hobby", "shed", "gpu_memory_pressure")]
@@ -251,14 +254,14 @@ def test_gpu_pressure_sheds_the_lowest_tier_first_with_hysteresis() -> None:
 
 
 def test_shedding_keeps_a_tiers_floor() -> None:
-    loop = Loop(cfg(), floors={"bronze": 7.0})
+    loop = Loop(cfg(gpu_pressure=LEVEL), floors={"bronze": 7.0})
     out = loop.tick(gpu=gpu(0.95))
     # The floor is a guarantee the quota writer also holds the kernel to: the audit says what is really in force.
     assert out.overrides == {"hobby": TenantLimit(7.0, 1)} and out.changes[0].new == TenantLimit(7.0, 1)
 
 
 def test_unknown_gpu_sheds_nothing_and_releases_a_shed() -> None:
-    loop = Loop(cfg())
+    loop = Loop(cfg(gpu_pressure=LEVEL))
     for _ in range(5):
         out = loop.tick(gpu=P.GpuInput.unknown("NVML not available"))
         assert out.changes == () and not out.part.gpu_pressure
@@ -269,7 +272,7 @@ def test_unknown_gpu_sheds_nothing_and_releases_a_shed() -> None:
 
 
 def test_shed_keeps_the_adaptive_limit_underneath() -> None:
-    loop = Loop(cfg())
+    loop = Loop(cfg(gpu_pressure=LEVEL))
     for _ in range(3):
         loop.tick(gold_over())
     loop.tick(gpu=gpu(0.95))
@@ -361,14 +364,96 @@ def test_only_the_tenants_a_pressed_server_serves_are_cut() -> None:
     assert [(c.tenant, c.action) for c in out.changes] == [("mid", "cut")]
 
 
-def test_gpu_shedding_of_a_tier_that_is_not_sheddable_stops_at_min_rps_or_its_floor() -> None:
-    loop = Loop(cfg(gpu_pressure={"escalate_after": "100ms"}), floors={"silver": 20.0}, sheddable=frozenset())
-    for _ in range(10):
+def test_gpu_shedding_never_touches_a_tier_that_is_not_sheddable() -> None:
+    loop = Loop(cfg(gpu_pressure={"escalate_after": "100ms", **LEVEL}), floors={"silver": 20.0},
+                sheddable=frozenset({"bronze"}))
+    for _ in range(20):
         out = loop.tick(gpu=gpu(0.97))
-    assert loop.limit("hobby") == TenantLimit(1.0, 1) and loop.limit("mid") == TenantLimit(20.0, 2)
-    assert loop.limit("acme") == TenantLimit(1.0, 1)
-    assert out.set_by["mid"] == P.SetBy("gpu_memory", "shed, held at the tier floor", "GPU 0 memory 97% > 0.9")
-    assert out.set_by["acme"].rule == "shed, held at min_rps"
+    assert out.part.gpu_pressure and loop.state.shed_tiers == 1  # no escalation past the sheddable tiers
+    assert loop.limit("hobby") == TenantLimit(0.0, 0)
+    assert loop.limit("mid") == TenantLimit(200, 20) and loop.limit("acme") == TenantLimit(200, 20)
+    assert {c.tenant for _, c in loop.changes} == {"hobby"}
+    assert out.set_by["acme"] == P.SetBy("config", "baseline")
+    assert out.set_by["hobby"] == P.SetBy("gpu_memory", "shed, shed to 0 (sheddable tier)", "GPU 0 memory 97% > 0.9")
+    none = Loop(cfg(gpu_pressure=LEVEL), sheddable=frozenset())
+    for _ in range(20):
+        out = none.tick(gpu=gpu(0.97))
+    assert none.changes == [] and out.overrides == {} and none.state.shed_tiers == 0
+
+
+def test_gpu_memory_counts_by_growth_not_by_a_level_held_from_the_first_reading() -> None:
+    loop = Loop(cfg(gpu_pressure={"escalate_after": "100ms"}))
+    for _ in range(50):  # a pre-allocating server's 92 %, there since the first reading
+        out = loop.tick(gpu=gpu(0.92))
+    assert loop.changes == [] and not out.part.gpu_pressure
+    assert out.gpus[0].ignored == P.NO_GROWTH and not out.gpus[0].counts and "no growth" in out.gpus[0].why
+    grown = Loop(cfg(gpu_pressure={"escalate_after": "100ms"}), sheddable=frozenset({"bronze"}))
+    for ratio in (0.30, 0.60, 0.80, 0.95, 0.95, 0.95):
+        out = grown.tick(gpu=gpu(ratio))
+    assert [(c.tenant, c.action) for _, c in grown.changes] == [("hobby", "shed")]
+    assert grown.changes[0][1].inputs["trigger"] == "growth"
+    assert out.set_by["hobby"].detail == "GPU 0 memory 95% > 0.9, grown from 30%"
+    assert grown.limit("acme") == TenantLimit(200, 20) and grown.limit("mid") == TenantLimit(200, 20)
+
+
+def test_a_server_reading_overrides_gpu_memory_and_a_change_of_evidence_starts_growth_again() -> None:
+    loop = Loop(cfg(gpu_pressure={"escalate_after": "100ms"}))
+    loop.tick(gpu=gpu(0.30))
+    for _ in range(30):  # grown past enter, but a server that may use the GPU says its KV cache has room
+        out = loop.tick(gpu=gpu(0.95, P.SERVER_EVIDENCE, kv=0.30), servers=vllm(0.30))
+    assert loop.changes == [] and not out.part.gpu_pressure
+    v = out.gpus[0]
+    assert (v.counts, v.ignored, v.conflict) == (False, P.SERVER_EVIDENCE, False)  # growth began under memory
+    for _ in range(30):  # the server's reading goes: no evidence either way, nothing shed
+        out = loop.tick(gpu=gpu(0.95, P.MISSING_EVIDENCE))
+    assert loop.changes == [] and out.gpus[0].ignored == P.MISSING_EVIDENCE
+    for _ in range(30):  # memory alone again, but at 95 % since that began: no growth seen
+        out = loop.tick(gpu=gpu(0.95))
+    assert loop.changes == [] and out.gpus[0].ignored == P.NO_GROWTH
+
+
+def test_memory_grown_while_every_server_reports_its_kv_low_is_a_conflict_not_an_action() -> None:
+    loop = Loop(cfg())
+    for ratio in (0.50, 0.80, 0.95, 0.96):
+        out = loop.tick(gpu=gpu(ratio, P.SERVER_EVIDENCE, kv=0.20), servers=vllm(0.20))
+    assert out.gpus[0].conflict and loop.changes == [] and out.overrides == {}
+    out = loop.tick(gpu=gpu(0.96, P.SERVER_EVIDENCE, kv=0.97), servers=vllm(0.97))
+    assert not out.gpus[0].conflict  # the server agrees it is full: its own path cuts
+    assert [c.reason for _, c in loop.changes] == ["server_pressure"]
+
+
+def test_a_shed_in_force_is_released_when_a_server_reading_starts_to_speak_for_the_gpu() -> None:
+    loop = Loop(cfg(gpu_pressure=LEVEL))
+    loop.tick(gpu=gpu(0.95))
+    assert loop.limit("hobby") == TenantLimit(0.0, 0)
+    out = loop.tick(gpu=gpu(0.95, P.SERVER_EVIDENCE, kv=0.3), servers=vllm(0.3))
+    assert [(c.tenant, c.action, c.reason) for c in out.changes] == [("hobby", "unshed", "gpu_memory_not_evidence")]
+
+
+def test_kv_full_and_a_queue_on_a_gpu_at_92_percent_cut_bronze_first_gold_only_to_its_floor_then_recover() -> None:
+    loop = Loop(cfg(cooldown="1s", healthy_ticks=5, server_pressure={"cut_every": "300ms"}), floors={"gold": 50.0},
+                sheddable=frozenset({"bronze"}))
+    for _ in range(400):
+        loop.tick(gpu=gpu(0.92, P.SERVER_EVIDENCE, kv=0.99), servers=vllm(0.99, 20))
+    cuts = [(t, c.tenant, c.new.rps) for t, c in loop.changes]
+    assert {c.reason for _, c in loop.changes} == {"server_pressure"}  # never the GPU path
+    assert cuts[0][1] == "hobby" and loop.rps("acme") == 50.0 and min(r for _, n, r in cuts if n == "acme") == 50.0
+    assert loop.rps("hobby") == 1.0  # bronze has no floor: its cuts stop at min_rps
+    n = len(loop.changes)
+    for _ in range(600):
+        loop.tick(gpu=gpu(0.92, P.SERVER_EVIDENCE, kv=0.40), servers=vllm(0.40, 0))
+    ups = loop.changes[n:]
+    assert ups and {c.action for _, c in ups} <= {"raise", "restore"}
+    ticks = sorted({t for t, _ in ups})
+    assert all(b - a >= 5 for a, b in zip(ticks, ticks[1:]))  # one step per healthy_ticks, never faster
+    assert loop.limit("acme") == TenantLimit(200, 20) and loop.limit("hobby") == TenantLimit(200, 20)
+
+
+def test_a_cut_stops_at_the_tiers_floor_where_one_is_set_else_at_min_rps() -> None:
+    loop = Loop(cfg(server_pressure={"cut_every": "100ms"}), floors={"bronze": 0.5}, sheddable=frozenset())
+    for _ in range(300):
+        loop.tick(servers=vllm(0.99, 0))
+    assert loop.rps("hobby") == 0.5 and loop.rps("mid") == 1.0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -377,7 +462,7 @@ def test_no_path_ever_takes_a_tenant_below_its_floor(seed: int) -> None:
     of its tier and min_rps, except sheds of sheddable tiers (to their floor)."""
     rng = random.Random(seed)
     floors = {"gold": 30.0, "silver": 0.0, "bronze": 0.0}
-    loop = Loop(cfg(cooldown="300ms", healthy_ticks=2, gpu_pressure={"escalate_after": "200ms"},
+    loop = Loop(cfg(cooldown="300ms", healthy_ticks=2, gpu_pressure={"escalate_after": "200ms", **LEVEL},
                     server_pressure={"cut_every": "100ms"}), floors=floors, sheddable=frozenset({"bronze"}))
     for _ in range(3000):
         loop.tick({"gold": SLO["gold"] * rng.choice([0.5, 1.5, 3.0])},

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import time
 from pathlib import Path
@@ -250,40 +252,69 @@ def test_llama_server_without_metrics_says_how_to_turn_them_on(monkeypatch: pyte
     assert Scraper._read(t)[2] == "HTTP 501 Not Implemented"
 
 
-# ---- GPU memory: no load signal where a pre-allocating server holds the GPU ----
+# ---- GPU memory: evidence first (a server's reading speaks for the GPUs it may use) ----
 
 GIB = 1 << 30
 
 
-def reading(port: int, pids: set[int]) -> ServerReading:
-    return ServerReading(port=port, kind="vllm", url="", configured=True, known=True, pids=frozenset(pids),
-                         preallocates=True)
+def reading(port: int, pids: set[int], kv: float | None = 0.30, **kw: Any) -> ServerReading:
+    return ServerReading(port=port, kind=kw.pop("kind", "vllm"), url="", configured=True, known=kw.pop("known", True),
+                         pids=frozenset(pids), preallocates=True, kv_cache_usage=kv, requests_waiting=0, **kw)
 
 
-def test_gpu_memory_is_read_only_on_gpus_no_pre_allocating_server_holds() -> None:
+def evidence(gpus: GpuState, index: int, servers: ServersPart | None) -> tuple[str, str]:
+    (g,) = gpu_input(gpus, [index], servers).gpus
+    return g.evidence, g.why
+
+
+def test_gpu_memory_is_evidence_only_where_no_server_reading_may_speak_for_the_gpu() -> None:
     gpus = GpuState(True, gpus=(
         GpuSample(0, "a", 100 * GIB, 92 * GIB, processes=(GpuProcess(101, 90 * GIB),)),  # vLLM's engine
         GpuSample(1, "b", 100 * GIB, 95 * GIB, processes=(GpuProcess(555, 95 * GIB),)),  # a training job
         GpuSample(2, "c", 100 * GIB, 93 * GIB, processes=(GpuProcess(101, 1), GpuProcess(202, 1))),  # shared
         GpuSample(3, "d", 100 * GIB, 91 * GIB, errors=(("processes", "no_permission"),)),
     ))
-    servers = ServersPart((reading(8000, {100, 101}), reading(3000, {200, 202})), frozenset({100, 101, 200, 202}),
-                          True, frozenset({1, 100, 101, 200, 202, 555}))
-    assert gpu_input(gpus, [0]).known and gpu_input(gpus, [0]).ratio == pytest.approx(0.92)  # no server part: as before
-    held = gpu_input(gpus, [0], servers)
-    assert not held.known and held.reason == "GPU 0 held by pre-allocating server 8000"
-    free = gpu_input(gpus, [0, 1], servers)
-    assert free.known and free.gpu == 1 and free.ratio == pytest.approx(0.95)
-    unreadable = gpu_input(gpus, [3], servers)
-    assert not unreadable.known and "process list unreadable" in unreadable.reason
-    # No pre-allocating server on the host: memory is load, as before; so without /proc to tell by.
-    assert gpu_input(gpus, [3], ServersPart(processes_known=True, known_pids=frozenset({1}))).ratio == \
-        pytest.approx(0.91)
-    assert gpu_input(gpus, [0], ServersPart()).ratio == pytest.approx(0.92)
-    # A process that started after the last walk of /proc (a server loading its model): not identified yet.
-    fresh = gpu_input(gpus, [1], ServersPart(processes_known=True, known_pids=frozenset({1})))
-    assert not fresh.known and fresh.reason == "GPU 1 process 555 on it not identified yet"
+    servers = ServersPart((reading(8000, {100, 101}), reading(3000, {200, 202}, kv=0.45)),
+                          frozenset({100, 101, 200, 202}), True, frozenset({1, 100, 101, 200, 202, 555}))
+    assert evidence(gpus, 0, None) == ("memory", "")  # servers: [] : memory is load, as before servers were read
+    assert evidence(gpus, 0, servers) == ("server", "the server reports KV 30 % on port 8000")
+    assert evidence(gpus, 1, servers) == ("memory", "")  # no server's process on it: memory is all there is
+    assert evidence(gpus, 2, servers) == ("server", "the servers report KV up to 45 % on ports 8000, 3000")
+    assert evidence(gpus, 3, servers)[0] == "server"  # its process list unreadable: either server may use it
+    assert gpu_input(gpus, [2], servers).gpus[0].kv == pytest.approx(0.45)
+    # A server that may use the GPU but has no reading: no evidence either way.
+    down = ServersPart((reading(8000, {100, 101}, kv=None, known=False, reason="down: connection refused"),),
+                       frozenset({100, 101}), True, frozenset({1, 100, 101, 555}))
+    assert evidence(gpus, 0, down) == ("missing", "server 8000 may use GPU 0 and has no reading: down: "
+                                                  "connection refused")
+    assert evidence(gpus, 1, down) == ("memory", "")
+    # A process the agent cannot identify (started since the last walk of /proc, or another PID namespace).
+    assert evidence(gpus, 1, ServersPart(processes_known=True, known_pids=frozenset({1})))[0] == "missing"
+    # Without /proc to tell by: memory, unless a server may use the GPU.
+    assert evidence(gpus, 1, ServersPart()) == ("memory", "")
+    # A generic server exports no KV cache or queue: it neither speaks for a GPU nor leaves it without evidence.
+    generic = ServersPart((reading(8080, {555}, kv=None, kind="generic"),), frozenset(), True, frozenset({1, 555}))
+    assert evidence(gpus, 1, generic) == ("memory", "")
     assert gpu_holders(servers, gpus) == {0: [8000], 2: [3000, 8000]}
+
+
+def test_a_server_whose_processes_nvml_does_not_list_may_use_every_gpu() -> None:
+    """What NVML gives inside many containers, on MIG and vGPU slices, behind some drivers: no process list, or
+    PIDs of another PID namespace. The server's reading still speaks for the GPUs; without a server, a process
+    the agent cannot identify leaves the GPU without evidence."""
+    servers = ServersPart((reading(18008, {4121, 4122}),), frozenset({4121, 4122}), True, frozenset({1, 4121, 4122}))
+    empty = GpuState(True, gpus=(GpuSample(0, "a", 100, 92), GpuSample(1, "b", 100, 93)))
+    assert [(g.evidence, g.why) for g in gpu_input(empty, [], servers).gpus] == [
+        ("server", "the server reports KV 30 % on port 18008")] * 2
+    foreign = GpuState(True, gpus=(GpuSample(0, "a", 100, 92, processes=(GpuProcess(3_999_999, 90),)),))
+    assert evidence(foreign, 0, servers)[0] == "server"
+    alone = ServersPart((), frozenset(), True, frozenset({1}))
+    assert evidence(foreign, 0, alone) == ("missing", "process 3999999 on GPU 0 not identified (started since the "
+                                                      "last walk of /proc, or in another PID namespace)")
+    # A pre-allocating server's process that no server entry reads (not on a watched port), NVML listing nothing.
+    unread = ServersPart((), frozenset({4121}), True, frozenset({1, 4121}))
+    assert evidence(empty, 0, unread) == ("missing", "pre-allocating process 4121 may use GPU 0 and no server "
+                                                     "reads it")
 
 
 def test_discovery_reads_what_a_real_proc_offers() -> None:
