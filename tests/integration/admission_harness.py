@@ -23,7 +23,7 @@ from qosagent.quota.layout import QOS_LIMIT_OVERRIDE, QOS_LIMIT_REQ, QuotaLimit
 from qosagent.status import NoAgent, request
 from qosagent.tenants import tenant_id
 from tests.conftest import netns
-from testkit.agent import AgentProcess, agent_argv, agent_env
+from testkit.agent import REPO, AgentProcess, agent_argv, agent_env
 
 LOAD = str(Path(__file__).with_name("admission_load.py"))
 GOLD, BRONZE = "127.0.0.2", "127.0.0.3"
@@ -126,10 +126,10 @@ def _rate(interval_ns: int, tau_ns: int) -> tuple[float, int]:
     return round(1e9 / interval_ns, 2), round(tau_ns / interval_ns)
 
 
-def kernel_limits(cfg: Path, *tenants: str) -> dict[str, dict[str, Any]]:
+def read_limits(cfg: str, tenants: list[str]) -> dict[str, dict[str, Any]]:
     """Each tenant's entry in the classifier's quota_limits map, read from its pin: the configured request limit
-    and the override admission wrote (None: none in force), so a test sees what the kernel enforces."""
-    path = pin_dir(load(str(cfg)))
+    and the override admission wrote (None: none in force)."""
+    path = pin_dir(load(cfg))
     out: dict[str, dict[str, Any]] = {}
     with Map.pinned(os.path.join(path, "quota_slots"), ctypes.c_uint32, ctypes.c_uint32) as slots, \
             Map.pinned(os.path.join(path, "quota_limits"), ctypes.c_uint32, QuotaLimit) as limits:
@@ -144,6 +144,18 @@ def kernel_limits(cfg: Path, *tenants: str) -> dict[str, dict[str, Any]]:
                 if lim.flags & QOS_LIMIT_OVERRIDE else None,
             }
     return out
+
+
+def kernel_limits(agent: "Agent", *tenants: str) -> dict[str, dict[str, Any]]:
+    """read_limits as the agent's kernel holds them: the pins live in the bpffs of the agent's mount namespace
+    (`ip netns exec` gives it a /sys of its own), so they are read from inside it."""
+    assert agent.proc is not None
+    r = subprocess.run(["nsenter", "--target", str(agent.proc.pid), "--mount", sys.executable, "-m",
+                        "tests.integration.admission_harness", "limits", str(agent.config), *tenants],
+                       env=agent_env(), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return {name: {k: tuple(v) if isinstance(v, list) else v for k, v in lim.items()}
+            for name, lim in json.loads(r.stdout).items()}
 
 
 class Agent(AgentProcess):
@@ -193,3 +205,8 @@ def scenario(tmp: Path, quota: str, admission: str, **tiers_and_extra: str) -> I
                 agent.close()
             procs.stop_all()
     assert not os.path.exists(pin_root), f"{pin_root} left behind"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["limits"]:
+        print(json.dumps(read_limits(sys.argv[2], sys.argv[3:])))

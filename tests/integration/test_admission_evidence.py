@@ -44,7 +44,7 @@ def held(agent: Any, procs: Any, port: int, tmp: Path, seconds: float, tag: str)
     seen = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        seen.append(kernel_limits(agent.config, *TENANTS))
+        seen.append(kernel_limits(agent, *TENANTS))
         time.sleep(1.0)
     reqs = results(gold, tmp / f"gold-{tag}.json") + results(bronze, tmp / f"bronze-{tag}.json")
     assert len(reqs) > 2 * seconds and all(ok for _, _, ok in reqs), [r for r in reqs if not r[2]][:5]
@@ -69,7 +69,7 @@ def test_a_server_reading_overrides_gpu_memory_in_the_kernel(bpf: None, tmp_path
                  and s, 30)
         baseline = {"gold-app": {"baseline": (200.0, 50), "override": None},
                     "bronze-app": {"baseline": (400.0, 40), "override": None}}
-        assert kernel_limits(agent.config, *TENANTS) == baseline
+        assert kernel_limits(agent, *TENANTS) == baseline
 
         # ---- GPU at 92 %, NVML listing no process (a container without hostPID): nobody limited ----
         write_json(tmp_path / "gpu.json", {"preset": "single", "gpus": {"0": {
@@ -107,7 +107,7 @@ def test_a_server_reading_overrides_gpu_memory_in_the_kernel(bpf: None, tmp_path
         gold = procs.client(port, GOLD, 1, 50, 8, tmp_path / "gold-full.json")
         flood = procs.client(port, BRONZE, 2, 0, 8, tmp_path / "flood.json", timeout=1.0)
         wait_for("bronze at min_rps", lambda: any(d["new"] == 1.0 for d in agent.decisions("bronze-app", "cut")), 20)
-        floor = kernel_limits(agent.config, *TENANTS)
+        floor = kernel_limits(agent, *TENANTS)
         print("kernel limits, KV 0.99 and 20 waiting:", floor)
         assert floor["bronze-app"]["override"] == (1.0, 1), floor
         gold_reqs = results(gold, tmp_path / "gold-full.json")
@@ -116,7 +116,7 @@ def test_a_server_reading_overrides_gpu_memory_in_the_kernel(bpf: None, tmp_path
         cuts = [d for d in agent.status()["decisions"] if d["capability"] == "admission"]
         assert cuts[0]["target"] == "bronze-app" and {d["reason"] for d in cuts} == {"server_pressure"}, cuts
         assert all(d["new"] >= 50 for d in cuts if d["target"] == "gold-app"), cuts
-        g_override = kernel_limits(agent.config, *TENANTS)["gold-app"]["override"]
+        g_override = kernel_limits(agent, *TENANTS)["gold-app"]["override"]
         assert g_override is None or g_override[0] >= 50, g_override
 
         # ---- the cache drains: bronze, pressing its limit, is raised back, one step per healthy_ticks ----
@@ -128,7 +128,7 @@ def test_a_server_reading_overrides_gpu_memory_in_the_kernel(bpf: None, tmp_path
         assert {d["reason"] for d in raised} == {"server_relieved"}
         ticks = [d["inputs"]["tick"] for d in raised]
         assert all(b - a >= 5 for a, b in zip(ticks, ticks[1:])), ticks
-        up = kernel_limits(agent.config, *TENANTS)["bronze-app"]["override"]
+        up = kernel_limits(agent, *TENANTS)["bronze-app"]["override"]
         assert up is None or up[0] > 1.0, up
         assert agent.decisions("gold-app", *GPU_ACTIONS) == [] and agent.decisions("bronze-app", *GPU_ACTIONS) == []
 
@@ -146,7 +146,7 @@ def test_gpu_memory_growing_past_the_operators_threshold_sheds_only_the_sheddabl
         for ratio in (0.30, 0.60, 0.78):  # growing, still under the operator's enter
             write_json(tmp_path / "gpu.json", {"preset": "single", "gpus": {"0": {"memory_used_ratio": ratio}}})
             time.sleep(0.5)
-        assert kernel_limits(agent.config, *TENANTS) == baseline
+        assert kernel_limits(agent, *TENANTS) == baseline
         write_json(tmp_path / "gpu.json", {"preset": "single", "gpus": {"0": {"memory_used_ratio": 0.86}}})
         shed = wait_for("bronze shed", lambda: agent.decisions("bronze-app", "shed"), 10)
         assert shed[0]["reason"] == "gpu_memory_pressure" and shed[0]["new"] == 0
@@ -154,7 +154,7 @@ def test_gpu_memory_growing_past_the_operators_threshold_sheds_only_the_sheddabl
         gold = procs.client(port, GOLD, 1, 100, 4, tmp_path / "gold.json")
         bronze = procs.client(port, BRONZE, 1, 100, 4, tmp_path / "bronze.json", timeout=1.0)
         for _ in range(4):  # past several escalate_after: gold is not sheddable, so nothing more is shed
-            seen.append(kernel_limits(agent.config, *TENANTS))
+            seen.append(kernel_limits(agent, *TENANTS))
             time.sleep(1.0)
         print("kernel limits, GPU memory grown 30 % -> 86 % > enter 0.80, no server:", seen[-1])
         assert all(k == {"gold-app": baseline["gold-app"],
@@ -170,4 +170,4 @@ def test_gpu_memory_growing_past_the_operators_threshold_sheds_only_the_sheddabl
         # ---- memory back under exit: bronze served on its baseline again ----
         write_json(tmp_path / "gpu.json", {"preset": "single", "gpus": {"0": {"memory_used_ratio": 0.50}}})
         wait_for("bronze unshed", lambda: agent.decisions("bronze-app", "unshed"), 10)
-        assert kernel_limits(agent.config, *TENANTS) == baseline
+        assert kernel_limits(agent, *TENANTS) == baseline
