@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import re
 import shutil
 import subprocess
@@ -32,6 +33,12 @@ FAST_DELAY = 0.020 * DELAY
 SLOW_DELAY = 0.080 * DELAY
 SLOW_CHUNKS = 4
 SLOW_PAUSE = 0.030 * DELAY
+# How far below the client the agent's p95/p99 may be under emulation: one stall of the emulated client, which no
+# server-side clock sees. Measured in the 6.1 VM (TCG, 2026-12-01): client minus agent at p95/p99 from -10 to +22 ms
+# over 24 quantiles of two runs (the most: hobby's p99 time to headers, client 385.6 ms, agent 364.1 ms), 15 ms in
+# an earlier CI run (p95 agent 92 ms, client 107 ms) and stalls of 15-17 ms seen alone on a loaded host.
+CLIENT_STALL_S = 0.025
+BUCKET_WIDTH = 1 / 16  # qosagent.hist: a quantile is interpolated inside a bucket at most 1/16 of its value wide
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -182,21 +189,22 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
     # The servers' process was learned from its socket reads, and its threads' waits for a CPU measured.
     assert st["runqueue_total"]["count"] > 0
     rows = {t["tenant"]: t for t in st["tenants"]}
-    for tenant, (ttfb, total) in measured.items():
-        row = rows[tenant]
-        for q in (0.5, 0.95, 0.99):
-            key = f"p{round(q * 100)}"
-            for kind, values in (("headers_total", ttfb), ("response_total", total)):
-                truth = exact_quantile(values, q)
-                got = row[kind][key]
-                if q >= 0.95 and DELAY > 1:
-                    # Under emulation the p95 and p99 of 30 requests are the two slowest, and one stall of the
-                    # emulated client (15-17 ms seen on a loaded host, a CI run's p95 agent 92 ms, client 107 ms)
-                    # sets them where no server-side clock can see: there the agent may be below the client, never
-                    # above it. The p50 still holds to 10 % both ways.
-                    assert got <= truth * 1.10, (tenant, kind, key, got, truth)
-                    continue
-                assert got == pytest.approx(truth, rel=0.10), (tenant, kind, key, got, truth)
+    kinds = {tenant: {"headers_total": ttfb, "response_total": total} for tenant, (ttfb, total) in measured.items()}
+    compared = [(tenant, kind, key, rows[tenant][kind][key], exact_quantile(values, q))
+                for tenant, by_kind in kinds.items() for kind, values in by_kind.items()
+                for q, key in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))]
+    # Shown with a failure, and the data the tolerances below come from (collected with -s).
+    client_ms = {t: {k: [round(v * 1e3, 1) for v in sorted(vs)] for k, vs in by.items()} for t, by in kinds.items()}
+    print("latency_quantiles " + json.dumps({"delay": DELAY, "compared": compared, "client_ms": client_ms}))
+    for tenant, kind, key, got, truth in compared:
+        if key != "p50" and DELAY > 1:
+            # Under emulation the p95 and p99 of 30 requests are the two slowest, and a stall of the emulated
+            # client sets them where no server-side clock can see: the agent is below the client by up to one such
+            # stall (and its bucket's width), above it by no more than the 10 % of native runs.
+            low = truth * (1 - BUCKET_WIDTH) - CLIENT_STALL_S
+            assert low <= got <= truth * 1.10, (tenant, kind, key, got, truth, low)
+            continue
+        assert got == pytest.approx(truth, rel=0.10), (tenant, kind, key, got, truth)
     # The slow server's response really spans its chunks: response - TTFB is the streaming time.
     assert rows["hobby"]["response_total"]["p50"] - rows["hobby"]["headers_total"]["p50"] >= \
         (SLOW_CHUNKS - 1) * SLOW_PAUSE * 0.9

@@ -1,11 +1,10 @@
-"""The kernel matrix: the integration tests that depend on the kernel, run inside a VM booted from each cached
-distro kernel (Debian 12's 6.1 by default: kprobe mode, cgroup v2 only) with two NUMA nodes, while the rest of the
-suite covers this host's kernel natively. One boot per kernel runs the whole selection (tests/vm/runner.py: KVM
-where it works, else TCG); the agent's time to ready and its request counting with idle blocked readers are
-measured first.
+"""The kernel matrix: the integration tests that depend on the kernel, run inside a VM booted from each distro
+kernel series of tests/vm/kernels.txt, while the rest of the suite covers this host's kernel natively. One boot per
+kernel runs its selection (tests/vm/runner.py: KVM where it works, else TCG); the agent's time to ready and its
+request counting with idle blocked readers are measured first.
 
-Slow (minutes under TCG) and privileged: under CI=true a host that cannot boot the VM fails, never skips. Part of
-`make test` (collected last), and of `make test-kernels` alone.
+Slow (minutes under TCG) and privileged: under CI=true a host that cannot boot the VM, or a series with no cached
+kernel, fails, never skips. Part of `make test` (collected last), and of `make test-kernels` alone.
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ from tests.vm import runner
 # placement with real migrate_pages between the VM's two NUMA nodes (one node natively). Chosen to fit CI's time
 # under TCG, where each BPF compile takes ~30 s. Quota's datapath test (test_quota_netns.py) stays native: it asserts
 # rates under floods of 32 threads, which emulation cannot drive.
-SELECTION = [
+KERNEL_DEPENDENT = [
     "tests/integration/test_kernel_modes.py",
     "tests/integration/test_latency_probes.py",
     "tests/integration/test_latency_agent.py::test_per_tenant_latency_matches_the_client",
-    "tests/integration/test_latency_agent.py::test_stop_detaches_every_program",
     "tests/integration/test_latency_selftest.py",
     # The egress program (TTFT, inter-token gaps, framing) against a scripted server: counts and reasons, no
     # uvicorn (its start alone takes tens of seconds emulated) and no tight timing.
@@ -37,7 +35,12 @@ SELECTION = [
     "tests/integration/test_quota_packets.py::test_ip_options_and_quota_verdicts",
     "tests/integration/test_quota_packets.py::test_header_match_and_header_split_across_segments",
     "tests/integration/test_cgroup_links.py",
-    # The two that move memory across nodes; the rest of placement does not depend on the node count.
+]
+# One kernel (Debian 12's, the first the matrix had) also runs what depends on the VM's shape more than on the kernel:
+# the stop that detaches every program, and the two placement tests that move memory across the two NUMA nodes.
+FULL = "6.1"
+FULL_EXTRA = [
+    "tests/integration/test_latency_agent.py::test_stop_detaches_every_program",
     "tests/integration/test_placement_apply.py::test_issue_example_pins_every_thread_to_cpu1_and_stop_restores",
     "tests/integration/test_placement_apply.py::test_migrate_pages_moves_memory_across_nodes_or_counts_a_noop_on_one",
 ]
@@ -49,36 +52,85 @@ MEMORY_NODES = 2
 TEST_TIMEOUT_S = 300
 GUEST_TIMEOUT_S = 900
 TIMEOUT_S = TEST_TIMEOUT_S + GUEST_TIMEOUT_S + 120  # the ready check, pytest, the boot
-# What is known to fail on a kernel, with why. The matrix passes when exactly these fail: a fix shows up as a
-# failure of the matrix ("now passes"), so that this list is emptied as the causes are fixed, never left stale.
-KNOWN_FAILING: dict[str, dict[str, str]] = {
+# What is known to fail, per exact kernel version (a new ABI of the same series is a new kernel: it starts with no
+# known failures), per test: (text its failure must contain, why it fails). The matrix passes when exactly these fail,
+# each with its text: a fix ("now passes"), a known test that no longer runs, or one failing for another reason fails
+# the matrix, so that this list is emptied as the causes are fixed, never left stale.
+KNOWN_FAILING: dict[str, dict[str, tuple[str, str]]] = {
     # 6.1: none since quota_header loads there and the kprobe clock was measured to be right (docs/PERFORMANCE.md).
 }
 RESULT = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
+SUMMARY_ENTRY = re.compile(r"^(FAILED|ERROR) (tests/\S+::\S+)(?: - (.*))?$")
 
 
-def known_failing(kernel: str) -> dict[str, str]:
-    return next((v for prefix, v in KNOWN_FAILING.items() if kernel.startswith(prefix)), {})
+def selection(series: str) -> list[str]:
+    return KERNEL_DEPENDENT + (FULL_EXTRA if series == FULL else [])
 
 
-def kernels() -> list[str]:
-    try:
-        return runner.kernels() or ["none cached"]
-    except OSError:
-        return ["none cached"]
+def outcomes_of(output: str) -> tuple[dict[str, str], dict[str, str]]:
+    """From pytest -v -rfE output: each test's outcome (passed, failed, skipped...), and each failed test's line in
+    the short summary with what follows it up to the next entry (the exception's message; CI=true keeps it whole)."""
+    outcomes: dict[str, str] = {}
+    failures: dict[str, str] = {}
+    lines = output.splitlines()
+    for line in lines:
+        m = RESULT.match(line)
+        if m:
+            outcomes[m.group(1)] = "failed" if m.group(2) in ("FAILED", "ERROR") else m.group(2).lower()
+    start = next((i for i, line in enumerate(lines) if "short test summary info" in line), len(lines))
+    current = None
+    for line in lines[start + 1:]:
+        m = SUMMARY_ENTRY.match(line)
+        if m:
+            current = m.group(2)
+            failures[current] = failures.get(current, "") + (m.group(3) or "")
+        elif line.startswith("=") or line.startswith("qosagent-vm:"):
+            current = None
+        elif current is not None:
+            failures[current] += "\n" + line
+    return outcomes, failures
+
+
+def judge(outcomes: dict[str, str], failures: dict[str, str], known: dict[str, tuple[str, str]]) -> list[str]:
+    """What is wrong with a kernel's run, given its known failures: empty when exactly those fail, for their reason,
+    and everything else passes (nothing skips)."""
+    problems = []
+    for test, (text, why) in known.items():
+        got = outcomes.get(test)
+        if got is None:
+            problems.append(f"{test}: known to fail ({why}) but did not run: remove it from KNOWN_FAILING or run it")
+        elif got == "passed":
+            problems.append(f"{test}: now passes, remove it from KNOWN_FAILING ({why})")
+        elif got != "failed":
+            problems.append(f"{test}: known to fail ({why}) but {got}")
+        elif text not in failures.get(test, ""):
+            problems.append(f"{test}: fails, but not with the known text {text!r} ({why}): "
+                            f"{failures.get(test, '(no summary line)')[:400]}")
+    for test, got in outcomes.items():
+        if test not in known and got != "passed":
+            problems.append(f"{test}: {got}: {failures.get(test, '')[:400]}")
+    return problems
+
+
+def series_ids() -> list[str]:
+    return [s.series for s in runner.matrix()]
 
 
 @pytest.mark.kernel_matrix
 @pytest.mark.slow
 @pytest.mark.privileged
-@pytest.mark.parametrize("kernel", kernels())
-def test_kernel_matrix(kernel: str, tmp_path: Path) -> None:
+@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.parametrize("series", series_ids())
+def test_kernel_matrix(series: str, tmp_path: Path) -> None:
     why = runner.missing()
     require(why is None, f"the kernel matrix cannot boot a VM: {why}")
+    kernel = runner.newest(series)
+    require(kernel is not None, f"no {series} kernel cached under {runner.CACHE}/kernels (make setup-kernels)")
+    assert kernel is not None
     script = (f"export QOSAGENT_TEST_MEMORY_NODES={MEMORY_NODES}\n"
               f"timeout -s ABRT {TEST_TIMEOUT_S} .venv/bin/python -m tests.vm.agent_ready --mode auto --idle 20 "
               "|| echo 'agent_ready: FAILED'\n"
-              + runner.pytest_script(["-v", "--tb=short", "-rfEs", "--durations=12", *SELECTION],
+              + runner.pytest_script(["-v", "--tb=short", "-rfEs", "--durations=12", *selection(series)],
                                      limit_s=GUEST_TIMEOUT_S, test_limit_s=TEST_TIMEOUT_S))
     # Streamed as it comes (seen with pytest -s), and kept whole in a file the failure names.
     r = runner.run(script, kernel=kernel, timeout=TIMEOUT_S, numa=MEMORY_NODES == 2, echo=sys.stdout.write)
@@ -99,16 +151,21 @@ def test_kernel_matrix(kernel: str, tmp_path: Path) -> None:
     assert r.boot_s is not None, f"{summary}: the guest never ran its command\n{tail}"
     ready = [json.loads(line.split(" ", 1)[1]) for line in r.output.splitlines() if line.startswith("agent_ready {")]
     assert ready and ready[0]["requests_counted"] == ready[0]["requests_sent"], f"{summary}\n{tail}"
-    # Each selected test's outcome, from pytest -v: the known failures fail, everything else passes, none skips.
-    outcomes: dict[str, str] = {}
-    for line in lines:
-        m = RESULT.match(line)
-        if m:
-            outcomes[m.group(1)] = "failed" if m.group(2) in ("FAILED", "ERROR") else m.group(2).lower()
-    known = known_failing(r.kernel)
+    outcomes, failures = outcomes_of(r.output)
     assert outcomes, f"{summary}: no test results\n{tail}"
-    unexpected = {t: o for t, o in outcomes.items() if o != ("failed" if t in known else "passed")}
-    fixed = [t for t in known if outcomes.get(t) == "passed"]
-    assert not fixed, f"{summary}: now passing, remove from KNOWN_FAILING: {fixed}"
-    assert not unexpected, f"{summary}: unexpected outcomes {unexpected}\n{tail}"
+    known = KNOWN_FAILING.get(r.kernel, {})
+    others = sorted(k for k in KNOWN_FAILING if runner.series_of(k) == series and k != r.kernel)
+    problems = judge(outcomes, failures, known)
+    assert not problems, (f"{summary}:\n" + "\n".join(problems)
+                          + (f"\n(known failures are recorded for {others}, not this {r.kernel})" if others else "")
+                          + f"\n{tail}")
     assert r.rc == (1 if known else 0), f"{summary}\n{tail}"
+
+
+@pytest.mark.kernel_matrix
+def test_known_failures_name_kernels_the_matrix_boots() -> None:
+    """An entry for a kernel the matrix no longer boots (a newer ABI of its series came) is stale: it fails here."""
+    require(runner.missing() is None, f"the kernel matrix cannot boot a VM: {runner.missing()}")
+    booted = {runner.newest(s.series) for s in runner.matrix()}
+    stale = sorted(k for k in KNOWN_FAILING if k not in booted)
+    assert not stale, f"KNOWN_FAILING names kernels the matrix does not boot: {stale}; booted: {sorted(booted)}"
