@@ -80,7 +80,8 @@ def parts() -> dict[str, Any]:
         "servers": ServersPart(servers=(
             ServerReading(8000, "vllm", "http://127.0.0.1:8000/metrics", False, True, age_s=0.4, pid=4242,
                           pids=frozenset({4242}), kv_cache_usage=0.61, requests_waiting=3.0, requests_running=8.0,
-                          preemptions=2.0, scrapes=MappingProxyType({"ok": 40, "timeout": 1}), restarts=1),
+                          preemptions=2.0, generated_tokens_per_second=120.5,
+                          scrapes=MappingProxyType({"ok": 40, "timeout": 1}), restarts=1),
             ServerReading(8001, "generic", "http://127.0.0.1:8001/metrics", True, False, reason="connection refused",
                           scrapes=MappingProxyType({"refused": 3}), counter_resets=1)), round_errors=1),
         "admission": AdmissionPart(
