@@ -2,65 +2,61 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric
 
 from qosagent.cpulist import format_cpulist
+from qosagent.exposition import Family, Series, families, one
 from qosagent.placement.model import PlacementPart
 
-if TYPE_CHECKING:
-    from prometheus_client.core import Metric
+PROC = ("pid", "name", "node")
 
 
-def metrics(view: PlacementPart) -> Iterable["Metric"]:
-    info = GaugeMetricFamily(
-        "qosagent_placement_process_info", "1 per placed or considered process: its node, CPUs, GPUs, last action "
-        "and why", labels=["pid", "name", "node", "cpus", "gpus", "action", "applied", "reason"])
-    local = GaugeMetricFamily("qosagent_placement_memory_local_ratio",
-                              "Share of the process's resident pages on its target node (numa_maps)",
-                              labels=["pid", "name", "node"])
-    pages = GaugeMetricFamily("qosagent_placement_memory_pages", "Resident pages of the process per NUMA node",
-                              labels=["pid", "name", "node"])
+def _node(r: dict[str, Any]) -> str:
+    return "" if r["node"] is None else str(r["node"])
+
+
+def _info(view: PlacementPart) -> Series:
     for r in view.records:
-        pid = str(r["pid"])
-        node = "" if r["node"] is None else str(r["node"])
-        info.add_metric([pid, r["name"], node, r["cpus"] or "", ",".join(map(str, r["gpus"])), r["last_action"],
-                         str(r["applied"]).lower(), r["reason"]], 1.0)
-        if r["memory_local"] is not None:
-            local.add_metric([pid, r["name"], node], r["memory_local"])
-        for n, count in r["pages"].items():
-            pages.add_metric([pid, r["name"], n], count)
-    yield info
-    yield local
-    yield pages
-    yield GaugeMetricFamily("qosagent_placement_processes", "Selected processes placement tracks",
-                            value=len(view.records))
-    c = view.counters
-    actions = CounterMetricFamily("qosagent_placement_actions", "Placement decisions by action", labels=["action"])
-    for k, v in sorted(c.get("actions", {}).items()):
-        actions.add_metric([k], v)
-    yield actions
-    mig = CounterMetricFamily("qosagent_placement_migrations", "migrate_pages runs by result (noop: nothing to "
-                              "move, e.g. one memory node)", labels=["result"])
-    for k in ("moved", "noop", "failed"):
-        mig.add_metric([k], c.get("migrations", {}).get(k, 0))
-    yield mig
-    moved = CounterMetricFamily("qosagent_placement_pages_migrated", "Pages moved to their target node "
-                                "(moved) and pages the kernel could not move (not_moved)", labels=["result"])
-    for k in ("moved", "not_moved"):
-        moved.add_metric([k], c.get("pages_migrated", {}).get(k, 0))
-    yield moved
-    drift = CounterMetricFamily("qosagent_placement_drift", "Threads found off their target CPUs",
-                                labels=["result"])
-    for k, v in sorted(c.get("drift", {}).items()):
-        drift.add_metric([k], v)
-    yield drift
-    errs = CounterMetricFamily("qosagent_placement_errors", "Placement writes that failed, by kind "
-                               "(exited: the process left mid-placement)", labels=["kind"])
-    for k, v in sorted(c.get("errors", {}).items()):
-        errs.add_metric([k], v)
-    yield errs
+        yield [str(r["pid"]), r["name"], _node(r), r["cpus"] or "", ",".join(map(str, r["gpus"])), r["last_action"],
+               str(r["applied"]).lower(), r["reason"]], 1.0
+
+
+def _counter(kind: str, keys: tuple[str, ...] = ()) -> Callable[[PlacementPart], Series]:
+    """One of the counters by key: every key seen, sorted; or the keys given, in their order, 0 until seen."""
+    def series(view: PlacementPart) -> Series:
+        counts = view.counters.get(kind, {})
+        return (([k], counts.get(k, 0)) for k in keys) if keys else (([k], v) for k, v in sorted(counts.items()))
+    return series
+
+
+FAMILIES: tuple[Family[PlacementPart], ...] = (
+    Family("qosagent_placement_process_info", "gauge", "1 per placed or considered process: its node, CPUs, GPUs, "
+           "last action and why", ("pid", "name", "node", "cpus", "gpus", "action", "applied", "reason"), _info),
+    Family("qosagent_placement_memory_local_ratio", "gauge", "Share of the process's resident pages on its target "
+           "node (numa_maps)", PROC,
+           lambda v: (([str(r["pid"]), r["name"], _node(r)], r["memory_local"]) for r in v.records
+                      if r["memory_local"] is not None)),
+    Family("qosagent_placement_memory_pages", "gauge", "Resident pages of the process per NUMA node", PROC,
+           lambda v: (([str(r["pid"]), r["name"], n], count) for r in v.records for n, count in r["pages"].items())),
+    Family("qosagent_placement_processes", "gauge", "Selected processes placement tracks", (),
+           one(lambda v: len(v.records))),
+    Family("qosagent_placement_actions", "counter", "Placement decisions by action", ("action",), _counter("actions")),
+    Family("qosagent_placement_migrations", "counter", "migrate_pages runs by result (noop: nothing to move, e.g. "
+           "one memory node)", ("result",), _counter("migrations", ("moved", "noop", "failed"))),
+    Family("qosagent_placement_pages_migrated", "counter", "Pages moved to their target node (moved) and pages the "
+           "kernel could not move (not_moved)", ("result",), _counter("pages_migrated", ("moved", "not_moved"))),
+    Family("qosagent_placement_drift", "counter", "Threads found off their target CPUs", ("result",),
+           _counter("drift")),
+    Family("qosagent_placement_errors", "counter", "Placement writes that failed, by kind (exited: the process left "
+           "mid-placement)", ("kind",), _counter("errors")),
+)
+
+
+def metrics(view: PlacementPart) -> Iterable[Metric]:
+    return families(FAMILIES, view)
+
 
 def status(view: PlacementPart) -> dict[str, Any]:
     return {

@@ -9,10 +9,11 @@ from __future__ import annotations
 import urllib.parse
 from typing import TYPE_CHECKING, Any, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict, rewrite
-from qosagent.servers.model import ServersPart, gpu_holders
+from qosagent.servers import export
+from qosagent.servers.model import ServersPart
 from qosagent.servers.scraper import Scraper
 from qosagent.snapshot import Snapshot
 
@@ -77,91 +78,12 @@ class Servers(Capability):
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable[Metric]:
-        part: ServersPart | None = snapshot.part(self.name)
-        if part is None:
-            return
-        labels = ["port", "kind"]
-        known = GaugeMetricFamily("qosagent_server_reading_known", "1 while the server's reading is fresh and "
-                                  "usable; 0: unknown (down, slow, garbage, stale), nothing decided on it",
-                                  labels=labels)
-        kv = GaugeMetricFamily("qosagent_server_kv_cache_usage_ratio", "Share of the server's KV cache in use, as "
-                               "the server reports it", labels=labels)
-        waiting = GaugeMetricFamily("qosagent_server_requests_waiting", "Requests queued in the server",
-                                    labels=labels)
-        running = GaugeMetricFamily("qosagent_server_requests_running", "Requests the server is running",
-                                    labels=labels)
-        preempt = CounterMetricFamily("qosagent_server_preemptions", "The server's own count of preempted "
-                                      "(vLLM) or retracted (SGLang) requests", labels=labels)
-        tps = GaugeMetricFamily("qosagent_server_generated_tokens_per_second", "Tokens the server generated per "
-                                "second between the agent's last two reads (its own counter's rate)", labels=labels)
-        age = GaugeMetricFamily("qosagent_server_reading_age_seconds", "Since the server's last good read",
-                                labels=labels)
-        scrapes = CounterMetricFamily("qosagent_server_reads", "Reads of the server's metrics by result",
-                                      labels=[*labels, "result"])
-        restarts = CounterMetricFamily("qosagent_server_restarts", "Server restarts seen (new pid on the port, or "
-                                       "a new process_start_time_seconds)", labels=labels)
-        resets = CounterMetricFamily("qosagent_server_counter_resets", "Counters of the server seen going "
-                                     "backwards", labels=labels)
-        for s in part.servers:
-            lv = [str(s.port), s.kind]
-            known.add_metric(lv, 1.0 if s.known else 0.0)
-            for fam, value in ((kv, s.kv_cache_usage), (waiting, s.requests_waiting), (running, s.requests_running),
-                               (preempt, s.preemptions), (tps, s.generated_tokens_per_second), (age, s.age_s)):
-                if value is not None and (s.known or fam is age):
-                    fam.add_metric(lv, value)
-            for result, n in sorted(s.scrapes.items()):
-                scrapes.add_metric([*lv, result], n)
-            restarts.add_metric(lv, s.restarts)
-            resets.add_metric(lv, s.counter_resets)
-        yield from (known, kv, waiting, running, preempt, tps, age, scrapes, restarts, resets)
-        holders = GaugeMetricFamily("qosagent_server_gpu_holders", "Known servers whose processes hold the GPU "
-                                    "(NVML's process list); above 1: servers share it", labels=["gpu"])
-        for gpu, ports in sorted(gpu_holders(part, snapshot.part("gpu")).items()):
-            holders.add_metric([str(gpu)], len(ports))
-        yield holders
-        yield CounterMetricFamily("qosagent_server_round_errors", "Rounds of reading the servers that failed "
-                                  "unexpectedly (logged with the cause); the next round runs as usual",
-                                  value=part.round_errors)
+        part = snapshot.part(self.name)
+        return export.metrics(part, snapshot.part("gpu")) if isinstance(part, ServersPart) else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part: ServersPart | None = snapshot.part(self.name)
-        if part is None:
-            return {"servers": [], "shared_gpus": {}}
-        shared = {str(g): ports for g, ports in gpu_holders(part, snapshot.part("gpu")).items() if len(ports) > 1}
-        return {
-            "discovered": self.ctx.config.servers is None,
-            "servers": [{
-                "port": s.port, "kind": s.kind, "url": s.url, "pid": s.pid, "configured": s.configured,
-                "preallocates": s.preallocates, "known": s.known, "reason": s.reason,
-                "age_s": s.age_s, "kv_cache_usage": s.kv_cache_usage, "requests_waiting": s.requests_waiting,
-                "requests_running": s.requests_running, "preemptions": s.preemptions,
-                "generated_tokens_per_second": s.generated_tokens_per_second, "missing": dict(s.missing),
-                "reads": dict(s.scrapes), "restarts": s.restarts, "counter_resets": s.counter_resets,
-            } for s in part.servers],
-            "shared_gpus": shared,
-        }
+        return export.status(snapshot.part(self.name), snapshot.part("gpu"), self.ctx.config.servers is None)
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
-        if "servers" not in status:
-            return f"SERVERS  {status.get('error', 'no status')}"
-        how = "found on the watched ports" if status.get("discovered") else "configured"
-        lines = [f"SERVERS  {how}",
-                 "PORT   KIND      PID      KV      WAITING  RUNNING  PREEMPT  TOK/S    AGE     STATE"]
-
-        def num(v: float | None, fmt: str = "{:g}") -> str:
-            return "-" if v is None else fmt.format(v)
-
-        for s in status["servers"]:
-            state = "ok" if s["known"] and not s["reason"] else ("ok, " if s["known"] else "UNKNOWN: ") + s["reason"]
-            if s["known"] and s["missing"]:
-                state += "  (" + "; ".join(f"{k}: {v}" for k, v in s["missing"].items()) + ")"
-            lines.append(f"{s['port']:<6} {s['kind']:<9} {num(s['pid']):<8} {num(s['kv_cache_usage'], '{:.0%}'):<7} "
-                         f"{num(s['requests_waiting']):<8} {num(s['requests_running']):<8} "
-                         f"{num(s['preemptions']):<8} {num(s.get('generated_tokens_per_second'), '{:.0f}'):<8} "
-                         f"{num(s['age_s'], '{:.1f}s'):<7} {state}")
-        for gpu, ports in status.get("shared_gpus", {}).items():
-            lines.append(f"GPU {gpu} is shared by the servers on ports {', '.join(map(str, ports))}")
-        if not status["servers"]:
-            lines.append("(none)")
-        return "\n".join(lines)
+        return export.render(status)
