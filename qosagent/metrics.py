@@ -6,22 +6,103 @@ No gauge is mutated from the loop: a scrape reads one Snapshot, so every series 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from qosagent import exposition, weblisten
 from qosagent.capability import State
 from qosagent.config import MetricsBasicAuth, MetricsConfig, MetricsTls
+from qosagent.exposition import Family, Series, one
 from qosagent.readiness import readiness
+from qosagent.snapshot import Snapshot
 from qosagent.weblisten import Listener, Reply, Route, Security
 
 if TYPE_CHECKING:
     from qosagent.daemon import Agent
+    from qosagent.gpu.backend import GpuSample, GpuState
 
 log = logging.getLogger("qosagent.metrics")
+
+
+@dataclass(frozen=True)
+class _Scrape:
+    """What the agent's own families are read from: the agent (its verdicts, its counters, its config) and the one
+    Snapshot this scrape reads."""
+
+    agent: "Agent"
+    snap: Snapshot
+
+    @property
+    def gpu(self) -> "GpuState | None":
+        return self.snap.part("gpu")
+
+    @property
+    def gpus_known(self) -> bool:
+        return self.gpu is not None and self.gpu.available
+
+
+def _states(s: _Scrape) -> Series:
+    return (([name, st.value], 1.0 if verdict.state is st else 0.0) for name, verdict in s.agent.verdicts.items()
+            for st in State)
+
+
+def _gpu_available(s: _Scrape) -> Series:
+    gpu = s.gpu
+    if gpu is not None and gpu.available:
+        return [(["ok"], 1.0)]
+    return [([(gpu.cause or "failed") if gpu is not None else "starting"], 0.0)]
+
+
+def _gpus(value: Callable[["GpuSample"], float | None]) -> Callable[[_Scrape], Series]:
+    """A series per GPU not lost whose reading is known."""
+    def series(s: _Scrape) -> Series:
+        assert s.gpu is not None
+        return (([str(g.index)], v) for g in s.gpu.gpus if not g.lost and (v := value(g)) is not None)
+    return series
+
+
+def _gpus_known(s: _Scrape) -> bool:
+    return s.gpus_known
+
+
+FAMILIES: tuple[Family[_Scrape], ...] = (
+    Family("qosagent_capability_state", "gauge", "1 for the state each capability is in", ("capability", "state"),
+           _states),
+    Family("qosagent_ticks", "counter", "Control-loop ticks run", (), one(lambda s: s.agent.stats.ticks)),
+    Family("qosagent_tick_duration_seconds", "gauge", "Duration of the last tick", (),
+           one(lambda s: s.agent.stats.tick_seconds_last)),
+    Family("qosagent_tick_duration_max_seconds", "gauge", "Longest tick since start", (),
+           one(lambda s: s.agent.stats.tick_seconds_max)),
+    Family("qosagent_tick_overruns", "counter", "Ticks that started late because one ran over interval", (),
+           one(lambda s: s.agent.stats.tick_overruns)),
+    Family("qosagent_collect_errors", "counter", "Failed reads of a capability's sources (maps, sysfs, NVML) by "
+           "capability", ("capability",),
+           lambda s: (([n], v) for n, v in sorted(s.agent.stats.collect_errors.items()))),
+    Family("qosagent_apply_errors", "counter", "Failed decisions or writes of a capability (maps, sysfs, NVML, "
+           "affinity) by capability", ("capability",),
+           lambda s: (([n], v) for n, v in sorted(s.agent.stats.apply_errors.items()))),
+    Family("qosagent_config_reloads", "counter", "Config reloads by result", ("result",),
+           lambda s: ((["ok"], s.agent.stats.reloads_ok), (["failed"], s.agent.stats.reloads_failed))),
+    # The SLOs beside the measured quantiles, so dashboards and alerts compare without copying the config.
+    Family("qosagent_tier_slo_p99_seconds", "gauge", "The tier's p99 response-time SLO (tiers.<name>.slo_p99)",
+           ("tier",), lambda s: (([tier], tc.slo_p99) for tier, tc in sorted(s.agent.config.tiers.items()))),
+    Family("qosagent_gpu_data_available", "gauge", "1 when GPU readings are known this tick; reason: ok, or why not "
+           "(unavailable: no NVML library or driver, no_permission, gpu_lost, disabled, sample_failed, failed)",
+           ("reason",), _gpu_available),
+    # The readings admission sheds on (memory) and placement follows (processes), so a dashboard shows the input
+    # beside the decision; dvfs exports its own (temperature, power, clocks).
+    Family("qosagent_gpu_memory_used_bytes", "gauge", "GPU memory in use, the driver's reservation included (NVML)",
+           ("gpu",), _gpus(lambda g: g.memory_used), shown=_gpus_known),
+    Family("qosagent_gpu_memory_total_bytes", "gauge", "GPU memory size (NVML)", ("gpu",),
+           _gpus(lambda g: g.memory_total), shown=_gpus_known),
+    Family("qosagent_gpu_utilization_ratio", "gauge", "Share of the last sample period a kernel ran on the GPU "
+           "(NVML)", ("gpu",), _gpus(lambda g: None if g.utilization_pct is None else g.utilization_pct / 100),
+           shown=_gpus_known),
+)
 
 
 class AgentCollector:
@@ -31,68 +112,7 @@ class AgentCollector:
     def collect(self) -> Iterable[Metric]:
         a = self.agent
         snap = a.latest
-        state = GaugeMetricFamily("qosagent_capability_state", "1 for the state each capability is in",
-                                  labels=["capability", "state"])
-        for name, verdict in a.verdicts.items():
-            for s in State:
-                state.add_metric([name, s.value], 1.0 if verdict.state is s else 0.0)
-        yield state
-        yield CounterMetricFamily("qosagent_ticks", "Control-loop ticks run", value=a.stats.ticks)
-        yield GaugeMetricFamily("qosagent_tick_duration_seconds", "Duration of the last tick",
-                                value=a.stats.tick_seconds_last)
-        yield GaugeMetricFamily("qosagent_tick_duration_max_seconds", "Longest tick since start",
-                                value=a.stats.tick_seconds_max)
-        yield CounterMetricFamily("qosagent_tick_overruns", "Ticks that started late because one ran over interval",
-                                  value=a.stats.tick_overruns)
-        errors = CounterMetricFamily("qosagent_collect_errors", "Failed reads of a capability's sources (maps, "
-                                     "sysfs, NVML) by capability", labels=["capability"])
-        for name, n in sorted(a.stats.collect_errors.items()):
-            errors.add_metric([name], n)
-        yield errors
-        apply_errors = CounterMetricFamily("qosagent_apply_errors", "Failed decisions or writes of a capability "
-                                           "(maps, sysfs, NVML, affinity) by capability", labels=["capability"])
-        for name, n in sorted(a.stats.apply_errors.items()):
-            apply_errors.add_metric([name], n)
-        yield apply_errors
-        reloads = CounterMetricFamily("qosagent_config_reloads", "Config reloads by result", labels=["result"])
-        reloads.add_metric(["ok"], a.stats.reloads_ok)
-        reloads.add_metric(["failed"], a.stats.reloads_failed)
-        yield reloads
-        # The SLOs beside the measured quantiles, so dashboards and alerts compare without copying the config.
-        slo = GaugeMetricFamily("qosagent_tier_slo_p99_seconds", "The tier's p99 response-time SLO (tiers.<name>"
-                                ".slo_p99)", labels=["tier"])
-        for tier, tc in sorted(a.config.tiers.items()):
-            slo.add_metric([tier], tc.slo_p99)
-        yield slo
-        gpu = snap.part("gpu")
-        available = GaugeMetricFamily("qosagent_gpu_data_available", "1 when GPU readings are known this tick; "
-                                      "reason: ok, or why not (unavailable: no NVML library or driver, "
-                                      "no_permission, gpu_lost, disabled, sample_failed, failed)", labels=["reason"])
-        if gpu is not None and gpu.available:
-            available.add_metric(["ok"], 1.0)
-        else:
-            available.add_metric([(gpu.cause or "failed") if gpu is not None else "starting"], 0.0)
-        yield available
-        if gpu is not None and gpu.available:
-            # The readings admission sheds on (memory) and placement follows (processes), so a dashboard shows the
-            # input beside the decision; dvfs exports its own (temperature, power, clocks).
-            used = GaugeMetricFamily("qosagent_gpu_memory_used_bytes", "GPU memory in use, the driver's "
-                                     "reservation included (NVML)", labels=["gpu"])
-            total = GaugeMetricFamily("qosagent_gpu_memory_total_bytes", "GPU memory size (NVML)", labels=["gpu"])
-            util = GaugeMetricFamily("qosagent_gpu_utilization_ratio", "Share of the last sample period a kernel "
-                                     "ran on the GPU (NVML)", labels=["gpu"])
-            for g in gpu.gpus:
-                if g.lost:
-                    continue
-                if g.memory_used is not None:
-                    used.add_metric([str(g.index)], g.memory_used)
-                if g.memory_total is not None:
-                    total.add_metric([str(g.index)], g.memory_total)
-                if g.utilization_pct is not None:
-                    util.add_metric([str(g.index)], g.utilization_pct / 100)
-            yield used
-            yield total
-            yield util
+        yield from exposition.families(FAMILIES, _Scrape(a, snap))
         for svc in a.services:
             try:
                 yield from svc.metrics(snap.part(svc.name), a.config)
