@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent import exposition
+from qosagent.exposition import Family, one
 from qosagent.cgroups import HostCgroups
 from qosagent.pods.cri import find_runtime
 from qosagent.pods.model import Pod, PodsView, by_cgroup_token
@@ -26,8 +27,16 @@ log = logging.getLogger("qosagent.pods")
 
 # The families' names while quota listed the pods, kept as deprecated copies while metrics.deprecated_names is on
 # (a dashboard on the old name goes on working; the pods are no longer quota's, so neither is the name).
-RENAMED = {"qosagent_pods_list_errors": "qosagent_quota_pods_list_errors",
-           "qosagent_pods_list_age_seconds": "qosagent_quota_pods_list_age_seconds"}
+# The pods' families; `old`: their names while quota listed the pods (before the agent's pods service), kept as
+# deprecated copies.
+FAMILIES: tuple[Family[dict[str, Any]], ...] = (
+    Family("qosagent_pods_list_errors", "counter", "Failed listings of the container runtime's pods (pods tenants)",
+           (), one(lambda st: st["errors"]), old="qosagent_quota_pods_list_errors"),
+    Family("qosagent_pods_list_age_seconds", "gauge", "Age of the pods tenants' list of pods (unknown past "
+           "pods.stale_after)", (), one(lambda st: st["age_s"]), shown=lambda st: st["age_s"] is not None,
+           old="qosagent_quota_pods_list_age_seconds"),
+)
+RENAMED = exposition.renamed(FAMILIES)
 
 
 def problem(cfg: "Config", fs: "HostFS", found: list[str] | None = None) -> str | None:
@@ -134,13 +143,7 @@ class Pods(Service):
 
 
 def metrics(st: dict[str, Any] | None, deprecated: bool) -> Iterable["Metric"]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
     if st is None:
-        return
-    fams: list[Any] = [CounterMetricFamily("qosagent_pods_list_errors", "Failed listings of the container runtime's "
-                                           "pods (pods tenants)", value=st["errors"])]
-    if st["age_s"] is not None:
-        fams.append(GaugeMetricFamily("qosagent_pods_list_age_seconds", "Age of the pods tenants' list of pods "
-                                      "(unknown past pods.stale_after)", value=st["age_s"]))
-    yield from exposition.with_deprecated(fams, RENAMED, "while quota listed the pods") if deprecated else fams
+        return ()
+    fams = exposition.families(FAMILIES, st)
+    return exposition.with_deprecated(fams, RENAMED, "while quota listed the pods") if deprecated else fams
