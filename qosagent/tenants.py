@@ -10,7 +10,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
-from qosagent.config import UNMATCHED, Config
+from qosagent.config import UNMATCHED, Config, QuotaSpec, TenantConfig
 
 UNMATCHED_ID = 0
 
@@ -96,6 +96,56 @@ class TenantLimit:
 
     rps: float
     burst: int
+
+
+# The configured limits per tenant, which quota writes as its baseline and admission starts from (also without
+# quota): a reading of the config both need, here rather than in either.
+
+
+def _merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
+    tier = cfg.tiers[t.tier].quota
+    own = t.quota
+    if own is None and tier is None:
+        return None
+    fields = {}
+    for k in QuotaSpec.model_fields:
+        v = getattr(own, k) if own is not None else None
+        fields[k] = v if v is not None else (getattr(tier, k) if tier is not None else None)
+    return QuotaSpec(**fields)
+
+
+@dataclass(frozen=True)
+class TenantQuotaSpec:
+    requests: TenantLimit | None  # None: request starts unlimited
+    connections: TenantLimit | None  # new connections; burst = one second of the rate, at least 1
+    floor: TenantLimit | None  # the tier's guaranteed floor: adaptive overrides never go below
+
+
+def limit_of(rps: float, burst: int | None = None) -> TenantLimit:
+    """A configured rate as a limit: without a burst, one second's worth is admitted at once (at least one)."""
+    return TenantLimit(rps, burst if burst is not None else max(int(rps), 1))
+
+
+def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
+    """The configured quotas per tenant: the tenant's own fields, else its tier's defaults."""
+    out = {}
+    for t in cfg.tenants:
+        q = _merged(t, cfg)
+        req = conn = None
+        if q is not None and q.rps is not None:
+            req = limit_of(q.rps, q.burst)
+        if q is not None and q.connections_per_s is not None:
+            conn = limit_of(q.connections_per_s)
+        fl = cfg.tiers[t.tier].floor
+        floor = limit_of(fl.rps, fl.burst) if fl is not None and fl.rps is not None else None
+        out[t.name] = TenantQuotaSpec(req, conn, floor)
+    return out
+
+
+def with_floor(limit: TenantLimit, floor: TenantLimit | None) -> TenantLimit:
+    if floor is None:
+        return limit
+    return TenantLimit(max(limit.rps, floor.rps), max(limit.burst, floor.burst))
 
 
 class LimitsWriter(Protocol):

@@ -21,11 +21,10 @@ from qosagent.gpu.backend import GpuSample, GpuState
 from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
 from qosagent.quota.model import QuotaPart
-from qosagent.quota.rules import baseline as quota_baseline
-from qosagent.quota.rules import limit_of
 from qosagent.servers.model import ServerReading, ServersPart
 from qosagent.snapshot import Snapshot
-from qosagent.tenants import TenantLimit
+from qosagent.tenants import TenantLimit, limit_of
+from qosagent.tenants import baseline as quota_baseline
 
 
 def config_baseline(cfg: Config) -> dict[str, TenantLimit]:

@@ -21,9 +21,9 @@ from qosagent.quota import export, tc
 from qosagent.quota.interfaces import NamespaceEgress, interfaces
 from qosagent.quota.limits import FleetWriter, LimitsWriter
 from qosagent.quota.model import QuotaPart, TenantQuota
-from qosagent.quota.rules import baseline, baseline_buckets, bucket, with_floor
+from qosagent.quota.rules import baseline_buckets, bucket
 from qosagent.snapshot import Snapshot
-from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, tenant_id, tenant_table
+from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, baseline, tenant_id, tenant_table, with_floor
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric

@@ -8,8 +8,8 @@ import logging
 from typing import Mapping, Protocol
 
 from qosagent.quota.datapath import Datapath
-from qosagent.quota.rules import TenantQuotaSpec, bucket, with_floor
-from qosagent.tenants import TenantLimit, tenant_id
+from qosagent.quota.rules import bucket
+from qosagent.tenants import TenantLimit, TenantQuotaSpec, tenant_id, with_floor
 
 log = logging.getLogger("qosagent.quota")
 

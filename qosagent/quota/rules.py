@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qosagent.config import Config, QuotaSpec, TenantConfig
-from qosagent.tenants import CidrEntry, TenantLimit, tenant_entries, tenant_id
+from qosagent.config import Config
+from qosagent.tenants import CidrEntry, baseline, tenant_entries, tenant_id
 
 MAX_NS = 1 << 60  # QOS_MAX_NS: no interval or tau beyond it, so the kernel's arithmetic cannot overflow
 
@@ -61,52 +61,6 @@ def rules(cfg: Config) -> Rules:
     headers = {header_hash(t.match.header.name, t.match.header.value): tenant_id(t.name)
                for t in cfg.tenants if t.match.header}
     return Rules(ports, cidrs, headers, cfg.watched_ports())
-
-
-def _merged(t: TenantConfig, cfg: Config) -> QuotaSpec | None:
-    tier = cfg.tiers[t.tier].quota
-    own = t.quota
-    if own is None and tier is None:
-        return None
-    fields = {}
-    for k in QuotaSpec.model_fields:
-        v = getattr(own, k) if own is not None else None
-        fields[k] = v if v is not None else (getattr(tier, k) if tier is not None else None)
-    return QuotaSpec(**fields)
-
-
-@dataclass(frozen=True)
-class TenantQuotaSpec:
-    requests: TenantLimit | None  # None: request starts unlimited
-    connections: TenantLimit | None  # new connections; burst = one second of the rate, at least 1
-    floor: TenantLimit | None  # the tier's guaranteed floor: adaptive overrides never go below
-
-
-def limit_of(rps: float, burst: int | None = None) -> TenantLimit:
-    """A configured rate as a limit: without a burst, one second's worth is admitted at once (at least one)."""
-    return TenantLimit(rps, burst if burst is not None else max(int(rps), 1))
-
-
-def baseline(cfg: Config) -> dict[str, TenantQuotaSpec]:
-    """The configured quotas per tenant: the tenant's own fields, else its tier's defaults."""
-    out = {}
-    for t in cfg.tenants:
-        q = _merged(t, cfg)
-        req = conn = None
-        if q is not None and q.rps is not None:
-            req = limit_of(q.rps, q.burst)
-        if q is not None and q.connections_per_s is not None:
-            conn = limit_of(q.connections_per_s)
-        fl = cfg.tiers[t.tier].floor
-        floor = limit_of(fl.rps, fl.burst) if fl is not None and fl.rps is not None else None
-        out[t.name] = TenantQuotaSpec(req, conn, floor)
-    return out
-
-
-def with_floor(limit: TenantLimit, floor: TenantLimit | None) -> TenantLimit:
-    if floor is None:
-        return limit
-    return TenantLimit(max(limit.rps, floor.rps), max(limit.burst, floor.burst))
 
 
 def baseline_buckets(cfg: Config) -> dict[int, tuple[Bucket | None, Bucket | None]]:

@@ -8,8 +8,8 @@ import pytest
 
 from qosagent.config import parse
 from qosagent.quota.capability import Quota
-from qosagent.quota.rules import MAX_NS, baseline, bucket, header_hash, rules, with_floor
-from qosagent.tenants import CidrEntry, TenantLimit, tenant_entries, tenant_id
+from qosagent.quota.rules import MAX_NS, bucket, header_hash, rules
+from qosagent.tenants import CidrEntry, TenantLimit, baseline, tenant_entries, tenant_id, with_floor
 
 
 def cfg(**extra):
