@@ -97,6 +97,8 @@ def floor(module: str, caps: set[str]) -> int:
     if module in TOP:
         return FLOORS.index("top")
     parts = module.split(".")
+    if len(parts) == 1:
+        return FLOORS.index("bottom")  # qosagent/__init__.py: the version, nothing imported
     if len(parts) == 3 and parts[2] == "config":
         return FLOORS.index("shared")  # a schema: config.py composes it, everything may read it
     head = parts[1]
