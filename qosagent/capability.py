@@ -108,6 +108,8 @@ class AgentContext:
     # The verdicts of the capabilities probed (and started, in the agent) before this one, by name: what a
     # capability may count on from another at probe, in `qosagent check` as in the agent.
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    # What each of them offers the others in `services` (Capability.offers), by the capability's name.
+    offers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The tick's one GPU sample (the daemon takes it before maintain), for what a capability's maintain and collect
     # need of the GPUs; None before the first tick.
     gpu_state: "GpuState | None" = None
@@ -115,6 +117,17 @@ class AgentContext:
     # True makes stop() remove everything, as `qosagent detach` would.
     detach_on_exit: bool = False
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("qosagent"))
+
+    def record(self, kind: "type[Capability]", verdict: Verdict) -> None:
+        """kind's verdict once probed (and started, in the agent), and what it offers the capabilities after it."""
+        self.verdicts[kind.name] = verdict
+        self.offers[kind.name] = kind.offers
+
+    def offered(self, name: str) -> bool:
+        """Whether a capability recorded before offers `name` in services and runs (in `qosagent check`, where
+        nothing starts: would run)."""
+        return any(name in offers and self.verdicts[cap].state in (State.ACTIVE, State.DEGRADED)
+                   for cap, offers in self.offers.items())
 
     def service(self, kind: type[S]) -> S:
         """The agent's one `kind`, shared with every other capability that uses it (see Capability.uses)."""
@@ -126,6 +139,8 @@ class Capability:
     # The services (qosagent/services.py) it asks for: the daemon makes them before the first capability starts,
     # and stops them after the last one stops.
     uses: ClassVar[tuple[type[Service], ...]] = ()
+    # What it offers other capabilities in AgentContext.services once started (their names: tenants.LIMITS_SERVICE).
+    offers: ClassVar[tuple[str, ...]] = ()
     # Whether it loads BPF programs: the daemon then mounts tracefs, bpffs and cgroup2 where missing, before any
     # capability probes.
     loads_bpf: ClassVar[bool] = False

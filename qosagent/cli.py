@@ -158,7 +158,7 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
         if cls not in enabled:
             verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
         else:
-            verdicts[cls.name] = cls(ctx).probe(feats)
+            ctx.record(cls, cls(ctx).probe(feats))
     gpu.close()
     failed = [n for n, v in verdicts.items() if v.state is State.UNAVAILABLE]
     reports = matchreport.tenant_reports(cfg)

@@ -137,7 +137,7 @@ class Agent:
                 cap.stop()
                 continue
             verdict = cap.verdict  # start may have found less than probe promised
-            self.verdicts[cls.name] = verdict
+            self.ctx.record(cls, verdict)
             self._started[cls.name] = verdict
             self.capabilities.append(cap)
             log.info("%s %s%s", cls.name, verdict.state.value, f" ({verdict.reason})" if verdict.reason else "")

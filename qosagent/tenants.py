@@ -13,6 +13,9 @@ from typing import Mapping, Protocol
 from qosagent.config import UNMATCHED, Config, QuotaSpec, TenantConfig
 
 UNMATCHED_ID = 0
+# What the quota capability offers in AgentContext.services: a LimitsWriter (admission's) and a FleetWriter (fleet's).
+LIMITS_SERVICE = "quota.limits"
+FLEET_SERVICE = "quota.fleet"
 
 
 def tenant_id(name: str) -> int:

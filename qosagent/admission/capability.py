@@ -17,7 +17,7 @@ from qosagent.admission.model import AdmissionPart, GpuAdmission, TenantAdmissio
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
 from qosagent.snapshot import Decision, Snapshot
-from qosagent.tenants import LimitsWriter, TenantLimit
+from qosagent.tenants import LIMITS_SERVICE, LimitsWriter, TenantLimit
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from qosagent.config import Config
     from qosagent.features import Features
 
-LIMITS_SERVICE = "quota.limits"
 
 
 def _rps(limit: TenantLimit | None) -> float | None:
@@ -80,9 +79,7 @@ class Admission(Capability):
             problems.append("admission.signal is ttft, but without a cgroup v2 hierarchy the latency egress program "
                             "cannot read responses: no TTFT, so no SLO breach can be seen; set admission.signal to "
                             "headers or response on this host")
-        quota = self.ctx.verdicts.get("quota")
-        quota_runs = quota is not None and quota.state in (State.ACTIVE, State.DEGRADED)
-        if cfg.mode == "enforce" and not quota_runs and self._writer() is None:
+        if cfg.mode == "enforce" and not self.ctx.offered(LIMITS_SERVICE) and self._writer() is None:
             problems.append("mode enforce but quota is not enabled or not running: computing and reporting only "
                             "(effectively dry-run)")
         if problems:

@@ -20,14 +20,13 @@ from qosagent.fleet.model import FleetPart, TenantShare, shares
 from qosagent.fleet.quotas import fleet_quotas, node_burst
 from qosagent.quota.model import QuotaPart
 from qosagent.snapshot import Decision, Snapshot
-from qosagent.tenants import FLEET_NO_END, FleetWriter, TenantLimit
+from qosagent.tenants import FLEET_NO_END, FLEET_SERVICE, FleetWriter, TenantLimit
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from qosagent.features import Features
 
-FLEET_SERVICE = "quota.fleet"
 
 
 class Fleet(Capability):
@@ -43,8 +42,7 @@ class Fleet(Capability):
     def probe(self, features: "Features") -> Verdict:
         cfg = self.ctx.config
         f = cfg.fleet
-        quota = self.ctx.verdicts.get("quota")
-        if quota is None or quota.state not in (State.ACTIVE, State.DEGRADED):
+        if not self.ctx.offered(FLEET_SERVICE):
             return Verdict(State.UNAVAILABLE, "needs the quota classifier running (fleet shares are quota limits)")
         n = len(fleet_quotas(cfg))
         reason = (f"node {f.node_name}, {n} tenant(s) with a fleet quota, etcd {', '.join(f.endpoints)}, "

@@ -23,7 +23,17 @@ from qosagent.quota.limits import FleetWriter, LimitsWriter
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.quota.rules import baseline_buckets, bucket
 from qosagent.snapshot import Snapshot
-from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, baseline, tenant_id, tenant_table, with_floor
+from qosagent.tenants import (
+    FLEET_SERVICE,
+    LIMITS_SERVICE,
+    UNMATCHED_ID,
+    TenantInfo,
+    TenantLimit,
+    baseline,
+    tenant_id,
+    tenant_table,
+    with_floor,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -46,6 +56,7 @@ class _Written:
 class Quota(Capability):
     name = "quota"
     uses = (netns.Follower, Pods)
+    offers = (LIMITS_SERVICE, FLEET_SERVICE)
     loads_bpf = True
 
     def __init__(self, ctx: AgentContext):
@@ -128,8 +139,8 @@ class Quota(Capability):
             raise CapabilityError(f"cannot load or attach the classifier: {e}") from e
         if self.datapath.adopted:
             log.info("adopted pinned quota state at %s", self.datapath.path)
-        self.ctx.services["quota.limits"] = LimitsWriter(self)
-        self.ctx.services["quota.fleet"] = FleetWriter(self)
+        self.ctx.services[LIMITS_SERVICE] = LimitsWriter(self)
+        self.ctx.services[FLEET_SERVICE] = FleetWriter(self)
 
     def maintain(self) -> None:
         # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
@@ -238,8 +249,8 @@ class Quota(Capability):
         if d is None:
             return
         self.datapath = None
-        self.ctx.services.pop("quota.limits", None)
-        self.ctx.services.pop("quota.fleet", None)
+        self.ctx.services.pop(LIMITS_SERVICE, None)
+        self.ctx.services.pop(FLEET_SERVICE, None)
         q = self.ctx.config.quota
         path = d.path
         d.close()

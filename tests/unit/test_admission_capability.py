@@ -36,6 +36,7 @@ from qosagent.hist import Histogram
 from qosagent.hostfs import HostFS
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.metrics import make_registry
+from qosagent.quota.capability import Quota
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.servers.model import ServerReading, ServersPart
 from qosagent.snapshot import Snapshot
@@ -98,7 +99,7 @@ def capability(mode: str = "enforce", writer: FakeLimits | None = None,
     ctx = AgentContext(config=config(mode, extra), hostfs=HostFS("/"), gpu=FakeBackend.preset("single"))
     if writer is not None:
         ctx.services[LIMITS_SERVICE] = writer
-        ctx.verdicts["quota"] = Verdict(State.ACTIVE)
+        ctx.record(Quota, Verdict(State.ACTIVE))
     return Admission(ctx)
 
 
@@ -153,9 +154,9 @@ def test_enforce_without_quota_is_degraded_and_effectively_dry_run() -> None:
 def test_enforce_is_judged_by_quota_s_verdict_not_its_running_service() -> None:
     # `qosagent check` probes without starting anything: quota's probe verdict is what admission can count on.
     cap = capability("enforce", None)
-    cap.ctx.verdicts["quota"] = Verdict(State.ACTIVE, "ingress of lo")
+    cap.ctx.record(Quota, Verdict(State.ACTIVE, "ingress of lo"))
     assert cap.probe(HOST).state is State.ACTIVE
-    cap.ctx.verdicts["quota"] = Verdict(State.UNAVAILABLE, "needs root")
+    cap.ctx.record(Quota, Verdict(State.UNAVAILABLE, "needs root"))
     assert cap.probe(HOST).state is State.DEGRADED
 
 
