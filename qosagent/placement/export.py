@@ -10,17 +10,42 @@ from qosagent.cpulist import format_cpulist
 from qosagent.exposition import Family, Series, families, one
 from qosagent.placement.model import PlacementPart
 
-PROC = ("pid", "name", "node")
+# A process is named by what survives its restart (its name, the selector that chose it, its GPUs), not by its
+# pid: a server restarting would otherwise start new series each time. The pid is in the info family alone.
+PROC = ("process", "node")
 
 
 def _node(r: dict[str, Any]) -> str:
     return "" if r["node"] is None else str(r["node"])
 
 
+def process_names(view: PlacementPart) -> dict[int, str]:
+    """pid -> "name@selector" (+ "/gpu0,1" with GPUs; "#2", "#3" ... for the later of processes that would share
+    one, in pid order)."""
+    out: dict[int, str] = {}
+    seen: dict[str, int] = {}
+    for r in sorted(view.records, key=lambda r: r["pid"]):
+        key = f"{r['name']}@{r['selector']}" + (f"/gpu{','.join(map(str, r['gpus']))}" if r["gpus"] else "")
+        seen[key] = seen.get(key, 0) + 1
+        out[r["pid"]] = key if seen[key] == 1 else f"{key}#{seen[key]}"
+    return out
+
+
 def _info(view: PlacementPart) -> Series:
+    names = process_names(view)
     for r in view.records:
-        yield [str(r["pid"]), r["name"], _node(r), r["cpus"] or "", ",".join(map(str, r["gpus"])), r["last_action"],
-               str(r["applied"]).lower(), r["reason"]], 1.0
+        yield [names[r["pid"]], str(r["pid"]), r["name"], _node(r), r["cpus"] or "", ",".join(map(str, r["gpus"])),
+               r["last_action"], str(r["applied"]).lower(), r["reason"]], 1.0
+
+
+def _local(view: PlacementPart) -> Series:
+    names = process_names(view)
+    return (([names[r["pid"]], _node(r)], r["memory_local"]) for r in view.records if r["memory_local"] is not None)
+
+
+def _pages(view: PlacementPart) -> Series:
+    names = process_names(view)
+    return (([names[r["pid"]], n], count) for r in view.records for n, count in r["pages"].items())
 
 
 def _counter(kind: str, keys: tuple[str, ...] = ()) -> Callable[[PlacementPart], Series]:
@@ -33,13 +58,11 @@ def _counter(kind: str, keys: tuple[str, ...] = ()) -> Callable[[PlacementPart],
 
 FAMILIES: tuple[Family[PlacementPart], ...] = (
     Family("qosagent_placement_process_info", "gauge", "1 per placed or considered process: its node, CPUs, GPUs, "
-           "last action and why", ("pid", "name", "node", "cpus", "gpus", "action", "applied", "reason"), _info),
+           "last action and why (process: its stable name in the other placement families; pid: the one running now)",
+           ("process", "pid", "name", "node", "cpus", "gpus", "action", "applied", "reason"), _info),
     Family("qosagent_placement_memory_local_ratio", "gauge", "Share of the process's resident pages on its target "
-           "node (numa_maps)", PROC,
-           lambda v: (([str(r["pid"]), r["name"], _node(r)], r["memory_local"]) for r in v.records
-                      if r["memory_local"] is not None)),
-    Family("qosagent_placement_memory_pages", "gauge", "Resident pages of the process per NUMA node", PROC,
-           lambda v: (([str(r["pid"]), r["name"], n], count) for r in v.records for n, count in r["pages"].items())),
+           "node (numa_maps)", PROC, _local),
+    Family("qosagent_placement_memory_pages", "gauge", "Resident pages of the process per NUMA node", PROC, _pages),
     Family("qosagent_placement_processes", "gauge", "Selected processes placement tracks", (),
            one(lambda v: len(v.records))),
     Family("qosagent_placement_actions", "counter", "Placement decisions by action", ("action",), _counter("actions")),

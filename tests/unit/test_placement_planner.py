@@ -146,3 +146,27 @@ def test_memory_only_node_never_gets_threads(tmp_path) -> None:
     fake.gpus[0] = with_device(fake.gpus[0], numa_node=1, cpu_affinity=None, pci_bus_id="0000:99:00.0")
     t = plan([proc(10)], {10: (0,)}, read_topology(HostFS(tmp_path), fake.devices()), Policy())[10]
     assert not t.pinned and "node 1 has no CPUs" in t.reason
+
+
+def test_placement_series_name_a_process_by_what_survives_its_restart() -> None:
+    """No pid label but on the info family: a restarted server keeps its series."""
+    from qosagent.placement.export import FAMILIES, process_names
+    from qosagent.placement.model import PlacementPart
+
+    def part(pids: list[int]) -> PlacementPart:
+        recs = [{"pid": p, "name": "vllm", "selector": "selectors[0]", "gpus": [0] if i == 0 else [],
+                 "node": 0, "cpus": "0-1", "last_action": "pin", "applied": True, "reason": "", "memory_local": 0.9,
+                 "pages": {"0": 10}} for i, p in enumerate(pids)] + [
+            {"pid": pids[-1] + 1, "name": "vllm", "selector": "selectors[0]", "gpus": [], "node": 0, "cpus": None,
+             "last_action": "", "applied": False, "reason": "", "memory_local": None, "pages": {}}]
+        return PlacementPart("enforce", None, True, (), tuple(recs))  # type: ignore[arg-type]
+
+    before, after = part([100, 200]), part([300, 400])
+    assert process_names(before) == {100: "vllm@selectors[0]/gpu0", 200: "vllm@selectors[0]",
+                                     201: "vllm@selectors[0]#2"}
+    assert sorted(process_names(after).values()) == sorted(process_names(before).values())
+    for fam in FAMILIES:
+        if fam.name != "qosagent_placement_process_info":
+            assert "pid" not in fam.labels, fam.name
+    (local,) = [f for f in FAMILIES if f.name == "qosagent_placement_memory_local_ratio"]
+    assert list(local.series(before)) == list(local.series(after))

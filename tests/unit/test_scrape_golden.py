@@ -105,7 +105,8 @@ def parts() -> dict[str, Any]:
             writes={"ok": 3, "same": 1}),
         "placement": PlacementPart(
             mode="enforce", topology=topo, reconcile=True, procs=(), records=({
-                "pid": 4242, "name": "vllm", "node": 0, "cpus": "0-1", "gpus": [0], "last_action": "pin",
+                "pid": 4242, "name": "vllm", "selector": "gpu", "node": 0, "cpus": "0-1", "gpus": [0],
+                "last_action": "pin",
                 "applied": True, "reason": "gpu 0 on node 0", "memory_local": 0.9, "pages": {"0": 900, "1": 100},
             },), counters={"actions": {"pin": 1}, "migrations": {"moved": 1}, "pages_migrated": {"moved": 900},
                            "drift": {"corrected": 1}, "errors": {}}),
