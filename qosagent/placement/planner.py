@@ -94,10 +94,16 @@ def plan(procs: Sequence[ProcInfo], gpus_of: Mapping[int, tuple[int, ...]], topo
          policy: Policy) -> dict[int, Target]:
     """One Target per process. Exclusive CPUs (tier guarantees) are handed out first, in pid order, and then taken
     away from every other process on that node."""
-    homes: dict[int, Home] = {}
-    for p in procs:
-        homes[p.pid] = _home(p, gpus_of.get(p.pid, ()), topo, policy)
+    homes = {p.pid: _home(p, gpus_of.get(p.pid, ()), topo, policy) for p in procs}
+    taken, exclusive = _exclusive(procs, homes, topo, policy)
+    return {p.pid: _target(p, gpus_of.get(p.pid, ()), homes[p.pid], exclusive.get(p.pid, (frozenset(), "")),
+                           taken, topo, policy) for p in procs}
 
+
+def _exclusive(procs: Sequence[ProcInfo], homes: Mapping[int, Home], topo: Topology,
+               policy: Policy) -> tuple[dict[int, set[int]], dict[int, tuple[frozenset[int], str]]]:
+    """The exclusive CPUs each process's tier wants on its node, in pid order while they last: the CPUs given per
+    node, and per pid what it got (none: it shares the node) and why."""
     taken: dict[int, set[int]] = collections.defaultdict(set)  # node -> CPUs given exclusively
     exclusive: dict[int, tuple[frozenset[int], str]] = {}
     for p in sorted(procs, key=lambda p: p.pid):
@@ -114,46 +120,41 @@ def plan(procs: Sequence[ProcInfo], gpus_of: Mapping[int, tuple[int, ...]], topo
         mine = frozenset(free[:want])
         taken[node] |= mine
         exclusive[p.pid] = (mine, f"tier {tier}: {want} exclusive CPUs")
+    return taken, exclusive
 
-    out: dict[int, Target] = {}
-    for p in procs:
-        gpus = gpus_of.get(p.pid, ())
-        node, why, nvml_cpus = homes[p.pid]
-        if node is None and nvml_cpus is not None:
-            cpus = nvml_cpus - policy.reserved
-            if p.cpuset is not None:
-                cpus &= p.cpuset
-            if not cpus:
-                out[p.pid] = Target(p.pid, None, None, f"{why}; none of them usable, not pinned", gpus)
-            else:
-                out[p.pid] = Target(p.pid, cpus, topo.node_of_cpus(cpus), why, gpus)
-            continue
-        if node is None:
-            out[p.pid] = Target(p.pid, None, None, f"{why}; not pinned", gpus)
-            continue
-        if node not in topo.nodes:
-            out[p.pid] = Target(p.pid, None, None, f"{why}, but node {node} is not on this host; not pinned", gpus)
-            continue
-        mine, ex_why = exclusive.get(p.pid, (frozenset(), ""))
-        if mine:
-            out[p.pid] = Target(p.pid, mine, node, f"{why}; {ex_why}", gpus, exclusive=True)
-            continue
-        cpus = _available(topo, node, policy, p) - taken[node]
+
+def _target(p: ProcInfo, gpus: tuple[int, ...], home: Home, exclusive: tuple[frozenset[int], str],
+            taken: Mapping[int, set[int]], topo: Topology, policy: Policy) -> Target:
+    """One process's Target from its home node and what the exclusive CPUs left."""
+    node, why, nvml_cpus = home
+    if node is None and nvml_cpus is not None:
+        cpus = nvml_cpus - policy.reserved
+        if p.cpuset is not None:
+            cpus &= p.cpuset
         if not cpus:
-            if not topo.nodes[node].cpus:
-                why += f"; node {node} has no CPUs (memory only), not pinned"
-            elif p.cpuset is not None and not (topo.nodes[node].cpus & p.cpuset):
-                why += f"; its cpuset {format_cpulist(p.cpuset)} (kubelet) has no CPU on node {node}, left as placed"
-            else:
-                why += f"; no CPU left on node {node} after reserved and exclusive CPUs, not pinned"
-            out[p.pid] = Target(p.pid, None, None, why, gpus)
-            continue
-        if ex_why:
-            why += f"; {ex_why}"
-        if p.cpuset is not None and cpus != (topo.nodes[node].cpus - policy.reserved - taken[node]):
-            why += f"; within cpuset {format_cpulist(p.cpuset)}"
-        mem = node if topo.nodes[node].has_memory or not topo.numa else None
-        if mem is None:
-            why += f"; node {node} has no memory, pages stay"
-        out[p.pid] = Target(p.pid, cpus, mem, why, gpus)
-    return out
+            return Target(p.pid, None, None, f"{why}; none of them usable, not pinned", gpus)
+        return Target(p.pid, cpus, topo.node_of_cpus(cpus), why, gpus)
+    if node is None:
+        return Target(p.pid, None, None, f"{why}; not pinned", gpus)
+    if node not in topo.nodes:
+        return Target(p.pid, None, None, f"{why}, but node {node} is not on this host; not pinned", gpus)
+    mine, ex_why = exclusive
+    if mine:
+        return Target(p.pid, mine, node, f"{why}; {ex_why}", gpus, exclusive=True)
+    cpus = _available(topo, node, policy, p) - taken.get(node, set())
+    if not cpus:
+        if not topo.nodes[node].cpus:
+            why += f"; node {node} has no CPUs (memory only), not pinned"
+        elif p.cpuset is not None and not (topo.nodes[node].cpus & p.cpuset):
+            why += f"; its cpuset {format_cpulist(p.cpuset)} (kubelet) has no CPU on node {node}, left as placed"
+        else:
+            why += f"; no CPU left on node {node} after reserved and exclusive CPUs, not pinned"
+        return Target(p.pid, None, None, why, gpus)
+    if ex_why:
+        why += f"; {ex_why}"
+    if p.cpuset is not None and cpus != (topo.nodes[node].cpus - policy.reserved - taken.get(node, set())):
+        why += f"; within cpuset {format_cpulist(p.cpuset)}"
+    mem = node if topo.nodes[node].has_memory or not topo.numa else None
+    if mem is None:
+        why += f"; node {node} has no memory, pages stay"
+    return Target(p.pid, cpus, mem, why, gpus)
