@@ -1,4 +1,5 @@
-"""The writes of placement: CPU affinity of every thread, migrate_pages(2), and the originals to put back.
+"""The writes of placement: CPU affinity of every thread, migrate_pages(2), and the originals to put back; and
+the Applier, which carries out the capability's decided commands with them.
 
 Threads are listed through /proc/PID/task; a thread born while we set the others inherits its creator's mask,
 which may still be the old one, so the listing is repeated until it brings no new thread. A process or thread that
@@ -7,18 +8,21 @@ exits halfway is an ordinary outcome (ESRCH), never an error.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
 import os
 import platform
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from qosagent import statefile
 from qosagent.hostfs import HostFS
 from qosagent.cpulist import format_cpulist, parse_cpulist
-from qosagent.placement.discovery import numa_pages, proc_start
+from qosagent.placement.discovery import numa_pages, proc_start, thread_cpus
+from qosagent.placement.model import Drop, Place, Record
+from qosagent.placement.topology import Topology
 
 log = logging.getLogger("qosagent.placement")
 
@@ -212,3 +216,122 @@ def restore_all(fs: HostFS, store: OriginalsStore) -> list[str]:
     store.entries = kept
     store.save()
     return lines
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the config in force says of the writes: enforce (else dry-run: recorded, not written), migrate_memory,
+    and the topology (its memory nodes)."""
+
+    enforce: bool
+    migrate_memory: bool
+    topology: Topology | None
+
+
+class Applier:
+    """Carries out placement's commands: originals saved (to state_dir) before a process's first write, affinity
+    set on every thread, pages migrated, the result read back; each process's Record and the counters say what
+    was done, and a failed write is counted and kept on the record, never raised."""
+
+    def __init__(self, fs: HostFS, store: OriginalsStore, counters: dict[str, collections.Counter[str]],
+                 clock: Callable[[], float]):
+        self.fs, self.store, self.counters, self.clock = fs, store, counters, clock
+
+    def run(self, commands: Iterable[tuple[Place | Drop, float]], records: dict[int, Record], s: Settings) -> None:
+        """commands: each with its decision's wall time; records: the capability's, updated in place."""
+        for c, at in commands:
+            pid = c.pid if isinstance(c, Drop) else c.proc.pid
+            action = ("release" if c.release else "forget") if isinstance(c, Drop) else c.action
+            self.counters["actions"][action] += 1
+            if action == "correct":
+                self.counters["drift"]["corrected" if s.enforce else "seen"] += 1
+            try:
+                if isinstance(c, Drop):
+                    self._drop(c, records)
+                else:
+                    self._place(c, at, records, s)
+            except Exited:
+                # Exited between discovery and the write: nothing to undo, nothing to keep.
+                self.counters["errors"]["exited"] += 1
+                records.pop(pid, None)
+                self.store.entries.pop(pid, None)
+            except OSError as e:
+                self.counters["errors"]["permission" if isinstance(e, PermissionError) else "write"] += 1
+                rec = records.get(pid)
+                if rec is not None:
+                    rec.applied = False
+                    rec.last_action = "error"
+                    rec.reason = f"{action} failed: {e.strerror or e}"
+                log.warning("pid %d: %s failed: %s", pid, action, e)
+        self.save_store()
+
+    def save_store(self) -> None:
+        try:
+            self.store.save()
+        except OSError as e:
+            self.counters["errors"]["state_dir"] += 1
+            log.warning("cannot save original affinities: %s", e)
+
+    def _restore(self, pid: int, orig: Original) -> AffinityResult:
+        """The original back, forgotten only once written: a failed write keeps it (memory and state file) for a
+        later tick, stop() or `qosagent detach`. A process gone is nothing to restore (Exited)."""
+        try:
+            res = restore(self.fs, pid, orig)
+        except OSError as e:
+            if e.errno in (errno.ESRCH, errno.ENOENT):
+                raise Exited(f"pid {pid} exited") from None
+            raise
+        self.store.entries.pop(pid, None)
+        return res
+
+    def _drop(self, c: Drop, records: dict[int, Record]) -> None:
+        orig = self.store.entries.get(c.pid)
+        if c.release and orig is not None:
+            self._restore(c.pid, orig)  # on failure the record stays too, so a later reconcile releases again
+        self.store.entries.pop(c.pid, None)
+        records.pop(c.pid, None)
+
+    def _place(self, c: Place, at: float, records: dict[int, Record], s: Settings) -> None:
+        p, t, pid = c.proc, c.target, c.proc.pid
+        rec = records.get(pid)
+        if rec is None or rec.start != p.start:
+            rec = records[pid] = Record(pid, p.start, p.name, p.selector)
+        rec.gpus, rec.last_action, rec.reason, rec.at = t.gpus, c.action, c.reason, at
+        if c.action == "leave":
+            rec.node, rec.cpus, rec.applied, rec.verified = None, None, False, None
+            return
+        if c.action == "restore":
+            rec.threads = self._restore(pid, self.store.entries[pid]).threads
+            rec.node, rec.cpus, rec.applied, rec.verified = None, None, True, None
+            return
+        rec.node, rec.cpus = t.node, t.cpus
+        if not s.enforce:
+            rec.applied = False
+            return
+        assert t.cpus is not None and s.topology is not None
+        if pid not in self.store.entries:
+            before = get_affinity(self.fs, pid)
+            self.store.entries[pid] = Original(p.start, before, before.get(pid, next(iter(before.values()))))
+            self.save_store()  # before the first write: a crash right after it must still be undoable
+        res = set_affinity(self.fs, pid, t.cpus, keep_subsets=True)
+        rec.threads, rec.applied = res.threads + res.kept, True
+        if c.action == "pin" and s.migrate_memory and t.node is not None and s.topology.numa:
+            self._migrate(rec, pid, t.node, s.topology)
+        back = thread_cpus(self.fs, pid)
+        if not back:
+            raise Exited(f"pid {pid} exited")
+        rec.verified = all(cpus <= t.cpus for cpus in back.values())
+        if not rec.verified:
+            self.counters["drift"]["unverified"] += 1
+
+    def _migrate(self, rec: Record, pid: int, node: int, topology: Topology) -> None:
+        try:
+            m = migrate(self.fs, pid, node, topology.memory_nodes())
+        except OSError as e:
+            self.counters["migrations"]["failed"] += 1
+            log.warning("pid %d: migrate_pages to node %s failed: %s", pid, node, e)
+        else:
+            self.counters["migrations"]["noop" if m.noop else "moved"] += 1
+            self.counters["pages_migrated"]["moved"] += m.moved
+            self.counters["pages_migrated"]["not_moved"] += m.not_moved
+            rec.pages, rec.locality_at = m.pages, self.clock()

@@ -9,7 +9,6 @@ write, on disk under state_dir, and put back on stop (or by `qosagent detach` af
 from __future__ import annotations
 
 import collections
-import errno
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -20,7 +19,7 @@ from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.cgroups import HostCgroups
 from qosagent.placement.model import Drop, PlacementPart, Place, Record
-from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start, thread_cpus
+from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology
 from qosagent.schedule import Every
@@ -49,6 +48,7 @@ class Placement(Capability):
         self._reconcile = Every(self.cfg.reconcile_interval)
         self._reconciling = False  # this tick reconciles: maintain() says, collect() discovers
         self.cgroups = HostCgroups(ctx.hostfs)  # the host's cgroup paths, also from a container's namespace
+        self.applier = applier.Applier(ctx.hostfs, self.store, self.counters, ctx.clock)
         self._configure(ctx.config)
 
     def _configure(self, config: "Config") -> None:
@@ -274,103 +274,10 @@ class Placement(Capability):
         return None
 
     def apply(self, decisions: list[Decision]) -> None:
-        for d in decisions:
-            c = d.command
-            if d.capability != self.name or not isinstance(c, (Place, Drop)):
-                continue
-            pid = c.pid if isinstance(c, Drop) else c.proc.pid
-            action = ("release" if c.release else "forget") if isinstance(c, Drop) else c.action
-            self.counters["actions"][action] += 1
-            if action == "correct":
-                self.counters["drift"]["corrected" if self.enforce else "seen"] += 1
-            try:
-                if isinstance(c, Drop):
-                    self._drop(c)
-                else:
-                    self._place(c, d.wall_time)
-            except applier.Exited:
-                # Exited between discovery and the write: nothing to undo, nothing to keep.
-                self.counters["errors"]["exited"] += 1
-                self.records.pop(pid, None)
-                self.store.entries.pop(pid, None)
-            except OSError as e:
-                self.counters["errors"]["permission" if isinstance(e, PermissionError) else "write"] += 1
-                rec = self.records.get(pid)
-                if rec is not None:
-                    rec.applied = False
-                    rec.last_action = "error"
-                    rec.reason = f"{action} failed: {e.strerror or e}"
-                self.log.warning("pid %d: %s failed: %s", pid, action, e)
-        self._save_store()
-
-    def _save_store(self) -> None:
-        try:
-            self.store.save()
-        except OSError as e:
-            self.counters["errors"]["state_dir"] += 1
-            self.log.warning("cannot save original affinities: %s", e)
-
-    def _restore(self, pid: int, orig: applier.Original) -> applier.AffinityResult:
-        """The original back, forgotten only once written: a failed write keeps it (memory and state file) for a
-        later tick, stop() or `qosagent detach`. A process gone is nothing to restore (applier.Exited)."""
-        try:
-            res = applier.restore(self.ctx.hostfs, pid, orig)
-        except OSError as e:
-            if e.errno in (errno.ESRCH, errno.ENOENT):
-                raise applier.Exited(f"pid {pid} exited") from None
-            raise
-        self.store.entries.pop(pid, None)
-        return res
-
-    def _drop(self, c: Drop) -> None:
-        orig = self.store.entries.get(c.pid)
-        if c.release and orig is not None:
-            self._restore(c.pid, orig)  # on failure the record stays too, so a later reconcile releases again
-        self.store.entries.pop(c.pid, None)
-        self.records.pop(c.pid, None)
-
-    def _place(self, c: Place, at: float) -> None:
-        fs = self.ctx.hostfs
-        p, t, pid = c.proc, c.target, c.proc.pid
-        rec = self.records.get(pid)
-        if rec is None or rec.start != p.start:
-            rec = self.records[pid] = Record(pid, p.start, p.name, p.selector)
-        rec.gpus, rec.last_action, rec.reason, rec.at = t.gpus, c.action, c.reason, at
-        if c.action == "leave":
-            rec.node, rec.cpus, rec.applied, rec.verified = None, None, False, None
-            return
-        if c.action == "restore":
-            rec.threads = self._restore(pid, self.store.entries[pid]).threads
-            rec.node, rec.cpus, rec.applied, rec.verified = None, None, True, None
-            return
-        rec.node, rec.cpus = t.node, t.cpus
-        if not self.enforce:
-            rec.applied = False
-            return
-        assert t.cpus is not None and self.topology is not None
-        if pid not in self.store.entries:
-            before = applier.get_affinity(fs, pid)
-            self.store.entries[pid] = applier.Original(p.start, before, before.get(pid, next(iter(before.values()))))
-            self._save_store()  # before the first write: a crash right after it must still be undoable
-        res = applier.set_affinity(fs, pid, t.cpus, keep_subsets=True)
-        rec.threads, rec.applied = res.threads + res.kept, True
-        if c.action == "pin" and self.cfg.migrate_memory and t.node is not None and self.topology.numa:
-            try:
-                m = applier.migrate(fs, pid, t.node, self.topology.memory_nodes())
-            except OSError as e:
-                self.counters["migrations"]["failed"] += 1
-                self.log.warning("pid %d: migrate_pages to node %s failed: %s", pid, t.node, e)
-            else:
-                self.counters["migrations"]["noop" if m.noop else "moved"] += 1
-                self.counters["pages_migrated"]["moved"] += m.moved
-                self.counters["pages_migrated"]["not_moved"] += m.not_moved
-                rec.pages, rec.locality_at = m.pages, self.ctx.clock()
-        back = thread_cpus(fs, pid)
-        if not back:
-            raise applier.Exited(f"pid {pid} exited")
-        rec.verified = all(c <= t.cpus for c in back.values())
-        if not rec.verified:
-            self.counters["drift"]["unverified"] += 1
+        commands = [(d.command, d.wall_time) for d in decisions
+                    if d.capability == self.name and isinstance(d.command, (Place, Drop))]
+        self.applier.run(commands, self.records, applier.Settings(self.enforce, self.cfg.migrate_memory,
+                                                                 self.topology))
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
