@@ -17,6 +17,7 @@ from qosagent import exposition, weblisten
 from qosagent.capability import State
 from qosagent.config import MetricsBasicAuth, MetricsConfig, MetricsTls
 from qosagent.exposition import Family, Series, one
+from qosagent.gpu.backend import GPU
 from qosagent.readiness import readiness
 from qosagent.snapshot import Snapshot
 from qosagent.weblisten import Listener, Reply, Route, Security
@@ -38,7 +39,7 @@ class _Scrape:
 
     @property
     def gpu(self) -> "GpuState | None":
-        return self.snap.part("gpu")
+        return self.snap.part(GPU)
 
     @property
     def gpus_known(self) -> bool:

@@ -9,7 +9,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Generic, Mapping, TypeVar, overload
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PartKey(Generic[T]):
+    """A part's name in the Snapshot and its type, declared beside the type (each capability's and service's
+    model.py: QUOTA = PartKey("quota", QuotaPart)): Snapshot.part(key) is typed per part, and checked, where a name
+    alone gave Any."""
+
+    name: str
+    type: type[T]
 
 
 @dataclass(frozen=True)
@@ -54,12 +66,24 @@ class Snapshot:
     seq: int
     monotonic: float
     wall_time: float
-    parts: Mapping[str, Any]
+    # Each part under its name, of the type its PartKey says: read it through part(key) to have that type.
+    parts: Mapping[str, object]
     decisions: tuple[Decision, ...] = ()
 
     @staticmethod
-    def build(seq: int, monotonic: float, wall_time: float, parts: dict[str, Any]) -> "Snapshot":
+    def build(seq: int, monotonic: float, wall_time: float, parts: Mapping[str, object]) -> "Snapshot":
         return Snapshot(seq, monotonic, wall_time, MappingProxyType(dict(parts)))
 
-    def part(self, name: str) -> Any:
-        return self.parts.get(name)
+    @overload
+    def part(self, key: PartKey[T]) -> T | None: ...
+
+    @overload
+    def part(self, key: str) -> object: ...
+
+    def part(self, key: "PartKey[Any] | str") -> object:
+        """The part of key's type (None when absent or of another type: a capability that failed to collect
+        publishes nothing); by a bare name, whatever is there (a service's part, as the daemon iterates them)."""
+        if isinstance(key, str):
+            return self.parts.get(key)
+        found = self.parts.get(key.name)
+        return found if isinstance(found, key.type) else None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.admission import export, policy
 from qosagent.admission.inputs import config_baseline, tick_input
-from qosagent.admission.model import AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
+from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
 from qosagent.snapshot import Decision, Snapshot
@@ -192,12 +192,12 @@ class Admission(Capability):
             gpu_ignored=dict(self.ignored), **common)
 
     def metrics(self, snapshot: Snapshot) -> Iterable[Metric]:
-        part = snapshot.part(self.name)
-        return export.metrics(part) if isinstance(part, AdmissionPart) else ()
+        part = snapshot.part(ADMISSION)
+        return export.metrics(part) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part = snapshot.part(self.name)
-        return export.status(part) if isinstance(part, AdmissionPart) else {}
+        part = snapshot.part(ADMISSION)
+        return export.status(part) if part is not None else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:

@@ -17,11 +17,11 @@ from qosagent.admission.policy import (
     TierInput,
 )
 from qosagent.config import Config, LimitSpec
-from qosagent.gpu.backend import GpuSample, GpuState
+from qosagent.gpu.backend import GPU, GpuSample, GpuState
 from qosagent.hist import Histogram
-from qosagent.latency.model import LatencyPart
-from qosagent.quota.model import QuotaPart
-from qosagent.servers.model import ServerReading, ServersPart
+from qosagent.latency.model import LATENCY
+from qosagent.quota.model import QUOTA
+from qosagent.servers.model import SERVERS, ServerReading, ServersPart
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit, limit_of
 from qosagent.tenants import baseline as quota_baseline
@@ -116,8 +116,8 @@ def gpu_input(gpu: GpuState | None, serving: list[int], servers: ServersPart | N
 
 def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit]) -> TickInput:
     policy = cfg.admission
-    lat: LatencyPart | None = snap.part("latency")
-    quota: QuotaPart | None = snap.part("quota")
+    lat = snap.part(LATENCY)
+    quota = snap.part(QUOTA)
     lat_tenants = lat.tenants if lat is not None else {}
     quota_tenants = quota.tenants if quota is not None else {}
 
@@ -153,12 +153,12 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
         observed = Histogram(windows[name]).quantile(policy.quantile) if name in windows else None
         tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed, tier.sheddable)
     rq = lat.runqueue_window if lat is not None else None
-    servers: ServersPart | None = snap.part("servers")
+    servers = snap.part(SERVERS)
     return TickInput(
         now=snap.monotonic,
         tiers=tiers,
         tenants=tenants,
-        gpu=gpu_input(snap.part("gpu"), policy.gpu_pressure.gpus, servers),
+        gpu=gpu_input(snap.part(GPU), policy.gpu_pressure.gpus, servers),
         servers=tuple(ServerInput(s.port, s.kind, s.known, s.kv_cache_usage, s.requests_waiting)
                       for s in (servers.servers if servers is not None else ())),
         runqueue_p99=rq.quantile(0.99) if rq is not None else None,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from qosagent.tenants import TenantLimit
+from qosagent.snapshot import PartKey
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,6 @@ class AdmissionPart:
     decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (tenant, action, reason) -> n
     pre_cleanup_runs: Mapping[str, int] = field(default_factory=dict)  # by result
     pre_cleanup_last: Mapping[str, str] = field(default_factory=dict)
+
+
+ADMISSION = PartKey("admission", AdmissionPart)

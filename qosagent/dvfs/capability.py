@@ -16,16 +16,16 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent import cpufreq
-from qosagent.admission.model import AdmissionPart
+from qosagent.admission.model import ADMISSION
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.dvfs import export, policy, sensors
 from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
 from qosagent.dvfs.cpufreq import resolve_khz
 from qosagent.dvfs.gpuclocks import GpuActuator
-from qosagent.dvfs.model import DvfsPart, GpuBandChange, PolicyView, SetFreq
+from qosagent.dvfs.model import DVFS, DvfsPart, GpuBandChange, PolicyView, SetFreq
 from qosagent.dvfs.rollback import Originals
-from qosagent.gpu.backend import GpuError, GpuState, NoGpu
+from qosagent.gpu.backend import GPU, GpuError, NoGpu
 from qosagent.gpu.choose import make_backend
 from qosagent.schedule import Every
 from qosagent.snapshot import Decision, Snapshot
@@ -249,11 +249,11 @@ class Dvfs(Capability):
         )
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
-        part: DvfsPart | None = snapshot.part(self.name)
+        part = snapshot.part(DVFS)
         if part is None:
             return []
-        adm = snapshot.part("admission")
-        near = adm.near_slo if isinstance(adm, AdmissionPart) else frozenset()
+        adm = snapshot.part(ADMISSION)
+        near = adm.near_slo if adm is not None else frozenset()
         now = snapshot.monotonic
         out = []
         for view in part.policies:
@@ -269,8 +269,8 @@ class Dvfs(Capability):
                                     {"kind": st.kind, "temp_c": part.hottest_c, "load": view.load,
                                      "near_slo": sorted(near), "target_khz": pr.khz[st.point]},
                                     applied=self.enforce, command=SetFreq(view.name, pr.khz[st.point], st.point)))
-        gpus = snapshot.part("gpu")
-        if self.gpu and isinstance(gpus, GpuState):
+        gpus = snapshot.part(GPU)
+        if self.gpu and gpus is not None:
             for index, old, new, temp in self.gpu.decide(gpus, now):
                 out.append(Decision(self.name, f"gpu{index}", "gpu_band", old or "none", new or "none",
                                     f"GPU {index} at {temp:.0f} C", {"temp_c": temp}, applied=self.enforce,
@@ -301,12 +301,12 @@ class Dvfs(Capability):
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        part = snapshot.part(self.name)
-        return export.metrics(part, snapshot.part("gpu")) if isinstance(part, DvfsPart) else ()
+        part = snapshot.part(DVFS)
+        return export.metrics(part, snapshot.part(GPU)) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part = snapshot.part(self.name)
-        return export.status(part, snapshot.part("gpu")) if isinstance(part, DvfsPart) else {}
+        part = snapshot.part(DVFS)
+        return export.status(part, snapshot.part(GPU)) if part is not None else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
+from qosagent.snapshot import PartKey
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,6 @@ class GpuBandChange:
 
     gpu: int
     band: str | None
+
+
+DVFS = PartKey("dvfs", DvfsPart)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qosagent.snapshot import PartKey
+
 # Error kinds, named after NVML's return codes that the agent treats differently.
 NOT_SUPPORTED = "not_supported"
 NO_PERMISSION = "no_permission"
@@ -147,3 +149,6 @@ class NoGpu:
         raise GpuError(UNAVAILABLE, self.reason)
 
     power_limit_constraints = power_limit = set_power_limit = set_locked_clocks = reset_locked_clocks = _none  # type: ignore[assignment]
+
+
+GPU = PartKey("gpu", GpuState)  # the tick's one GPU sample, taken by the daemon

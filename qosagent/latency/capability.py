@@ -18,7 +18,7 @@ from qosagent.latency import adopt, export, links, planning, runq, selftest
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.datapath import Datapath
-from qosagent.latency.model import Hooks, LatencyPart, Plan, TenantLatency
+from qosagent.latency.model import LATENCY, Hooks, LatencyPart, Plan, TenantLatency
 from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
@@ -322,14 +322,14 @@ class Latency(Capability):
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: "Snapshot") -> Iterable["Metric"]:
-        part: LatencyPart | None = snapshot.part(self.name)
+        part = snapshot.part(LATENCY)
         adm = self.ctx.config.admission
         fams = export.families(part, part.hooks.attached if part is not None else 0, adm.signal, adm.quantile,
                                self.ctx.config.latency.classic_buckets)
         yield from export.with_deprecated(fams) if self.ctx.config.metrics.deprecated_names else fams
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
-        part: LatencyPart | None = snapshot.part(self.name)
+        part = snapshot.part(LATENCY)
         if part is None:
             return {}
         adm = self.ctx.config.admission

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from qosagent.hist import Histogram
+from qosagent.snapshot import PartKey
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,6 @@ class LatencyPart:
     # Serving network namespaces whose addresses attribute process and pods tenants (qosagent/latency/pods.py), as
     # status shows them.
     namespaces: tuple[Mapping[str, Any], ...] = ()
+
+
+LATENCY = PartKey("latency", LatencyPart)

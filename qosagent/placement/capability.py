@@ -18,7 +18,7 @@ from qosagent.placement import applier, export
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import format_cpulist, parse_cpulist
 from qosagent.cgroups import HostCgroups
-from qosagent.placement.model import Drop, PlacementPart, Place, Record
+from qosagent.placement.model import PLACEMENT, Drop, PlacementPart, Place, Record
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start
 from qosagent.placement.planner import Policy, Target, plan
 from qosagent.placement.topology import Topology, read_topology
@@ -202,7 +202,7 @@ class Placement(Capability):
         )
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
-        view: PlacementPart | None = snapshot.part(self.name)
+        view = snapshot.part(PLACEMENT)
         if view is None or not view.reconcile:
             return []
         assert self.topology is not None
@@ -281,12 +281,12 @@ class Placement(Capability):
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        part = snapshot.part(self.name)
-        return export.metrics(part) if isinstance(part, PlacementPart) else ()
+        part = snapshot.part(PLACEMENT)
+        return export.metrics(part) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part = snapshot.part(self.name)
-        return export.status(part) if isinstance(part, PlacementPart) else {}
+        part = snapshot.part(PLACEMENT)
+        return export.status(part) if part is not None else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from qosagent.cpulist import format_cpulist
 from qosagent.placement.discovery import ProcInfo
 from qosagent.placement.planner import Target
 from qosagent.placement.topology import Topology
+from qosagent.snapshot import PartKey
 
 
 @dataclass(frozen=True)
@@ -82,3 +83,6 @@ class PlacementPart:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     reserved_cpus: str = ""  # placement.reserved_cpus, as configured
     gpus: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # pid -> its GPUs (NVML), reconcile ticks
+
+
+PLACEMENT = PartKey("placement", PlacementPart)

@@ -20,7 +20,7 @@ from qosagent.quota import datapath as dp
 from qosagent.quota import export, tc
 from qosagent.quota.interfaces import NamespaceEgress, interfaces
 from qosagent.quota.limits import FleetWriter, LimitsWriter
-from qosagent.quota.model import QuotaPart, TenantQuota
+from qosagent.quota.model import QUOTA, QuotaPart, TenantQuota
 from qosagent.quota.rules import baseline_buckets, bucket
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import (
@@ -274,12 +274,12 @@ class Quota(Capability):
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        part = snapshot.part(self.name)
-        return export.metrics(part) if isinstance(part, QuotaPart) else ()
+        part = snapshot.part(QUOTA)
+        return export.metrics(part) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part = snapshot.part(self.name)
-        return export.status(part) if isinstance(part, QuotaPart) else {}
+        part = snapshot.part(QUOTA)
+        return export.status(part) if part is not None else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:

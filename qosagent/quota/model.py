@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from qosagent.tenants import TenantLimit
+from qosagent.snapshot import PartKey
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,6 @@ class QuotaPart:
     others_on_hook: tuple[str, ...] = ()  # other filters and programs on the same hook, as probe found them
     # Serving network namespaces followed: netns, pid, ports, the host-side veths classified, tenants by port.
     namespaces: tuple[Mapping[str, Any], ...] = ()
+
+
+QUOTA = PartKey("quota", QuotaPart)

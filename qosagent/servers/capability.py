@@ -13,7 +13,8 @@ from prometheus_client.core import Metric
 
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict, rewrite
 from qosagent.servers import export
-from qosagent.servers.model import ServersPart
+from qosagent.gpu.backend import GPU
+from qosagent.servers.model import SERVERS, ServersPart
 from qosagent.servers.scraper import Scraper
 from qosagent.snapshot import Snapshot
 
@@ -78,11 +79,11 @@ class Servers(Capability):
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable[Metric]:
-        part = snapshot.part(self.name)
-        return export.metrics(part, snapshot.part("gpu")) if isinstance(part, ServersPart) else ()
+        part = snapshot.part(SERVERS)
+        return export.metrics(part, snapshot.part(GPU)) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        return export.status(snapshot.part(self.name), snapshot.part("gpu"), self.ctx.config.servers is None)
+        return export.status(snapshot.part(SERVERS), snapshot.part(GPU), self.ctx.config.servers is None)
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from qosagent.gpu.backend import GpuState
+from qosagent.snapshot import PartKey
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,6 @@ def gpu_holders(part: ServersPart | None, gpu: GpuState | None) -> dict[int, lis
         if ports:
             out[g.index] = ports
     return out
+
+
+SERVERS = PartKey("servers", ServersPart)

@@ -451,16 +451,14 @@ def test_each_old_latency_name_is_still_exposed_and_equals_its_new_one() -> None
 def test_the_old_latency_names_go_with_metrics_deprecated_names_off() -> None:
     from qosagent.capability import AgentContext
     from qosagent.latency.capability import Latency as LatencyCapability
+    from qosagent.snapshot import Snapshot
 
-    class Snap:
-        def part(self, name: str) -> LatencyPart:
-            assert name == "latency"
-            return part()
+    snap = Snapshot.build(1, 0.0, 0.0, {"latency": part()})
 
     def names(deprecated: bool) -> set[str]:
         cfg = config_mod.parse({"metrics": {"deprecated_names": deprecated}}, "t")
         cap = LatencyCapability(AgentContext(config=cfg, hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
-        return {f.name for f in cap.metrics(Snap())}  # type: ignore[arg-type]
+        return {f.name for f in cap.metrics(snap)}
 
     on, off = names(True), names(False)
     assert "qosagent_ttft_seconds" in on and "qosagent_requests" in on
