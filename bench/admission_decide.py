@@ -31,12 +31,6 @@ TIERS = ("gold", "silver", "bronze")
 
 
 class NullLimits:
-    def __init__(self, baseline: dict[str, TenantLimit]):
-        self._baseline = baseline
-
-    def baseline(self) -> Mapping[str, TenantLimit]:
-        return self._baseline
-
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         pass
 
@@ -47,7 +41,7 @@ def setup(n: int) -> tuple[Admission, Callable[[int], Snapshot]]:
     cfg = parse({"tenants": tenants, "latency": {"enabled": False},
                  "admission": {"enabled": True, "mode": "enforce"}}, "bench")
     ctx = AgentContext(config=cfg, hostfs=HostFS("/"), gpu=FakeBackend.preset("h200x8"))
-    ctx.services[LIMITS_SERVICE] = NullLimits({f"t{i}": TenantLimit(100, 10) for i in range(n)})
+    ctx.services[LIMITS_SERVICE] = NullLimits()
     cap = Admission(ctx)
     # Realistic windows: a few hundred requests spread over ~20 buckets per tenant.
     hists = {f"t{i}": Histogram.of([(5 + (j * 37) % 200) * 1_000_000 for j in range(300)]) for i in range(n)}

@@ -154,10 +154,6 @@ def with_floor(limit: TenantLimit, floor: TenantLimit | None) -> TenantLimit:
 class LimitsWriter(Protocol):
     """What the quota capability offers the admission loop (AgentContext.services["quota.limits"])."""
 
-    def baseline(self) -> Mapping[str, TenantLimit]:
-        """The configured limits per tenant name (what the kernel falls back to when the heartbeat expires)."""
-        ...
-
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         """Replace the adaptive limits; tenants not named go back to baseline. Expire with the heartbeat."""
         ...

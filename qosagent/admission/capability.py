@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.admission import export, policy
-from qosagent.admission.inputs import config_baseline, tick_input
+from qosagent.admission.inputs import baseline, tick_input
 from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
@@ -106,8 +106,9 @@ class Admission(Capability):
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def collect(self) -> AdmissionPart:
-        # The tick's parts are collected before any decision, so this is what the previous tick decided and
-        # published (DVFS reads it); the published snapshot has this tick's (settled).
+        # Admission reads nothing of its own: what it decides on is in this tick's snapshot (the SLO verdict latency's
+        # collect judged, QuotaPart's baselines, the servers' and GPUs' parts). Until decide has run, the part is
+        # the last one published, for metrics and status only; nobody decides on it (DVFS reads the verdict).
         if self._published is None:
             self._published = self._report()
         return self._published
@@ -118,8 +119,7 @@ class Admission(Capability):
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         cfg = self.ctx.config
-        writer = self._writer()
-        self.baseline = dict(writer.baseline()) if writer is not None else config_baseline(cfg)
+        self.baseline = baseline(snapshot, cfg)
         inp = tick_input(snapshot, cfg, self.baseline)
         out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state

@@ -18,10 +18,10 @@ from qosagent.admission.policy import (
 )
 from qosagent.config import Config, LimitSpec
 from qosagent.gpu.backend import GPU, GpuSample, GpuState
-from qosagent.hist import Histogram
-from qosagent.latency.model import LATENCY
+from qosagent.latency.model import LATENCY, LatencyPart
 from qosagent.quota.model import QUOTA
 from qosagent.servers.model import SERVERS, ServerReading, ServersPart
+from qosagent.slo import SloVerdict, judge
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit, limit_of
 from qosagent.tenants import baseline as quota_baseline
@@ -31,6 +31,15 @@ def config_baseline(cfg: Config) -> dict[str, TenantLimit]:
     """Configured request limits when no quota capability answers for them: read exactly as the classifier
     would (each field from the tenant, else its tier; the same burst default), so dry-run shows real numbers."""
     return {name: spec.requests for name, spec in quota_baseline(cfg).items() if spec.requests is not None}
+
+
+def baseline(snap: Snapshot, cfg: Config) -> dict[str, TenantLimit]:
+    """Each tenant's configured request limit, as this tick's quota part carries it (what the kernel falls back to
+    when the heartbeat expires); read from the config the same way where quota does not run."""
+    quota = snap.part(QUOTA)
+    if quota is not None:
+        return {name: t.baseline for name, t in quota.tenants.items() if t.baseline is not None}
+    return config_baseline(cfg)
 
 
 def _floor_burst(floor: LimitSpec | None) -> int:
@@ -114,6 +123,20 @@ def gpu_input(gpu: GpuState | None, serving: list[int], servers: ServersPart | N
     return GpuInput(tuple(out), "" if out else "no serving GPU")
 
 
+def slo_verdict(lat: LatencyPart | None, cfg: Config) -> SloVerdict:
+    """This tick's SLO verdict, as latency's collect judged it; judged here, by the same rule, only where the part
+    has none for this config (latency off, a part built by hand, the first tick after a reload)."""
+    adm = cfg.admission
+    tier_slo = {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
+    v = lat.verdict if lat is not None else None
+    if v is not None and (v.signal, v.quantile) == (adm.signal, adm.quantile) and v.tiers.keys() == tier_slo.keys():
+        return v
+    measured = lat.tenants if lat is not None else {}
+    windows = {t.name: (t.tier, measured[t.name].window(adm.signal)) for t in cfg.tenants if t.name in measured}
+    return judge(windows, {t.name: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}, tier_slo, adm.signal,
+                 adm.quantile, adm.near_slo, adm.healthy_below)
+
+
 def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit]) -> TickInput:
     policy = cfg.admission
     lat = snap.part(LATENCY)
@@ -121,17 +144,10 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
     lat_tenants = lat.tenants if lat is not None else {}
     quota_tenants = quota.tenants if quota is not None else {}
 
-    # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
-    windows: dict[str, dict[int, int]] = {}
     tenants: dict[str, TenantInput] = {}
     for t in cfg.tenants:
         tl = lat_tenants.get(t.name)
         tq = quota_tenants.get(t.name)
-        if tl is not None:
-            h = tl.window(policy.signal)
-            acc = windows.setdefault(t.tier, {})
-            for i, c in h.counts.items():
-                acc[i] = acc.get(i, 0) + c
         floor = cfg.tiers[t.tier].floor
         # Admitted rate from the classifier when quota runs; otherwise what completed, as the next best guess.
         admitted = tq.admitted_rps if tq is not None else tl.rate_rps if tl is not None else None
@@ -147,11 +163,9 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
             sheddable=cfg.tiers[t.tier].sheddable,
             ports=frozenset(t.match.ports),
         )
-    tiers = {}
-    for name in sorted({t.tier for t in cfg.tenants}):
-        tier = cfg.tiers[name]
-        observed = Histogram(windows[name]).quantile(policy.quantile) if name in windows else None
-        tiers[name] = TierInput(name, tier.weight, tier.slo_p99, observed, tier.sheddable)
+    verdict = slo_verdict(lat, cfg)
+    tiers = {name: TierInput(name, cfg.tiers[name].weight, v, cfg.tiers[name].sheddable)
+             for name, v in verdict.tiers.items()}
     rq = lat.runqueue_window if lat is not None else None
     servers = snap.part(SERVERS)
     return TickInput(

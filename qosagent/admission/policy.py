@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from qosagent.admission.config import AdmissionConfig
 from qosagent.admission.model import AdmissionPart
+from qosagent.slo import TierSlo
 from qosagent.tenants import TenantLimit
 
 # Decision actions and reasons: the values of the metric labels `action` and `reason` (see docs/admission.md).
@@ -56,9 +57,16 @@ NO_GROWTH = "no_growth"
 class TierInput:
     name: str
     weight: int
-    slo: float  # seconds
-    observed: float | None  # the policy's quantile over the latency window, seconds; None: no requests
+    verdict: TierSlo  # this tick's SLO verdict of the tier (qosagent/slo.py), as everything else shows it
     sheddable: bool = False  # the GPU-memory path may shed it; it never touches a tier that is not
+
+    @property
+    def slo(self) -> float:  # seconds
+        return self.verdict.slo
+
+    @property
+    def observed(self) -> float | None:  # the policy's quantile over the latency window, seconds; None: no requests
+        return self.verdict.observed
 
 
 @dataclass(frozen=True)
@@ -333,13 +341,12 @@ class _Tick:
         self.all_healthy = True
         for name in self.order:
             tier = self.inp.tiers[name]
-            obs = tier.observed
-            over = obs is not None and obs > tier.slo
-            self.streak[name] = self.prev.breach_streak.get(name, 0) + 1 if over else 0
-            if obs is not None and obs > tier.slo * policy.healthy_below:
+            v = tier.verdict
+            self.streak[name] = self.prev.breach_streak.get(name, 0) + 1 if v.over else 0
+            if not v.healthy:
                 self.all_healthy = False
-            self.views[name] = TierView(obs, tier.slo, self.streak[name], self.streak[name] >= policy.breach_ticks,
-                                        obs is not None and obs >= tier.slo * policy.near_slo)
+            self.views[name] = TierView(v.observed, v.slo, self.streak[name], self.streak[name] >= policy.breach_ticks,
+                                        v.near)
         self.breaching = [n for n in self.order if self.views[n].in_breach]
 
     def note(self, tenant: str, extra: Mapping[str, Any]) -> dict[str, Any]:

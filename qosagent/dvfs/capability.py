@@ -27,6 +27,7 @@ from qosagent.dvfs.model import DVFS, DvfsPart, GpuBandChange, PolicyView, SetFr
 from qosagent.dvfs.rollback import Originals
 from qosagent.gpu.backend import GPU, GpuError, NoGpu
 from qosagent.gpu.choose import make_backend
+from qosagent.latency.model import LATENCY
 from qosagent.schedule import Every
 from qosagent.snapshot import Decision, Snapshot
 
@@ -252,8 +253,11 @@ class Dvfs(Capability):
         part = snapshot.part(DVFS)
         if part is None:
             return []
-        adm = snapshot.part(ADMISSION)
-        near = adm.near_slo if adm is not None else frozenset()
+        # This tick's SLO verdict, as latency's collect judged it (not admission's part of the tick before), held to
+        # while admission runs: the tiers near their SLO.
+        lat = snapshot.part(LATENCY)
+        verdict = lat.verdict if lat is not None and snapshot.part(ADMISSION) is not None else None
+        near = verdict.near_slo if verdict is not None else frozenset()
         now = snapshot.monotonic
         out = []
         for view in part.policies:

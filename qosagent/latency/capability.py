@@ -24,6 +24,7 @@ from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.pods.service import Pods
 from qosagent.schedule import Every
+from qosagent.slo import judge
 from qosagent.tenants import UNMATCHED_ID, TenantInfo
 
 if TYPE_CHECKING:
@@ -246,6 +247,11 @@ class Latency(Capability):
             info = current.get(tid) or self._known.get(tid) or TenantInfo(tid, f"id-{tid}", "none", 0, 0.0)
             tenants[info.name] = self._tenant(info, raw, base, elapsed)
         runq = self._hist(raw, UNMATCHED_ID, bm.KIND_RUNQ) if self.runq else None
+        slos = {info.name: info.slo_p99 for info in current.values()}
+        adm = cfg.admission
+        verdict = judge({n: (t.tier, t.window(adm.signal)) for n, t in tenants.items()}, slos,
+                        {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}, adm.signal, adm.quantile,
+                        adm.near_slo, adm.healthy_below)
         return LatencyPart(
             window_s=cfg.latency.window,
             tenants=tenants,
@@ -254,8 +260,9 @@ class Latency(Capability):
             found_open=self.adopter.found if self.adopter is not None else 0,
             unobserved=self.adopter.unobserved() if self.adopter is not None else {},
             hooks=self._hooks(),
-            slo={info.name: info.slo_p99 for info in current.values()},
+            slo=slos,
             namespaces=self._pods.followed if self._pods is not None else (),
+            verdict=verdict,
         )
 
     def _hooks(self) -> Hooks:

@@ -112,8 +112,9 @@ def _counter(name: str, help_: str, value: Callable[[Any], Any]) -> Family[Sourc
 
 
 def _slo(s: Source) -> Series:
+    verdict = s.part.judged(s.signal, s.quantile).tenants
     for t in s.part.tenants.values():
-        judged = t.window(s.signal).quantile(s.quantile)
+        judged = verdict[t.tenant].latency
         if judged is not None:
             yield [t.tenant, t.tier, s.signal, str(s.quantile)], judged
 
@@ -220,9 +221,10 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
     if part is None:
         return {}
     tenants = []
+    verdict = part.judged(signal, quantile).tenants
     for t in part.tenants.values():
         bound = slo.get(t.tenant, 0.0)
-        judged = t.window(signal).quantile(quantile)
+        judged = verdict[t.tenant].latency
         row: dict[str, Any] = {
             "tenant": t.tenant, "tier": t.tier, "requests": t.requests, "rate_rps": round(t.rate_rps, 3),
             "in_flight": t.in_flight, "unpaired": t.unpaired, "overlapped": t.overlapped,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from qosagent.hist import Histogram
+from qosagent.slo import SloVerdict, judge
 from qosagent.snapshot import PartKey
 
 
@@ -81,6 +83,18 @@ class LatencyPart:
     # Serving network namespaces whose addresses attribute process and pods tenants (qosagent/latency/pods.py), as
     # status shows them.
     namespaces: tuple[Mapping[str, Any], ...] = ()
+    # This tick's SLO verdict, judged once in collect (qosagent/slo.py); None in a part built without one.
+    verdict: SloVerdict | None = None
+
+    def judged(self, signal: str, quantile: float, tier_slo: Mapping[str, float] = MappingProxyType({}),
+               near_slo: float = 0.8, healthy_below: float = 0.9) -> SloVerdict:
+        """The verdict collect judged; judged here only for a part built without one (or, after a reload, read
+        under a signal it was not collected for), by the same rule."""
+        v = self.verdict
+        if v is not None and (v.signal, v.quantile) == (signal, quantile):
+            return v
+        return judge({n: (t.tier, t.window(signal)) for n, t in self.tenants.items()}, self.slo, tier_slo, signal,
+                     quantile, near_slo, healthy_below)
 
 
 LATENCY = PartKey("latency", LatencyPart)

@@ -31,9 +31,6 @@ class LimitsWriter:
     def __init__(self, quota: Holder):
         self.quota = quota
 
-    def baseline(self) -> Mapping[str, TenantLimit]:
-        return {n: s.requests for n, s in self.quota.specs.items() if s.requests is not None}
-
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         specs = self.quota.specs
         out = {}

@@ -47,6 +47,7 @@ def held(agent: Any, procs: Any, port: int, tmp: Path, seconds: float, tag: str)
         seen.append(kernel_limits(agent, *TENANTS))
         time.sleep(1.0)
     reqs = results(gold, tmp / f"gold-{tag}.json") + results(bronze, tmp / f"bronze-{tag}.json")
+    print(f"kernel limits ({tag}), first and last read:", seen[0], seen[-1])
     assert len(reqs) > 2 * seconds and all(ok for _, _, ok in reqs), [r for r in reqs if not r[2]][:5]
     return seen
 

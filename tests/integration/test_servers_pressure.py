@@ -232,9 +232,9 @@ CONFIG = """
     interval: 100ms
     gpu: {backend: none}
     tiers:
-      gold:   {slo_p99: 120ms, weight: 10, floor: {rps: 20}}
-      silver: {slo_p99: 350ms, weight: 5}
-      bronze: {slo_p99: 1200ms, weight: 1}
+      gold:   {slo_p99: 120ms, weight: 10, quota: {rps: 100, burst: 10}, floor: {rps: 20}}
+      silver: {slo_p99: 350ms, weight: 5, quota: {rps: 100, burst: 10}}
+      bronze: {slo_p99: 1200ms, weight: 1, quota: {rps: 100, burst: 10}}
     tenants:
       - {name: acme, tier: gold, match: {cidrs: [127.0.0.2/32]}}
       - {name: mid, tier: silver, match: {cidrs: [127.0.0.3/32]}}
@@ -246,7 +246,7 @@ CONFIG = """
       gpu_pressure: {gpus: [0], escalate_after: 200ms}
       server_pressure: {cut_every: 200ms}
 """
-BASELINE = {n: TenantLimit(100, 10) for n in ("acme", "mid", "hobby")}
+BASELINE = {n: TenantLimit(100, 10) for n in ("acme", "mid", "hobby")}  # the tiers' quotas, as admission reads them
 
 
 class Limits:
@@ -254,9 +254,6 @@ class Limits:
 
     def __init__(self) -> None:
         self.last: dict[str, TenantLimit] = {}
-
-    def baseline(self) -> Mapping[str, TenantLimit]:
-        return BASELINE
 
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         self.last = dict(limits)

@@ -68,9 +68,6 @@ class FakeLimits:
     def __init__(self) -> None:
         self.calls: list[dict[str, TenantLimit]] = []
 
-    def baseline(self) -> Mapping[str, TenantLimit]:
-        return {"hobby": TenantLimit(100, 10)}
-
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         self.calls.append(dict(limits))
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from qosagent.admission import policy as P
+from qosagent import slo
 from qosagent.admission.config import AdmissionConfig
 from qosagent.tenants import TenantLimit
 
@@ -43,7 +44,9 @@ class Loop:
     def tick(self, observed: dict[str, float | None] | None = None, gpu: P.GpuInput | None = None,
              servers: tuple[P.ServerInput, ...] = ()) -> P.Outcome:
         observed = observed or {}
-        tiers = {t: P.TierInput(t, WEIGHT[t], SLO[t], observed.get(t, SLO[t] * 0.5), t in self.sheddable) for t in SLO}
+        pol = self.policy
+        tiers = {t: P.TierInput(t, WEIGHT[t], slo.tier(observed.get(t, SLO[t] * 0.5), SLO[t], pol.near_slo,
+                                                       pol.healthy_below), t in self.sheddable) for t in SLO}
         tenants = {}
         for name, tier in TENANT_TIER.items():
             lim = self.limit(name)

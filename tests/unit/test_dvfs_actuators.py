@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from qosagent import slo
 from qosagent.admission.model import AdmissionPart
+from qosagent.latency.model import LatencyPart
+from qosagent.slo import SloVerdict
 from qosagent.capability import AgentContext, CapabilityError, State
 from qosagent.dvfs.capability import Dvfs
 from qosagent.dvfs.rollback import FILE_NAME
@@ -389,7 +392,8 @@ def test_default_table_with_load_and_admission_near_slo(tmp_path) -> None:
     # gold nears its SLO: the idle cap goes, frequency is raised for latency.
     clock.advance(6)
     _busy(root, jiffies, 0.1)
-    ds = tick(cap, clock, 4, admission=AdmissionPart(near_slo=frozenset({"gold"})))
+    near = SloVerdict(tiers={"gold": slo.tier(0.11, 0.12, 0.8, 0.9)})  # P95 110 ms against 120 ms
+    ds = tick(cap, clock, 4, admission=AdmissionPart(), latency=LatencyPart(1.0, verdict=near))
     assert {d.inputs["kind"] for d in ds} == {"near_slo"}
     assert read(root, f"{P0}/scaling_max_freq") == "3800000"
     cap.stop()

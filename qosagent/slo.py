@@ -1,0 +1,79 @@
+"""One SLO verdict per tick: each tenant's and each tier's latency quantile against its SLO, judged once (latency's
+collect puts it in its part) and read by whoever shows or acts on it: latency's metrics and status, admission's
+decision and status, DVFS's near-SLO hold. Judged twice, the verdicts could disagree; read from here, they cannot.
+
+The rule (docs/admission.md, "The policy, tick by tick"): `admission.quantile` of `admission.signal` over the latency
+window, against the tier's `slo_p99`; a tier's quantile is taken over its configured tenants' windows merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from qosagent.hist import Histogram
+
+# A tenant's state, as latency's status shows it.
+OK, BREACH, NO_DATA, NO_SLO = "ok", "breach", "no data", "-"
+
+
+@dataclass(frozen=True)
+class TenantSlo:
+    tier: str
+    latency: float | None  # the quantile over the window, seconds; None: no request in it
+    slo: float  # seconds; 0: the tenant has no configured SLO (a tenant a reload removed)
+
+    @property
+    def state(self) -> str:
+        if self.slo <= 0:
+            return NO_SLO
+        if self.latency is None:
+            return NO_DATA
+        return OK if self.latency <= self.slo else BREACH
+
+
+@dataclass(frozen=True)
+class TierSlo:
+    observed: float | None  # the quantile over the tier's tenants' windows merged; None: no requests
+    slo: float
+    over: bool  # above its SLO (a breach once admission.breach_ticks ticks in a row)
+    near: bool  # at or above admission.near_slo x SLO: DVFS must not lower frequency
+    healthy: bool  # at or below admission.healthy_below x SLO, or no requests
+
+
+@dataclass(frozen=True)
+class SloVerdict:
+    signal: str = "ttft"
+    quantile: float = 0.95
+    tenants: Mapping[str, TenantSlo] = field(default_factory=dict)
+    tiers: Mapping[str, TierSlo] = field(default_factory=dict)
+
+    @property
+    def near_slo(self) -> frozenset[str]:
+        return frozenset(n for n, t in self.tiers.items() if t.near)
+
+
+def judge(tenants: Mapping[str, tuple[str, Histogram]], configured: Mapping[str, float],
+          tier_slo: Mapping[str, float], signal: str, quantile: float, near_slo: float,
+          healthy_below: float) -> SloVerdict:
+    """tenants: name -> (tier, its window of `signal`), every tenant measured; configured: the configured tenants'
+    SLOs (only they make up a tier); tier_slo: each configured tier's SLO."""
+    out = {}
+    # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
+    merged: dict[str, dict[int, int]] = {}
+    for name, (of, window) in tenants.items():
+        out[name] = TenantSlo(of, window.quantile(quantile), configured.get(name, 0.0))
+        if name in configured:
+            acc = merged.setdefault(of, {})
+            for i, c in window.counts.items():
+                acc[i] = acc.get(i, 0) + c
+    tiers = {name: tier(Histogram(merged[name]).quantile(quantile) if name in merged else None, tier_slo[name],
+                        near_slo, healthy_below) for name in sorted(tier_slo)}
+    return SloVerdict(signal, quantile, out, tiers)
+
+
+def tier(observed: float | None, slo: float, near_slo: float, healthy_below: float) -> TierSlo:
+    """A tier's verdict from its quantile: the one place over, near and healthy are told."""
+    return TierSlo(observed, slo, observed is not None and observed > slo,
+                   observed is not None and observed >= slo * near_slo,
+                   observed is None or observed <= slo * healthy_below)
