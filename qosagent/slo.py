@@ -8,7 +8,9 @@ window, against the tier's `slo_p99`; a tier's quantile is taken over its config
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
+from types import MappingProxyType
 from typing import Mapping
 
 from qosagent.hist import Histogram
@@ -41,35 +43,41 @@ class TierSlo:
     healthy: bool  # at or below admission.healthy_below x SLO, or no requests
 
 
-@dataclass(frozen=True)
 class SloVerdict:
-    signal: str = "ttft"
-    quantile: float = 0.95
-    tenants: Mapping[str, TenantSlo] = field(default_factory=dict)
-    tiers: Mapping[str, TierSlo] = field(default_factory=dict)
+    """The verdict of one tick's windows. Each half is judged on first read and kept (the tick's snapshot is read by
+    the tick and by scrapes): the tiers when admission or DVFS decide, the tenants when latency's metrics or status
+    are asked for, so a tick pays for no half nobody reads."""
+
+    def __init__(self, windows: Mapping[str, tuple[str, Histogram]], configured: Mapping[str, float],
+                 tier_slo: Mapping[str, float], signal: str, quantile: float, near_slo: float, healthy_below: float):
+        """windows: name -> (tier, its window of `signal`), every tenant measured; configured: the configured
+        tenants' SLOs (only they make up a tier); tier_slo: each configured tier's SLO."""
+        self.signal, self.quantile = signal, quantile
+        self._windows, self._configured, self._tier_slo = windows, configured, tier_slo
+        self._near, self._healthy = near_slo, healthy_below
+
+    @cached_property
+    def tenants(self) -> Mapping[str, TenantSlo]:
+        q = self.quantile
+        return MappingProxyType({name: TenantSlo(of, window.quantile(q), self._configured.get(name, 0.0))
+                                 for name, (of, window) in self._windows.items()})
+
+    @cached_property
+    def tiers(self) -> Mapping[str, TierSlo]:
+        # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
+        merged: dict[str, dict[int, int]] = {}
+        for name, (of, window) in self._windows.items():
+            if name in self._configured:
+                acc = merged.setdefault(of, {})
+                for i, c in window.counts.items():
+                    acc[i] = acc.get(i, 0) + c
+        return MappingProxyType({
+            name: tier(Histogram(merged[name]).quantile(self.quantile) if name in merged else None, slo, self._near,
+                       self._healthy) for name, slo in sorted(self._tier_slo.items())})
 
     @property
     def near_slo(self) -> frozenset[str]:
         return frozenset(n for n, t in self.tiers.items() if t.near)
-
-
-def judge(tenants: Mapping[str, tuple[str, Histogram]], configured: Mapping[str, float],
-          tier_slo: Mapping[str, float], signal: str, quantile: float, near_slo: float,
-          healthy_below: float) -> SloVerdict:
-    """tenants: name -> (tier, its window of `signal`), every tenant measured; configured: the configured tenants'
-    SLOs (only they make up a tier); tier_slo: each configured tier's SLO."""
-    out = {}
-    # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
-    merged: dict[str, dict[int, int]] = {}
-    for name, (of, window) in tenants.items():
-        out[name] = TenantSlo(of, window.quantile(quantile), configured.get(name, 0.0))
-        if name in configured:
-            acc = merged.setdefault(of, {})
-            for i, c in window.counts.items():
-                acc[i] = acc.get(i, 0) + c
-    tiers = {name: tier(Histogram(merged[name]).quantile(quantile) if name in merged else None, tier_slo[name],
-                        near_slo, healthy_below) for name in sorted(tier_slo)}
-    return SloVerdict(signal, quantile, out, tiers)
 
 
 def tier(observed: float | None, slo: float, near_slo: float, healthy_below: float) -> TierSlo:

@@ -21,7 +21,7 @@ from qosagent.gpu.backend import GPU, GpuSample, GpuState
 from qosagent.latency.model import LATENCY, LatencyPart
 from qosagent.quota.model import QUOTA
 from qosagent.servers.model import SERVERS, ServerReading, ServersPart
-from qosagent.slo import SloVerdict, judge
+from qosagent.slo import SloVerdict
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit, limit_of
 from qosagent.tenants import baseline as quota_baseline
@@ -133,7 +133,7 @@ def slo_verdict(lat: LatencyPart | None, cfg: Config) -> SloVerdict:
         return v
     measured = lat.tenants if lat is not None else {}
     windows = {t.name: (t.tier, measured[t.name].window(adm.signal)) for t in cfg.tenants if t.name in measured}
-    return judge(windows, {t.name: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}, tier_slo, adm.signal,
+    return SloVerdict(windows, {t.name: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}, tier_slo, adm.signal,
                  adm.quantile, adm.near_slo, adm.healthy_below)
 
 

@@ -24,7 +24,7 @@ from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.pods.service import Pods
 from qosagent.schedule import Every
-from qosagent.slo import judge
+from qosagent.slo import SloVerdict
 from qosagent.tenants import UNMATCHED_ID, TenantInfo
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ class Latency(Capability):
         runq = self._hist(raw, UNMATCHED_ID, bm.KIND_RUNQ) if self.runq else None
         slos = {info.name: info.slo_p99 for info in current.values()}
         adm = cfg.admission
-        verdict = judge({n: (t.tier, t.window(adm.signal)) for n, t in tenants.items()}, slos,
+        verdict = SloVerdict({n: (t.tier, t.window(adm.signal)) for n, t in tenants.items()}, slos,
                         {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}, adm.signal, adm.quantile,
                         adm.near_slo, adm.healthy_below)
         return LatencyPart(

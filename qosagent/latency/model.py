@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from qosagent.hist import Histogram
-from qosagent.slo import SloVerdict, judge
+from qosagent.slo import SloVerdict
 from qosagent.snapshot import PartKey
 
 
@@ -93,7 +93,7 @@ class LatencyPart:
         v = self.verdict
         if v is not None and (v.signal, v.quantile) == (signal, quantile):
             return v
-        return judge({n: (t.tier, t.window(signal)) for n, t in self.tenants.items()}, self.slo, tier_slo, signal,
+        return SloVerdict({n: (t.tier, t.window(signal)) for n, t in self.tenants.items()}, self.slo, tier_slo, signal,
                      quantile, near_slo, healthy_below)
 
 

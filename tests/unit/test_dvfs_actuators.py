@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qosagent import slo
 from qosagent.admission.model import AdmissionPart
+from qosagent.hist import Histogram
 from qosagent.latency.model import LatencyPart
 from qosagent.slo import SloVerdict
 from qosagent.capability import AgentContext, CapabilityError, State
@@ -392,7 +392,9 @@ def test_default_table_with_load_and_admission_near_slo(tmp_path) -> None:
     # gold nears its SLO: the idle cap goes, frequency is raised for latency.
     clock.advance(6)
     _busy(root, jiffies, 0.1)
-    near = SloVerdict(tiers={"gold": slo.tier(0.11, 0.12, 0.8, 0.9)})  # P95 110 ms against 120 ms
+    # gold's P95 at 110 ms against its 120 ms SLO
+    near = SloVerdict({"acme": ("gold", Histogram.of([110_000_000] * 20))}, {"acme": 0.12}, {"gold": 0.12}, "ttft",
+                      0.95, 0.8, 0.9)
     ds = tick(cap, clock, 4, admission=AdmissionPart(), latency=LatencyPart(1.0, verdict=near))
     assert {d.inputs["kind"] for d in ds} == {"near_slo"}
     assert read(root, f"{P0}/scaling_max_freq") == "3800000"
