@@ -131,9 +131,13 @@ def test_server_pressure_end_to_end(bpf: None, tmp_path: Path) -> None:
         t_floor = time.monotonic()
         gold_reqs, flood_reqs = results(gold, tmp_path / "gold2.json"), results(flood, tmp_path / "flood.json")
         assert gold_reqs and all(ok for _, _, ok in gold_reqs)
-        after = [ok for t, _, ok in flood_reqs if t > t_floor + 0.5]
-        # About one request a second gets through a 1/s limit; the rest are refused by the classifier.
-        assert after and sum(after) <= 3 + len(after) // 10, (sum(after), len(after))
+        after = [(t, ok) for t, _, ok in flood_reqs if t > t_floor + 0.5]
+        served = sum(ok for _, ok in after)
+        span = after[-1][0] - after[0][0] if after else 0.0
+        # A 1/s limit with a burst of 1 lets about one request a second through (plus the burst); the rest are
+        # refused by the classifier. Each refused request waits out the client's 1 s timeout, so the count of
+        # attempts says little: the bound is the limit's, over the time the requests span.
+        assert after and served < len(after) and served <= 2 + span, (served, len(after), span)
         gold_cuts = agent.decisions("gold-app", "cut")
         assert all(d["new"] >= 50 for d in gold_cuts), gold_cuts
         bronze_st = next(t for t in agent.status()["admission"]["tenants"] if t["tenant"] == "bronze-app")
