@@ -73,47 +73,43 @@ def level(total: float, wants: list[float]) -> float:
     return math.inf
 
 
-def water_fill(total: float, wants: Mapping[str, float]) -> dict[str, float]:
-    """Max-min fair: each gets min(want, level), the level such that the total is used or every want met."""
-    top = level(total, list(wants.values()))
-    return {node: w if w < top else top for node, w in wants.items()}
-
-
-def split(quota: float, demand: Mapping[str, float]) -> tuple[dict[str, float], bool]:
-    """The target per node, and whether the quota was short of the per-node minimums."""
+def split(quota: float, demand: list[float]) -> tuple[list[float], bool]:
+    """The target per node (in demand's order), and whether the quota was short of the per-node minimums."""
     n = len(demand)
     if n == 0:
-        return {}, False
+        return [], False
     m = minimum(quota, n)
     if n * m >= quota:
-        return {node: quota / n for node in demand}, n * m > quota
-    extra = water_fill(quota - n * m, {node: max(d - m, 0.0) for node, d in demand.items()})
-    out = {node: m + extra[node] for node in demand}
-    spare = quota - sum(out.values())
+        return [quota / n] * n, n * m > quota
+    over = [d - m if d > m else 0.0 for d in demand]
+    top = level(quota - n * m, over)
+    out = [m + (o if o < top else top) for o in over]
+    spare = quota - sum(out)
     if spare > 0:
         # In proportion to demand (evenly when there is none): a node limited by its grant reports little more
         # than the grant, so headroom where the demand is lets it show the rest in one round, not many.
-        total = sum(demand.values())
-        out = {node: v + spare * (demand[node] / total if total > 0 else 1 / n) for node, v in out.items()}
+        total = sum(demand)
+        if total > 0:
+            k = spare / total
+            out = [v + k * d for v, d in zip(out, demand)]
+        else:
+            out = [v + spare / n for v in out]
     return out, False
 
 
-def stage(quota: float, target: Mapping[str, float], held: Mapping[str, float]) -> tuple[dict[str, float], float]:
-    """Grants that move toward target without sum(max(held, granted)) going above the quota (unless held already
-    was: then only decreases go out). Returns the grants and that sum."""
-    nodes = list(target)
-    tv = list(target.values())
-    hv = [held.get(node, 0.0) for node in nodes]
-    free = quota - sum(hv)
-    want = sum(t - h for t, h in zip(tv, hv) if t > h)
+def stage(quota: float, target: list[float], held: list[float]) -> tuple[list[float], float]:
+    """Grants (in target's order) that move toward target without sum(max(held, granted)) going above the quota
+    (unless held already was: then only decreases go out). Returns the grants and that sum."""
+    free = quota - sum(held)
+    want = sum(t - h for t, h in zip(target, held) if t > h)
     if want <= 0:
         free = want = 0.0  # decreases only
     if free >= want:  # every increase fits (or there is none)
-        grants = dict(zip(nodes, tv))
+        grants = list(target)
     else:
         f = max(free, 0.0) / want
-        grants = {node: t if t <= h else h + f * (t - h) for node, t, h in zip(nodes, tv, hv)}
-    committed = sum(h if h > g else g for g, h in zip(grants.values(), hv))
+        grants = [t if t <= h else h + f * (t - h) for t, h in zip(target, held)]
+    committed = sum(h if h > g else g for g, h in zip(grants, held))
     return grants, committed
 
 
@@ -128,24 +124,26 @@ def clean(x: object, cap: float) -> float | None:
     return float(x) if x < cap else cap  # type: ignore[operator]
 
 
-def allocate(quotas: Mapping[str, float], reports: Mapping[str, Mapping[str, Want]]) -> Round:
-    """quotas: tenant -> fleet rps; reports: node -> tenant -> Want (already validated, each value in [0, quota]).
+def allocate(quotas: Mapping[str, float], reports: Mapping[str, Mapping[str, tuple[float, float]]]) -> Round:
+    """quotas: tenant -> fleet rps; reports: node -> tenant -> Want or (demand, held), already validated, each
+    value in [0, quota].
     Every reporting node gets a grant for every tenant with a fleet quota; a tenant a node did not mention has
-    demand 0 and held 0 there (a node that just started: its safe share is what it holds, and it says so)."""
-    demand: dict[str, dict[str, float]] = {t: {} for t in quotas}
-    held: dict[str, dict[str, float]] = {t: {} for t in quotas}
-    for node, r in reports.items():
+    demand 0 and held 0 there (a node that just started: its safe share is what it holds, and it says so).
+    Columns per tenant, in the nodes' order: lists, not dicts, since a round handles nodes x tenants of them."""
+    nodes = list(reports)
+    n = len(nodes)
+    demand = {t: [0.0] * n for t in quotas}
+    held = {t: [0.0] * n for t in quotas}
+    for i, r in enumerate(reports.values()):
         for tenant, w in r.items():
-            if tenant in demand:
-                demand[tenant][node] = w.demand
-                held[tenant][node] = w.held
+            col = demand.get(tenant)
+            if col is not None:
+                col[i] = w[0]
+                held[tenant][i] = w[1]
     out = {}
     for tenant, quota in sorted(quotas.items()):
-        d, h = demand[tenant], held[tenant]
-        if len(d) < len(reports):
-            d = {node: d.get(node, 0.0) for node in reports}
-        d = {node: v if v < quota else quota for node, v in d.items()}
-        target, short = split(quota, d)
-        grants, committed = stage(quota, target, {node: v if v < quota else quota for node, v in h.items()})
-        out[tenant] = TenantRound(grants, target, sum(d.values()), short, committed)
+        target, short = split(quota, demand[tenant])
+        grants, committed = stage(quota, target, held[tenant])
+        out[tenant] = TenantRound(dict(zip(nodes, grants)), dict(zip(nodes, target)), sum(demand[tenant]), short,
+                                  committed)
     return Round(out)

@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from qosagent.config import Config
 from qosagent.fleet import records
-from qosagent.fleet.alloc import Round, Want, allocate
+from qosagent.fleet.alloc import Round, allocate
 from qosagent.fleet.etcd import Etcd, EtcdError, Leadership
 from qosagent.fleet.quotas import fleet_quotas
 
@@ -141,7 +141,7 @@ class Allocator:
             self._warned.add(key)
             log.warning("%s", msg)
 
-    def _reports(self) -> dict[str, dict[str, Want]]:
+    def _reports(self) -> dict[str, dict[str, tuple[float, float]]]:
         prefix = records.nodes_prefix(self.cfg.fleet.prefix)
         out = {}
         for kv in self.etcd.get_prefix(prefix):
@@ -180,7 +180,7 @@ class Allocator:
                 return
         self._written = set(grants)
 
-    def _track(self, reports: dict[str, dict[str, Want]]) -> None:
+    def _track(self, reports: dict[str, dict[str, tuple[float, float]]]) -> None:
         now = self.clock()
         for tenant, t in self.last.tenants.items():
             quota = self.quotas[tenant]
@@ -191,7 +191,7 @@ class Allocator:
             start = self._shift_at.get(tenant)
             if start is None:
                 continue
-            held = {n: r[tenant].held if tenant in r else 0.0 for n, r in reports.items()}
+            held = {n: r[tenant][1] if tenant in r else 0.0 for n, r in reports.items()}
             if all(abs(held.get(n, 0.0) - v) <= SETTLED * quota for n, v in t.target.items()):
                 self.stats.convergence[tenant] = now - start
                 del self._shift_at[tenant]

@@ -10,56 +10,63 @@ import random
 import pytest
 
 from qosagent.fleet import records
-from qosagent.fleet.alloc import MIN_NODE_RPS, Want, allocate, minimum, split, stage, water_fill
+from qosagent.fleet.alloc import MIN_NODE_RPS, Want, allocate, level, minimum, split, stage
 
 
-def test_water_fill_is_max_min_fair() -> None:
-    got = water_fill(100, {"a": 10, "b": 50, "c": 80})
-    assert got == pytest.approx({"a": 10, "b": 45, "c": 45})
-    assert water_fill(100, {"a": 10, "b": 20}) == {"a": 10, "b": 20}  # every want met, the rest left
+def test_the_water_level_is_max_min_fair() -> None:
+    top = level(100, [10, 50, 80])
+    assert top == pytest.approx(45)  # 10 + 45 + 45
+    assert level(100, [10, 20]) == math.inf  # every want met, the rest left
 
 
 def test_split_gives_every_node_its_minimum_and_spreads_what_demand_leaves() -> None:
-    target, short = split(300, {"a": 290, "b": 0, "c": 0})
     m = minimum(300, 3)
-    assert not short and target["b"] == target["c"] == pytest.approx(m)
-    assert sum(target.values()) == pytest.approx(300)
-    target, _ = split(300, {"a": 50, "b": 20, "c": 0})
-    assert sum(target.values()) == pytest.approx(300)  # headroom spread by demand: a and b above theirs
-    assert target["a"] > 50 and target["b"] > 20 and target["c"] == pytest.approx(m)
-    assert (target["a"] - 50) / (target["b"] - 20) == pytest.approx(50 / 20, rel=0.1)
-    target, _ = split(300, {"a": 0, "b": 0})
-    assert target == {"a": 150, "b": 150}
+    target, short = split(300, [290, 0, 0])
+    assert not short and target[1] == target[2] == pytest.approx(m)
+    assert sum(target) == pytest.approx(300)
+    a, b, c = split(300, [50, 20, 0])[0]
+    assert a + b + c == pytest.approx(300)  # headroom spread by demand: a and b above theirs
+    assert a > 50 and b > 20 and c == pytest.approx(m)
+    assert (a - 50) / (b - 20) == pytest.approx(50 / 20, rel=0.1)
+    assert split(300, [0, 0])[0] == [150, 150]
+
+
+def test_demand_above_the_level_is_cut_max_min() -> None:
+    # 100 over four nodes, minimum 1.25 each: the two small demands are met, the big two share the rest evenly.
+    target, _ = split(100, [10, 5, 200, 300])
+    assert target[0] == pytest.approx(10) and target[1] == pytest.approx(5)
+    assert target[2] == pytest.approx(target[3]) == pytest.approx(42.5)
 
 
 def test_a_quota_below_nodes_times_the_minimum_is_split_evenly_and_flagged() -> None:
-    target, short = split(2, {"a": 10, "b": 0, "c": 5})
-    assert short and target == pytest.approx({n: 2 / 3 for n in "abc"})
+    target, short = split(2, [10, 0, 5])
+    assert short and target == pytest.approx([2 / 3] * 3)
     assert MIN_NODE_RPS * 3 > 2
 
 
 def test_stage_lowers_at_once_and_raises_only_into_what_is_free() -> None:
     # Everyone on the safe share (100 each of 300), demand all on a: the first round only lowers b and c.
-    target = {"a": 290.0, "b": 5.0, "c": 5.0}
-    grants, committed = stage(300, target, {"a": 100, "b": 100, "c": 100})
-    assert grants == {"a": 100, "b": 5, "c": 5} and committed == 300
+    target = [290.0, 5.0, 5.0]
+    grants, committed = stage(300, target, [100, 100, 100])
+    assert grants == [100, 5, 5] and committed == 300
     # Once b and c report their lower rate, a gets the rest.
-    grants, committed = stage(300, target, {"a": 100, "b": 5, "c": 5})
-    assert grants == {"a": 290, "b": 5, "c": 5} and committed == 300
+    grants, committed = stage(300, target, [100, 5, 5])
+    assert grants == [290, 5, 5] and committed == 300
 
 
 def test_stage_shares_what_is_free_in_proportion_when_short() -> None:
-    grants, committed = stage(100, {"a": 60.0, "b": 40.0}, {"a": 30, "b": 10, "c": 0})
-    # free 60, wanted 30 + 30: both get all they want
-    assert grants == {"a": 60, "b": 40} and committed == 100
-    grants, committed = stage(100, {"a": 60.0, "b": 40.0}, {"a": 50, "b": 40})
-    assert grants == {"a": 50 + 10, "b": 40}
+    grants, committed = stage(100, [60.0, 40.0], [30, 10])
+    assert grants == [60, 40] and committed == 100
+    grants, _ = stage(100, [60.0, 40.0], [50, 40])
+    assert grants == [60, 40]
+    grants, committed = stage(100, [80.0, 20.0], [50, 40])  # b must come down before a can go up
+    assert grants == [60, 20] and committed == 100
 
 
 def test_nodes_over_the_quota_already_get_decreases_only() -> None:
     # More nodes on their safe share than expected: held sums above the quota; nobody is raised until it is not.
-    grants, _ = stage(300, {"a": 200.0, "b": 50.0, "c": 25.0, "d": 25.0}, {n: 100 for n in "abcd"})
-    assert grants["a"] == 100 and grants["b"] == 50 and grants["c"] == grants["d"] == 25
+    grants, _ = stage(300, [200.0, 50.0, 25.0, 25.0], [100] * 4)
+    assert grants == [100, 50, 25, 25]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -94,7 +101,7 @@ def test_tenants_are_allocated_each_against_its_own_quota_and_unmentioned_ones_g
 def test_reports_with_absurd_demand_are_clamped_to_the_quota() -> None:
     raw = records.encode_report("n1", {"a": Want(1e12, 5)})
     rep, foreign = records.decode_report("n1", raw, {"a": 100})
-    assert rep.tenants["a"].demand == 100 and not foreign
+    assert rep.tenants["a"] == (100, 5) and not foreign
 
 
 @pytest.mark.parametrize("raw, why", [
@@ -104,8 +111,8 @@ def test_reports_with_absurd_demand_are_clamped_to_the_quota() -> None:
     (json.dumps({"v": 1, "node": "other", "tenants": {}}).encode(), "under the key"),
     (json.dumps({"v": 1, "node": "n1", "tenants": []}).encode(), "no tenants"),
     (json.dumps({"v": 1, "node": "n1", "tenants": {"a": [-1, 0]}}).encode(), "finite"),
-    (b'{"v": 1, "node": "n1", "tenants": {"a": [NaN, 0]}}', "finite"),
-    (b'{"v": 1, "node": "n1", "tenants": {"a": [1, Infinity]}}', "finite"),
+    (b'{"v": 1, "node": "n1", "tenants": {"a": [NaN, 0]}}', "NaN is not a rate"),
+    (b'{"v": 1, "node": "n1", "tenants": {"a": [1, Infinity]}}', "Infinity is not a rate"),
     (json.dumps({"v": 1, "node": "n1", "tenants": {"a": ["lots", 0]}}).encode(), "finite"),
     (json.dumps({"v": 1, "node": "n1", "tenants": {"a": [True, 0]}}).encode(), "finite"),
     (json.dumps({"v": 1, "node": "n1", "tenants": {"a": {"demand": 1, "held": 0}}}).encode(), "expected"),
