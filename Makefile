@@ -39,6 +39,7 @@ bench: setup-test
 	$(PY) bench/placement_bench.py
 	$(PY) bench/ship_metrics.py
 	$(PY) bench/map_access.py
+	$(PY) bench/fleet_bench.py
 	$(PY) bench/metrics_aliases.py
 	$(PY) -m bench.admission_decide
 

@@ -31,8 +31,9 @@ def in_ns(ns: str, *argv: str, timeout: float = 10) -> str:
 
 
 class Fleet:
-    def __init__(self, tmp: Path, nodes: int, quota: float, report_interval: float = 0.5, lease: float = 2.0):
-        self.tmp, self.quota = tmp, quota
+    def __init__(self, tmp: Path, nodes: int, quota: float, burst: int | None = None, report_interval: float = 0.5,
+                 lease: float = 2.0):
+        self.tmp, self.quota, self.burst = tmp, quota, burst
         self.report_interval, self.lease = report_interval, lease
         self.lab = Lab("fleet")
         self.hub = self.lab.netns("hub")
@@ -83,7 +84,7 @@ class Fleet:
                       "report_interval": f"{self.report_interval}s", "lease": f"{self.lease}s",
                       "expected_nodes": len(self.nodes)},
             "tenants": [{"name": TENANT, "tier": "gold", "match": {"ports": [8000]},
-                         "quota": {"fleet_rps": self.quota}}],
+                         "quota": {"fleet_rps": self.quota, "fleet_burst": self.burst}}],
         }
 
     def start_allocator(self, name: str) -> subprocess.Popen:
