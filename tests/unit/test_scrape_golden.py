@@ -21,6 +21,9 @@ from qosagent.capability import State, Verdict
 from qosagent.daemon import Agent
 from qosagent.dvfs.capability import Dvfs
 from qosagent.dvfs.model import DvfsPart, PolicyView
+from qosagent.fleet.agent import Seen
+from qosagent.fleet.capability import Fleet
+from qosagent.fleet.model import FleetPart, TenantShare
 from qosagent.gpu.backend import GpuProcess, GpuSample, GpuState, NoGpu
 from qosagent.hist import Histogram
 from qosagent.hostfs import HostFS
@@ -103,6 +106,9 @@ def parts() -> dict[str, Any]:
                            "", "no actuator")),
             gpu_bands={0: "cool", 1: None}, gpu_off={}, bad_readings={("nvme", "range"): 2},
             writes={"ok": 3, "same": 1}),
+        "fleet": FleetPart("node-a", Seen(leader="node-b", etcd_up=True, report_errors=1, reports=40), 100.0, {
+            "chat": TenantShare("chat", 500.0, 125.5, "lease", 2.5, 110.0),
+            "batch": TenantShare("batch", 40.0, 4.0, "safe", None, None)}),
         "placement": PlacementPart(
             mode="enforce", topology=topo, reconcile=True, procs=(), records=({
                 "pid": 4242, "name": "vllm", "selector": "gpu", "node": 0, "cpus": "0-1", "gpus": [0],
@@ -119,8 +125,8 @@ def scrape_agent(tmp_path: pathlib.Path) -> Agent:
     path.write_text(CONFIG)
     agent = Agent(config_mod.load(str(path)), HostFS(tmp_path), str(path), gpu=NoGpu())
     agent.latest = Snapshot.build(7, 100.0, 1_700_000_000.0, parts())
-    agent.capabilities = [cls(agent.ctx) for cls in (Quota, Latency, Servers, Admission, Dvfs, Placement)]
-    for name in ("quota", "latency", "servers", "admission", "dvfs"):
+    agent.capabilities = [cls(agent.ctx) for cls in (Quota, Latency, Servers, Admission, Dvfs, Placement, Fleet)]
+    for name in ("quota", "latency", "servers", "admission", "dvfs", "fleet"):
         agent.verdicts[name] = Verdict(State.ACTIVE)
     agent.verdicts["placement"] = Verdict(State.DEGRADED, "one node")
     agent.services = [Pods(agent.hostfs, agent.ctx.clock)]
