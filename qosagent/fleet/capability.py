@@ -13,12 +13,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 from qosagent.capability import Capability, CapabilityError, State, Verdict
-from qosagent.fleet.agent import Reporter, Seen
+from qosagent.fleet.agent import Reporter
 from qosagent.fleet.alloc import Want
 from qosagent.fleet.etcd import Etcd, EtcdError
-from qosagent.fleet.model import FleetPart, TenantShare, shares
+from qosagent.fleet import export
+from qosagent.fleet.model import FLEET, FleetPart, TenantShare, shares
 from qosagent.fleet.quotas import fleet_quotas, node_burst
-from qosagent.quota.model import QuotaPart
+from qosagent.quota.model import QUOTA
 from qosagent.snapshot import Decision, Snapshot
 from qosagent.tenants import FLEET_NO_END, FLEET_SERVICE, FleetWriter, TenantLimit
 
@@ -72,8 +73,8 @@ class Fleet(Capability):
         return FleetPart(self.reporter.node, self.reporter.seen(), time.monotonic())
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
-        part = snapshot.part("fleet")
-        if not isinstance(part, FleetPart):
+        part = snapshot.part(FLEET)
+        if part is None:
             return []
         cfg = self.ctx.config
         f = cfg.fleet
@@ -91,8 +92,8 @@ class Fleet(Capability):
         self.current = new
         # The next report's wants: request starts seen (admitted + dropped, over the last second) and the share
         # enforced from now on.
-        q = snapshot.part("quota")
-        qt = q.tenants if isinstance(q, QuotaPart) else {}
+        q = snapshot.part(QUOTA)
+        qt = q.tenants if q is not None else {}
         self._wants = {t: Want(qt[t].admitted_rps + qt[t].dropped_rps if t in qt else 0.0, s.node_rps)
                        for t, s in new.items()}
         return out
@@ -121,52 +122,13 @@ class Fleet(Capability):
 
     # ---- visibility --------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        part = snapshot.part("fleet")
-        if not isinstance(part, FleetPart):
-            return
-        share = GaugeMetricFamily("qosagent_fleet_share_rps", "This node's share of the tenant's fleet quota, as "
-                                  "enforced", labels=["tenant", "source"])
-        quota = GaugeMetricFamily("qosagent_fleet_quota_rps", "The tenant's fleet quota (quota.fleet_rps)",
-                                  labels=["tenant"])
-        safe = GaugeMetricFamily("qosagent_fleet_on_safe_share", "1 while the tenant runs on the safe share (no "
-                                 "live grant)", labels=["tenant"])
-        age = GaugeMetricFamily("qosagent_fleet_lease_age_seconds", "Since the tenant's grant was last renewed",
-                                labels=["tenant"])
-        for t, s in sorted(part.tenants.items()):
-            share.add_metric([t, s.source], s.node_rps)
-            quota.add_metric([t], s.fleet_rps)
-            safe.add_metric([t], 1.0 if s.source == "safe" else 0.0)
-            if s.lease_age_s is not None:
-                age.add_metric([t], s.lease_age_s)
-        yield from (share, quota, safe, age)
-        yield CounterMetricFamily("qosagent_fleet_report_errors", "Reports to etcd that failed",
-                                  value=part.seen.report_errors)
-        yield CounterMetricFamily("qosagent_fleet_reports", "Reports written to etcd", value=part.seen.reports)
-        yield GaugeMetricFamily("qosagent_fleet_etcd_up", "1 when the last report reached etcd",
-                                value=1.0 if part.seen.etcd_up else 0.0)
+        part = snapshot.part(FLEET)
+        return export.metrics(part) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
-        part = snapshot.part("fleet")
-        if not isinstance(part, FleetPart):
-            return {}
-        s: Seen = part.seen
-        return {
-            "node": part.node, "etcd_up": s.etcd_up, "leader": s.leader, "report_errors": s.report_errors,
-            "last_error": s.last_error,
-            "tenants": [{"tenant": t.tenant, "fleet_rps": t.fleet_rps, "node_rps": round(t.node_rps, 3),
-                         "lease_age_s": None if t.lease_age_s is None else round(t.lease_age_s, 3),
-                         "source": t.source} for t in part.tenants.values()],
-        }
+        part = snapshot.part(FLEET)
+        return export.status(part) if part is not None else {}
 
     @staticmethod
     def render(status: dict[str, Any]) -> str:
-        lines = [f"FLEET node {status.get('node')}  etcd {'up' if status.get('etcd_up') else 'DOWN'}  "
-                 f"leader {status.get('leader') or '-'}  report errors {status.get('report_errors', 0)}"]
-        lines.append(f"{'TENANT':<16} {'FLEET_RPS':>10} {'NODE_RPS':>10} {'LEASE_AGE':>10} {'SOURCE':<6}")
-        for t in status.get("tenants", []):
-            age = "-" if t["lease_age_s"] is None else f"{t['lease_age_s']:.1f}s"
-            lines.append(f"{t['tenant']:<16} {t['fleet_rps']:>10g} {t['node_rps']:>10.1f} {age:>10} {t['source']:<6}")
-        return "\n".join(lines)
-
+        return export.render(status)

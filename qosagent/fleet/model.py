@@ -7,6 +7,7 @@ from typing import Literal, Mapping
 
 from qosagent.fleet.agent import Seen
 from qosagent.fleet.quotas import FleetQuota
+from qosagent.snapshot import PartKey
 
 Source = Literal["lease", "safe"]
 
@@ -44,3 +45,6 @@ def shares(quotas: Mapping[str, FleetQuota], seen: Seen, now: float, lease: floa
         else:
             out[tenant] = TenantShare(tenant, q.rps, q.rps * safe_share, "safe", age, None)
     return out
+
+
+FLEET = PartKey("fleet", FleetPart)
