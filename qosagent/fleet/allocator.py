@@ -181,18 +181,25 @@ class Allocator:
         self._written = set(grants)
 
     def _track(self, reports: dict[str, dict[str, tuple[float, float]]]) -> None:
+        """Convergence after a shift, for the metric: zipped over the targets' values when the nodes are the same
+        as last round (the usual case), and held looked at only while a shift is pending."""
         now = self.clock()
         for tenant, t in self.last.tenants.items():
-            quota = self.quotas[tenant]
+            bound = SHIFT * self.quotas[tenant]
             before = self._targets.get(tenant, {})
-            if any(abs(v - before.get(n, 0.0)) > SHIFT * quota for n, v in t.target.items()):
+            if before.keys() == t.target.keys():
+                moved = any(abs(a - b) > bound for a, b in zip(t.target.values(), before.values()))
+            else:
+                moved = True
+            if moved:
                 self._shift_at.setdefault(tenant, now)
-            self._targets[tenant] = dict(t.target)
+            self._targets[tenant] = t.target  # TenantRound's own dict, never changed after the round
             start = self._shift_at.get(tenant)
             if start is None:
                 continue
-            held = {n: r[tenant][1] if tenant in r else 0.0 for n, r in reports.items()}
-            if all(abs(held.get(n, 0.0) - v) <= SETTLED * quota for n, v in t.target.items()):
+            settled = SETTLED * self.quotas[tenant]
+            if all(abs((reports[n][tenant][1] if tenant in reports[n] else 0.0) - v) <= settled
+                   for n, v in t.target.items()):
                 self.stats.convergence[tenant] = now - start
                 del self._shift_at[tenant]
 
