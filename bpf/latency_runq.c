@@ -1,4 +1,4 @@
-/* Run-queue latency of the processes serving watched sockets: how long each of their threads waits for a CPU after
+/* Run-queue latency of the processes serving tracked sockets: how long each of their threads waits for a CPU after
  * a wake-up or a preemption, into lat_hist's last row (LAT_RUNQ_ROW). The socket programs mark the serving processes
  * in runq_tgids; the agent expands them to their threads in runq_pids (qosagent/latency/runq.py), whose value is the
  * thread's wake-up time while it waits for a CPU (0 when it does not): stamping and clearing in place spares an

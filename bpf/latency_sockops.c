@@ -26,7 +26,7 @@ struct lat_cgroup_event {
     __u32 pad;
 };
 
-/* cgroup v2 ids where watched ports are served: of a process calling listen() on one, of a process answering on a
+/* cgroup v2 ids where tracked ports are served: of a process calling listen() on one, of a process answering on a
  * tracked socket, or (lat_ingress_learn) of a tracked socket a request arrives on. Each is reported once on
  * lat_cgroup_events; the agent then links lat_ingress to that cgroup, so that request bytes arriving for its sockets
  * are seen. The agent deletes the ids of cgroups that are gone. */
@@ -69,7 +69,7 @@ static __always_inline void lat_ops_established(struct bpf_sock_ops *skops)
     __u32 family = skops->family;
     __u16 lport = (__u16)skops->local_port;
     struct bpf_sock *sk = skops->sk;
-    if ((family != LAT_AF_INET && family != LAT_AF_INET6) || !sk || !qos_port_watched(lport))
+    if ((family != LAT_AF_INET && family != LAT_AF_INET6) || !sk || !lat_port_tracked(lport))
         return;
     /* Volatile loads, each straight from ctx: left to itself clang turns loads of two fields into one load through
      * a selected pointer, and the verifier refuses loads through a moved ctx pointer. */
@@ -159,7 +159,7 @@ int lat_sockops(struct bpf_sock_ops *skops)
         break;
     case BPF_SOCK_OPS_TCP_LISTEN_CB:
         /* listen() runs in the server's process: its cgroup is where its connections' bytes will arrive. */
-        if (qos_port_watched((__u16)skops->local_port))
+        if (lat_port_tracked((__u16)skops->local_port))
             lat_note_cgroup();
         break;
     }

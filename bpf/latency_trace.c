@@ -18,7 +18,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     __u64 sk = (__u64)args->skaddr;
     if (args->newstate == BPF_TCP_ESTABLISHED) {
         /* Server side only: a child socket goes SYN_RECV -> ESTABLISHED; `sport` is then the listening port. */
-        if (args->oldstate != BPF_TCP_SYN_RECV || !qos_port_watched(args->sport))
+        if (args->oldstate != BPF_TCP_SYN_RECV || !lat_port_tracked(args->sport))
             return 0;
         /* the kernel stores IPv4 peers IPv4-mapped in daddr_v6 */
         /* Copied to the stack byte by byte: the verifier refuses loads through a ctx pointer moved by an offset. */

@@ -1,6 +1,6 @@
 /* Per-tenant request latency from socket events, and run-queue latency of the processes serving those sockets.
  *
- * A server-side socket on a watched port is learned when it is established (its tenant resolved once, then), and
+ * A server-side socket on a tracked port is learned when it is established (its tenant resolved once, then), and
  * forgotten at its close. Each tracked socket runs a request/response state machine: the first request bytes
  * start a request, the first bytes written back give the time to headers, the last bytes written before the
  * next request (or the close) end the response. An egress program reads the response as it leaves: where its
@@ -35,7 +35,8 @@
  * (tenant_ports' slots stay 0 here: latency has no quota arrays). */
 BPF_TABLE("array", __u32, struct qos_port_tenant, tenant_ports, QOS_PORTS);
 BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, 4096, BPF_F_NO_PREALLOC);
-BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
+/* The tracked ports (Config.tracked_ports): connections on them are tracked, those on lat_mux_ports counted only. */
+BPF_HASH(tracked_ports, struct qos_port_key, struct qos_watch_val, 1024);
 #include "qos_tenant.h"
 
 /* Process and pods tenants (match.process, match.pods): connections to a serving network namespace (a pod), by the
@@ -45,7 +46,7 @@ BPF_HASH(watched_ports, struct qos_port_key, struct qos_watch_val, 1024);
  * adopting ingress programs see the same addresses. Pods hold addresses of their own; loopback and link-local ones are
  * never entered (every namespace has them), so a pod's requests to itself over lo stay unmatched, as quota, which sees
  * a pod's traffic on its host-side veth, never sees them either. Written by the agent (qosagent/latency/pods.py) from
- * the addresses of the namespaces where watched ports listen, a tenant of any watched port under each of them: one
+ * the addresses of the namespaces where tracked ports listen, a tenant of any tracked port under each of them: one
  * lookup per connection, and none while lat_netns_conf says the map is empty. */
 struct lat_netns_key {
     __u8 addr[16]; /* IPv4 mapped, as the tracepoints report it */
@@ -79,10 +80,10 @@ static __always_inline __u32 lat_tenant_by_netns(__u16 lport, const __u8 *local)
 BPF_TABLE_PINNED("lru_hash", struct qos_flow_key, struct qos_flow_val, tenant_flows, QOS_FLOWS, QOS_FLOWS_PIN);
 #endif
 
-static __always_inline int qos_port_watched(__u16 lport)
+static __always_inline int lat_port_tracked(__u16 lport)
 {
     struct qos_port_key pk = {.port = lport};
-    return watched_ports.lookup(&pk) != 0;
+    return tracked_ports.lookup(&pk) != 0;
 }
 
 #define LAT_IDLE 0       /* no request in progress */

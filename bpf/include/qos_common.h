@@ -10,7 +10,7 @@
 
 #define QOS_UNMATCHED 0
 
-/* watched_ports, lat_mux_ports: a local port (host byte order). */
+/* watched_ports, tracked_ports, lat_mux_ports: a local port (host byte order). */
 struct qos_port_key {
     __u16 port;
     __u16 pad;
@@ -39,7 +39,8 @@ struct qos_cidr_key {
     __u8 addr[16];
 } __attribute__((packed));
 
-/* watched_ports: every local port whose sockets are measured or classified. */
+/* A port set's value: quota's watched_ports (the watched ports, Config.watched_ports), latency's tracked_ports
+ * (Config.tracked_ports) and lat_mux_ports. */
 struct qos_watch_val {
     __u8 on;
 };

@@ -98,7 +98,7 @@ class Datapath:
         sync(lat_slots, ((lat_slots.key(tenant=tid), lat_slots.value(slot=slot)) for tid, slot in m.slots.items()))
         self.slots = dict(m.slots)
         self._plan_reads()
-        for name, want in (("watched_ports", m.tracked), ("lat_mux_ports", m.mux)):
+        for name, want in (("tracked_ports", m.tracked), ("lat_mux_ports", m.mux)):
             ports = self.map(name)
             sync(ports, ((ports.key(port=p), ports.value(on=1)) for p in want))
         self._ports.sync({p: (tid, 0) for p, tid in m.ports.items()})
