@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: setup setup-test setup-kernels run test test-kernels lint bench clean install install-files install-agent demo \
-	uninstall
+	install-dropin uninstall
 
 setup:
 	@scripts/setup.sh
@@ -56,7 +56,7 @@ CONFDIR ?= /etc/qosagent
 DATADIR ?= /usr/share/qosagent
 DOCDIR ?= /usr/share/doc/qosagent
 
-install: install-agent install-files
+install: install-agent install-files install-dropin
 
 install-files:
 	install -D -m 0644 systemd/qosagent.service $(DESTDIR)$(UNITDIR)/qosagent.service
@@ -75,6 +75,18 @@ install-agent:
 	  scripts/setup.sh && /usr/bin/python3 -m venv --system-site-packages $(PREFIX) && \
 	  $(PREFIX)/bin/pip install -q --disable-pip-version-check . ; fi
 
+# The unit grants what the default config needs; what the installed config's capabilities need beyond it (placement's
+# SYS_NICE, quota's bpffs, ...) is a drop-in, written from that config (`qosagent check --systemd`); none when the
+# unit is enough. Edit the config to enable a capability, then `make install-dropin` (or write what check prints).
+install-dropin:
+	@if [ -n "$(DESTDIR)" ]; then echo "install: DESTDIR set, no drop-in (run qosagent check --systemd on the host)"; \
+	 else d=$(UNITDIR)/qosagent.service.d; t=$$(mktemp); \
+	  $(PREFIX)/bin/qosagent check --systemd --config $(CONFDIR)/config.yaml >$$t || { rm -f $$t; exit 1; }; \
+	  if grep -q '^\[' $$t; then install -D -m 0644 $$t $$d/capabilities.conf; \
+	   echo "install: $$d/capabilities.conf grants what $(CONFDIR)/config.yaml needs beyond the unit"; \
+	  else rm -f $$d/capabilities.conf; rmdir $$d 2>/dev/null || true; fi; rm -f $$t; \
+	  systemctl daemon-reload 2>/dev/null || true; fi
+
 # A stopped agent leaves quota's filter and pins enforcing for the next one (the handover): uninstalling stops the
 # unit, then removes them with `qosagent detach`, then the files. The operator's config stays.
 uninstall:
@@ -82,6 +94,8 @@ uninstall:
 	@if [ -x $(PREFIX)/bin/qosagent ]; then $(PREFIX)/bin/qosagent detach --config $(CONFDIR)/config.yaml; \
 	 else echo "uninstall: no $(PREFIX)/bin/qosagent; run qosagent detach by hand if the agent ran"; fi
 	rm -f $(DESTDIR)$(UNITDIR)/qosagent.service
+	rm -f $(DESTDIR)$(UNITDIR)/qosagent.service.d/capabilities.conf
+	-rmdir $(DESTDIR)$(UNITDIR)/qosagent.service.d 2>/dev/null
 	rm -rf $(DESTDIR)$(DATADIR) $(DESTDIR)$(DOCDIR) $(PREFIX)
 	-systemctl daemon-reload
 	@echo "uninstall: kept $(CONFDIR)/config.yaml"

@@ -140,14 +140,22 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
 @host_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--strict", is_flag=True, help="Exit 1 when an enabled capability cannot run.")
-def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) -> None:
+@click.option("--systemd", "systemd_dropin", is_flag=True,
+              help="Print the systemd drop-in that grants what this config's capabilities need beyond the shipped "
+                   "unit (empty but for a comment when the unit is enough), and nothing else.")
+def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, systemd_dropin: bool) -> None:
     """Validate the config and report what the host offers and what the agent will use. Changes nothing."""
     from qosagent import capabilities
     from qosagent.capability import AgentContext, State, Verdict
     from qosagent.daemon import gpu_backend
     from qosagent.features import probe
+    from qosagent import sandbox
 
     cfg = load_config(config_path)
+    if systemd_dropin:
+        click.echo(sandbox.dropin(cfg) or "# qosagent: the shipped unit grants everything this config needs.",
+                   nl=False)
+        return
     fs = HostFS(host_root)
     gpu = gpu_backend(cfg)
     feats = probe(fs, f"{gpu.name}: " + (getattr(gpu, "reason", "") or f"{len(gpu.devices())} GPU(s)"))
@@ -157,6 +165,8 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool) 
     for cls in capabilities.CAPABILITIES:
         if cls not in enabled:
             verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
+        elif (refused := sandbox.refusal(cls.name, cfg)) is not None:
+            verdicts[cls.name] = Verdict(State.UNAVAILABLE, refused)
         else:
             ctx.record(cls, cls(ctx).probe(feats))
     gpu.close()

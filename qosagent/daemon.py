@@ -18,6 +18,7 @@ from typing import Any, Protocol, Sequence
 from qosagent import capabilities
 from qosagent import config as config_mod
 from qosagent import features as features_mod
+from qosagent import sandbox
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.config import Config, ConfigError
 from qosagent.configbase import restart_changes
@@ -123,7 +124,9 @@ class Agent:
                 self.verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
                 continue
             cap = cls(self.ctx)
-            verdict = cap.probe(self.features)
+            # What the sandbox (the unit, a container) refuses this capability is said before it tries.
+            refused = sandbox.refusal(cls.name, self.config)
+            verdict = Verdict(State.UNAVAILABLE, refused) if refused is not None else cap.probe(self.features)
             if verdict.state is State.UNAVAILABLE:
                 log.warning("%s unavailable: %s", cls.name, verdict.reason)
                 self.verdicts[cls.name] = verdict

@@ -1,4 +1,6 @@
-"""The unit's CapabilityBoundingSet is enough, and each capability in it is needed: checked with setpriv, which
+"""The unit's CapabilityBoundingSet, with the drop-in `qosagent check --systemd` prints for a config enabling every
+capability, is enough, and each capability in it is needed; the shipped unit alone runs the default config
+(latency), and a capability it does not grant is unavailable with the setting named. Checked with setpriv, which
 applies the same bounding set that systemd would (a root service's effective set is its bounding set)."""
 
 from __future__ import annotations
@@ -9,14 +11,19 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import urllib.error
+import urllib.request
 from typing import Iterator
 
 import pytest
 
+from qosagent import sandbox
+from qosagent.config import parse
 from testkit.agent import AgentProcess
 
 from tests.conftest import netns as make_netns
 from tests.conftest import require
+from tests.integration.latency_helpers import free_port
 from tests.integration.test_ship_systemd import unit_settings
 
 PROBE = textwrap.dedent(r'''
@@ -47,8 +54,16 @@ PROBE = textwrap.dedent(r'''
 ''')
 
 
-def unit_caps() -> list[str]:
-    return [c.removeprefix("CAP_").lower() for c in unit_settings()["CapabilityBoundingSet"][0].split()]
+ALL = parse({"quota": {"enabled": True}, "dvfs": {"enabled": True, "mode": "enforce"},
+              "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]}}, "test")
+
+
+def unit_caps(dropin: bool = True) -> list[str]:
+    """The unit's bounding set, with (dropin) the capabilities the drop-in for every capability adds."""
+    granted = list(sandbox.granted_by(unit_settings(), "CapabilityBoundingSet"))
+    if dropin:
+        granted += sandbox.granted_by(sandbox.unit_settings(sandbox.dropin(ALL)), "CapabilityBoundingSet")
+    return [c.removeprefix("CAP_").lower() for c in granted]
 
 
 @pytest.fixture
@@ -103,9 +118,9 @@ def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str
     assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
 
 
-def _agent_with_unit_caps(conf, sock, log, prefix: list[str], shell: str = "") -> AgentProcess:
+def _agent_with_unit_caps(conf, sock, log, prefix: list[str], shell: str = "", dropin: bool = True) -> AgentProcess:
     """The agent under the unit's bounding set (setpriv), behind prefix; optionally set up by shell first."""
-    bounding = "-all," + ",".join(f"+{c}" for c in unit_caps())
+    bounding = "-all," + ",".join(f"+{c}" for c in unit_caps(dropin))
     setpriv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all"]
     if shell:
         # Set up as full root first (the way systemd mounts bpffs at boot), then drop to the unit's set.
@@ -120,11 +135,33 @@ def test_latency_runs_with_only_the_units_capabilities(bpf: None, tmp_path, mode
     sock = tmp_path / "status.sock"
     conf = tmp_path / "config.yaml"
     conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\nlatency: {{mode: {mode}}}\n")
-    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", []) as agent:
+    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", [], dropin=False) as agent:
         status = agent.status()
         assert status["capabilities"]["latency"]["state"] == "active", status["capabilities"]
         assert status["latency"]["mode"] == mode
     assert agent.proc is not None and agent.proc.returncode == 0, agent.output()[-3000:]
+
+
+def test_a_capability_the_unit_does_not_grant_is_unavailable_and_named(bpf: None, tmp_path) -> None:
+    """placement in enforce under the shipped unit without its drop-in (or a unit an operator cut down): the agent
+    says which setting refuses it, and /readyz is not ready."""
+    sock = tmp_path / "status.sock"
+    conf = tmp_path / "config.yaml"
+    port = free_port()
+    conf.write_text(f"metrics: {{listen: '127.0.0.1:{port}'}}\nstatus: {{socket: {sock}}}\n"
+                    "latency: {enabled: false}\n"
+                    "placement: {enabled: true, mode: enforce, selectors: [{name: vllm}]}\n")
+    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", [], dropin=False) as agent:
+        placement = agent.status()["capabilities"]["placement"]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10)
+            ready = 200
+        except urllib.error.HTTPError as e:
+            ready = e.code
+    assert placement["state"] == "unavailable", placement
+    assert "CapabilityBoundingSet lacks CAP_SYS_NICE" in placement["reason"], placement
+    assert ready == 503
+    assert "lacks CAP_SYS_NICE" in agent.output()
 
 
 def test_quota_runs_with_only_the_units_capabilities(netns: str, tmp_path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from qosagent import config as config_mod
+from qosagent import sandbox
 from tests.conftest import REPO, require
 from testkit.agent import AgentProcess, agent_argv, agent_env
 
@@ -94,9 +95,10 @@ def test_unit_keeps_its_privileges_and_paths_consistent() -> None:
     assert s["NoNewPrivileges"] == ["yes"] and s["ProtectSystem"] == ["strict"]
     rw = s["ReadWritePaths"][0].split()
     default = config_mod.load(None)
-    # The status socket and the pins live where the unit lets the agent write.
+    # The status socket lives where the unit lets the agent write; the pins where quota's drop-in does.
     assert str(Path(default.status.socket).parent) in rw
-    assert any(default.bpf.pin_root.startswith(p.lstrip("-")) for p in rw)
+    quota = sandbox.unit_settings(sandbox.dropin(config_mod.parse({"quota": {"enabled": True}}, "test")))
+    assert any(default.bpf.pin_root.startswith(p.lstrip("-")) for p in sandbox.granted_by(quota, "ReadWritePaths"))
     assert f"--socket {default.status.socket}" in s["ExecReload"][0]
 
 
@@ -138,6 +140,18 @@ def test_agent_speaks_the_notify_protocol(tmp_path: Path) -> None:
             assert agent.wait() == 0, agent.output()
         finally:
             agent.kill()
+
+
+def test_the_drop_in_for_every_capability_verifies_clean(staged: Path) -> None:
+    """What `qosagent check --systemd` prints is a drop-in systemd accepts: each key in its own section."""
+    cfg = config_mod.parse({"quota": {"enabled": True}, "dvfs": {"enabled": True, "mode": "enforce"},
+                            "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]}},
+                           "test")
+    d = staged / "etc/systemd/system/qosagent.service.d"
+    d.mkdir(parents=True)
+    (d / "capabilities.conf").write_text(sandbox.dropin(cfg))
+    r = verify(staged)
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
 
 
 def test_hardening_exposure_stays_low(staged: Path) -> None:

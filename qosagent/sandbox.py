@@ -1,0 +1,235 @@
+"""What each enabled capability needs from the sandbox it runs in (the systemd unit, a container), whether this
+process has it, and the unit drop-in that grants what the shipped unit does not.
+
+The shipped unit (systemd/qosagent.service) grants what the default config needs: latency, measuring only
+(`BASE`). Every other capability's needs are relaxations of that sandbox, granted per capability by a drop-in that
+`qosagent check --systemd` prints for a config and `make install` writes for the installed one. An enabled
+capability whose need this process lacks is unavailable, its reason naming the unit setting that refuses it, so
+`/readyz` says not ready instead of the capability failing later at a write.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from qosagent.config import Config
+
+DROPIN = "/etc/systemd/system/qosagent.service.d/capabilities.conf"
+
+
+@dataclass(frozen=True)
+class Need:
+    setting: str  # the unit setting that grants it
+    value: str  # a capability (CAP_SYS_NICE), a path (- prefix: only where it exists), a mount point
+    why: str
+
+
+# What the shipped unit itself grants; tests/unit/test_sandbox.py checks it against systemd/qosagent.service.
+BASE: dict[str, frozenset[str]] = {
+    "CapabilityBoundingSet": frozenset({"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"}),
+    "ReadWritePaths": frozenset({"/run/qosagent"}),
+    "RequiresMountsFor": frozenset({"/sys/kernel/tracing"}),
+}
+CPUFREQ = ("-/sys/devices/system/cpu/cpufreq", "-/sys/devices/system/cpu/intel_pstate")
+
+
+def needs(cfg: "Config") -> dict[str, list[Need]]:
+    """Per enabled capability (in the registry's order), what it needs of the sandbox, the unit's grants included."""
+    out: dict[str, list[Need]] = {}
+    if cfg.latency.enabled:
+        out["latency"] = [
+            Need("CapabilityBoundingSet", "CAP_BPF", "create maps, load programs"),
+            Need("CapabilityBoundingSet", "CAP_PERFMON", "attach tracepoints and kprobes"),
+            Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "attach sock_ops and cgroup_skb programs"),
+            Need("RequiresMountsFor", "/sys/kernel/tracing", "tracefs: the tracepoints' and kprobes' ids"),
+        ]
+    if cfg.quota.enabled:
+        bpffs = _bpffs_of(cfg.bpf.pin_root)
+        out["quota"] = [
+            Need("CapabilityBoundingSet", "CAP_BPF", "create maps, load programs"),
+            Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "the clsact qdisc and its cls_bpf filter"),
+            Need("RequiresMountsFor", bpffs, "bpffs: the pins that outlive a restart (the handover)"),
+            Need("ReadWritePaths", bpffs, f"the pins under bpf.pin_root ({cfg.bpf.pin_root})"),
+        ]
+    if cfg.placement.enabled:
+        p = [Need("CapabilityBoundingSet", "CAP_SYS_PTRACE",
+                  "read other users' processes' numa_maps, and migrate_pages their memory")]
+        if cfg.placement.mode == "enforce":
+            p.append(Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set the CPU affinity of other users' processes"))
+        out["placement"] = p + _state_dir(cfg)
+    if cfg.dvfs.enabled and cfg.dvfs.mode == "enforce":
+        out["dvfs"] = [Need("ReadWritePaths", p, "CPU frequency limits") for p in CPUFREQ] + _state_dir(cfg)
+    return out
+
+
+def _state_dir(cfg: "Config") -> list[Need]:
+    """Originals saved for a rollback after a crash; the unit's RuntimeDirectory is writable already."""
+    if _under(cfg.state_dir, "/run/qosagent"):
+        return []
+    return [Need("ReadWritePaths", cfg.state_dir, "originals saved for the rollback (state_dir)")]
+
+
+def _bpffs_of(pin_root: str) -> str:
+    return "/sys/fs/bpf" if _under(pin_root, "/sys/fs/bpf") else pin_root
+
+
+def _under(path: str, top: str) -> bool:
+    return os.path.normpath(path) == top or os.path.normpath(path).startswith(top.rstrip("/") + "/")
+
+
+UNIT_SECTION = ("RequiresMountsFor",)  # the rest are [Service] settings
+
+
+def dropin(cfg: "Config") -> str:
+    """The drop-in granting what the enabled capabilities need beyond the shipped unit, each group of lines under
+    the capability that needs it; empty when the shipped unit is enough."""
+    sections: dict[str, list[str]] = {"Unit": [], "Service": []}
+    for cap, ns in needs(cfg).items():
+        by_setting: dict[str, list[Need]] = {}
+        for n in ns:
+            if not _granted(n):
+                by_setting.setdefault(n.setting, []).append(n)
+        for section in sections:
+            lines = []
+            for setting, group in by_setting.items():
+                if (setting in UNIT_SECTION) != (section == "Unit"):
+                    continue
+                lines.append(f"{setting}={' '.join(n.value for n in group)}")
+                if setting == "RequiresMountsFor":
+                    lines.append(f"After={' '.join(_mount_unit(n.value) for n in group)}")
+            if lines:
+                sections[section] += [f"# {cap}", *lines]
+    if not any(sections.values()):
+        return ""
+    return ("# qosagent: what this config's capabilities need beyond the shipped unit (`qosagent check --systemd`).\n"
+            f"# Install as {DROPIN},\n# then `systemctl daemon-reload && systemctl restart qosagent`.\n"
+            + "".join(f"[{name}]\n" + "\n".join(lines) + "\n" for name, lines in sections.items() if lines))
+
+
+def _granted(n: Need) -> bool:
+    return n.value in BASE.get(n.setting, frozenset())
+
+
+def _mount_unit(path: str) -> str:
+    """systemd's mount unit name for a path (/sys/fs/bpf -> sys-fs-bpf.mount)."""
+    return path.strip("/").replace("-", "\\x2d").replace("/", "-") + ".mount"
+
+
+@dataclass(frozen=True)
+class Process:
+    """What this process may do, read from itself: its effective capabilities, whether it may write a path, which
+    filesystems are mounted where. A seam so that tests can describe a sandbox."""
+
+    effective: Callable[[], frozenset[str] | None]
+    writable: Callable[[str], bool]
+    mounted: Callable[[str], str | None]  # the filesystem type mounted at exactly this path, or None
+    under_systemd: bool
+
+
+def this_process() -> Process:
+    return Process(effective=_effective_caps, writable=_writable, mounted=_mounted,
+                   under_systemd="INVOCATION_ID" in os.environ)
+
+
+def refusal(cap: str, cfg: "Config", proc: Process | None = None) -> str | None:
+    """Why the sandbox refuses `cap` what it needs, naming the setting; None when nothing is refused (or when not
+    root: an unprivileged agent is told so by each capability's own probe)."""
+    proc = proc or this_process()
+    eff = proc.effective()
+    if eff is None:
+        return None
+    where = "the unit's" if proc.under_systemd else "this process's"
+    problems = []
+    for n in needs(cfg).get(cap, []):
+        if n.setting == "CapabilityBoundingSet" and n.value not in eff:
+            problems.append(f"{where} CapabilityBoundingSet lacks {n.value} ({n.why})")
+        elif n.setting == "ReadWritePaths":
+            path = n.value.lstrip("-")
+            probe = _existing(path)
+            if n.value.startswith("-") and probe != path:
+                continue
+            if probe is not None and not proc.writable(probe):
+                problems.append(f"{path} is read-only here ({n.why}): "
+                                + ("the unit's ReadOnlyPaths=/sys without ReadWritePaths=" + path
+                                   if proc.under_systemd else "mounted read-only"))
+        elif n.setting == "RequiresMountsFor" and n.value in ("/sys/fs/bpf", "/sys/kernel/tracing"):
+            want = "bpf" if n.value == "/sys/fs/bpf" else "tracefs"
+            if proc.mounted(n.value) != want:
+                problems.append(f"no {want} mounted at {n.value} ({n.why})"
+                                + (f": the unit's RequiresMountsFor={n.value}" if proc.under_systemd else ""))
+    if not problems:
+        return None
+    hint = " (`qosagent check --systemd` prints the drop-in that grants it)" if proc.under_systemd else ""
+    return "; ".join(problems) + hint
+
+
+def _existing(path: str) -> str | None:
+    """The path itself, or its nearest existing parent (what a mkdir under it would need to write)."""
+    p = os.path.normpath(path)
+    while p != "/" and not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p if p != "/" else None
+
+
+# The capability numbers of linux/capability.h for the names the needs use.
+_CAP_BITS = {"CAP_DAC_READ_SEARCH": 2, "CAP_NET_ADMIN": 12, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21,
+             "CAP_SYS_NICE": 23, "CAP_PERFMON": 38, "CAP_BPF": 39}
+
+
+def caps_from_status(status: str) -> frozenset[str]:
+    """The capability names of the CapEff line of /proc/PID/status."""
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            bits = int(line.split()[1], 16)
+            return frozenset(name for name, bit in _CAP_BITS.items() if bits >> bit & 1)
+    return frozenset()
+
+
+def _effective_caps() -> frozenset[str] | None:
+    if os.geteuid() != 0:
+        return None
+    with open("/proc/self/status") as f:
+        return caps_from_status(f.read())
+
+
+def _writable(path: str) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def _mounted(path: str) -> str | None:
+    return mount_type(_read("/proc/self/mounts"), path)
+
+
+def mount_type(mounts: str, path: str) -> str | None:
+    """The type of the last filesystem mounted at exactly `path` in /proc/PID/mounts' text."""
+    found = None
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) >= 3 and f[1] == path:
+            found = f[2]
+    return found
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    """A unit file's settings (each occurrence's value), for the tests that hold BASE to the shipped unit."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", "[")):
+            k, _, v = line.partition("=")
+            out.setdefault(k.strip(), []).append(v.strip())
+    return out
+
+
+def granted_by(settings: dict[str, list[str]], setting: str) -> Iterable[str]:
+    return (v for value in settings.get(setting, []) for v in value.split())

@@ -1,0 +1,117 @@
+"""The sandbox each capability needs: the drop-in `qosagent check --systemd` prints matches the capabilities a
+config enables, the shipped unit grants exactly BASE, and a sandbox that refuses a need is named in the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from qosagent import sandbox
+from qosagent.config import parse
+from tests.conftest import REPO
+
+UNIT = REPO / "systemd" / "qosagent.service"
+ALL = {
+    "latency": {"enabled": True},
+    "quota": {"enabled": True},
+    "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]},
+    "dvfs": {"enabled": True, "mode": "enforce"},
+}
+
+
+def dropin_settings(text: str) -> dict[str, set[str]]:
+    return {k: {v for value in vs for v in value.split()} for k, vs in sandbox.unit_settings(text).items()}
+
+
+def test_the_shipped_unit_grants_exactly_base() -> None:
+    unit = sandbox.unit_settings(UNIT.read_text())
+    for setting, values in sandbox.BASE.items():
+        got = {v for v in sandbox.granted_by(unit, setting)}
+        if setting == "RequiresMountsFor":
+            assert values <= got, (setting, got)
+        else:
+            assert got == values, (setting, got)
+
+
+def test_the_default_config_needs_no_drop_in() -> None:
+    """The shipped unit is made for the shipped config (latency, measuring)."""
+    assert sandbox.dropin(parse({}, "test")) == ""
+
+
+@pytest.mark.parametrize("enabled", [(), ("quota",), ("placement",), ("dvfs",), ("quota", "placement", "dvfs")])
+def test_the_drop_in_grants_what_the_enabled_capabilities_need(enabled: tuple[str, ...]) -> None:
+    cfg = parse({k: v for k, v in ALL.items() if k == "latency" or k in enabled}, "test")
+    text = sandbox.dropin(cfg)
+    got = dropin_settings(text)
+    caps = got.get("CapabilityBoundingSet", set())
+    rw = got.get("ReadWritePaths", set())
+    assert ("CAP_SYS_NICE" in caps) == ("CAP_SYS_PTRACE" in caps) == ("placement" in enabled)
+    assert ("/sys/fs/bpf" in rw) == ("/sys/fs/bpf" in got.get("RequiresMountsFor", set())) == ("quota" in enabled)
+    assert ("sys-fs-bpf.mount" in got.get("After", set())) == ("quota" in enabled)
+    assert ({"-/sys/devices/system/cpu/cpufreq", "-/sys/devices/system/cpu/intel_pstate"} <= rw) == \
+        ("dvfs" in enabled)
+    # Nothing the shipped unit grants already, and each capability named above its lines.
+    assert not caps & sandbox.BASE["CapabilityBoundingSet"]
+    for cap in enabled:
+        assert f"# {cap}\n" in text
+    assert (text == "") == (not enabled)
+    if text:
+        # Mount dependencies are [Unit] settings, the rest [Service] ones (systemd ignores a key in the wrong one).
+        unit, _, service = text.partition("[Service]\n")
+        assert ("RequiresMountsFor=" in unit.partition("[Unit]\n")[2]) == ("quota" in enabled)
+        assert "RequiresMountsFor" not in service and ("CAP_" in service) == ("placement" in enabled)
+
+
+def test_observe_and_dry_run_need_less() -> None:
+    cfg = parse({"placement": {**ALL["placement"], "mode": "dry-run"}, "dvfs": {"enabled": True}}, "test")
+    got = dropin_settings(sandbox.dropin(cfg))
+    assert got["CapabilityBoundingSet"] == {"CAP_SYS_PTRACE"}  # reading numa_maps, not pinning
+    assert "ReadWritePaths" not in got  # dvfs in dry-run writes nothing
+
+
+def test_a_pin_root_or_state_dir_elsewhere_is_made_writable() -> None:
+    cfg = parse({"quota": {"enabled": True}, "bpf": {"pin_root": "/run/bpf/qos"},
+                 "placement": ALL["placement"], "state_dir": "/var/lib/qosagent"}, "test")
+    rw = dropin_settings(sandbox.dropin(cfg))["ReadWritePaths"]
+    assert {"/run/bpf/qos", "/var/lib/qosagent"} <= rw
+
+
+def sandboxed(caps: set[str], readonly: tuple[str, ...] = (), mounts: dict[str, str] | None = None,
+              systemd: bool = True) -> sandbox.Process:
+    mounts = {"/sys/fs/bpf": "bpf", "/sys/kernel/tracing": "tracefs"} if mounts is None else mounts
+    return sandbox.Process(effective=lambda: frozenset(caps),
+                           writable=lambda p: not any(p == r or p.startswith(r + "/") for r in readonly),
+                           mounted=mounts.get, under_systemd=systemd)
+
+
+def test_a_unit_that_drops_a_capability_is_named() -> None:
+    cfg = parse(ALL, "test")
+    proc = sandboxed({"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_PTRACE"})
+    why = sandbox.refusal("placement", cfg, proc)
+    assert why is not None and "the unit's CapabilityBoundingSet lacks CAP_SYS_NICE" in why
+    assert "qosagent check --systemd" in why
+    assert sandbox.refusal("latency", cfg, proc) is None
+    bare = sandboxed({"CAP_BPF"}, systemd=False)
+    assert "this process's CapabilityBoundingSet lacks CAP_PERFMON" in (sandbox.refusal("latency", cfg, bare) or "")
+
+
+def test_a_read_only_sys_and_a_missing_bpffs_are_named() -> None:
+    cfg = parse(ALL, "test")
+    caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"}
+    ro = sandbox.refusal("quota", cfg, sandboxed(caps, readonly=("/sys",)))
+    assert ro is not None and "ReadOnlyPaths=/sys without ReadWritePaths=/sys/fs/bpf" in ro
+    missing = sandbox.refusal("quota", cfg, sandboxed(caps, mounts={"/sys/kernel/tracing": "tracefs"}))
+    assert missing is not None and "no bpf mounted at /sys/fs/bpf" in missing and "RequiresMountsFor" in missing
+    assert sandbox.refusal("quota", cfg, sandboxed(caps)) is None
+
+
+def test_not_root_is_left_to_each_capabilitys_probe() -> None:
+    proc = sandbox.Process(effective=lambda: None, writable=lambda p: False, mounted=lambda p: None,
+                           under_systemd=True)
+    assert sandbox.refusal("quota", parse(ALL, "test"), proc) is None
+
+
+def test_capabilities_and_mounts_read_from_proc() -> None:
+    status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000000c000801000\n"
+    assert sandbox.caps_from_status(status) == {"CAP_NET_ADMIN", "CAP_SYS_NICE", "CAP_PERFMON", "CAP_BPF"}
+    mounts = "sysfs /sys sysfs rw 0 0\nnone /sys/fs/bpf bpf rw 0 0\n"
+    assert sandbox.mount_type(mounts, "/sys/fs/bpf") == "bpf" and sandbox.mount_type(mounts, "/sys/fs") is None
