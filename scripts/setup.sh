@@ -20,6 +20,8 @@ if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ]; then
   # Fleet quotas' engine (tests/integration/test_fleet.py): the test runs its own etcd with its own data dir on
   # loopback; the package's own service is not started by the tests.
   need etcd-server
+  # A real inference engine (tests/integration/test_llamacpp_*.py): llama.cpp's llama-server, built from source.
+  for p in cmake g++ make; do need "$p"; done
 fi
 
 kver=$(uname -r)
@@ -62,6 +64,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 "$VENV/bin/python" -c 'import bcc, pyroute2, qosagent' || { echo "setup: imports failed" >&2; exit 1; }
+
+# llama-server, cached outside the repository by version and build flags (scripts/llama-server.sh): a cold build is
+# ~13 minutes on 2 busy shared CPUs, the warm check instant.
+if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ]; then
+  VENV="$VENV" scripts/llama-server.sh build
+fi
 
 # The oldest Python the agent supports (Ubuntu 22.04's 3.10): the unit suite runs on it too
 # (tests/integration/test_ship_python.py), in a venv of its own. Taken from PATH or, where the machine keeps its

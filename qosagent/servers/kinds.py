@@ -18,7 +18,8 @@ Names from each project's metrics reference (checked 2026-12):
   KV-cache usage: each of its `total_slots` (`/props`, the `-np` it started with) owns its share of the context, and a
   request finding every slot busy is deferred, so busy slots over total slots is its pressure reading in the KV
   field. Its `predicted_tokens_seconds` gauge is not used: it is averaged between two scrapes and reset by each, so
-  any other scraper moves it; the counter's rate is not.
+  any other scraper moves it; the counter's rate is not. The counter grows when a request ends (by all its
+  tokens), so over a read interval shorter than its requests the rate is lumpy.
 - Generated tokens, counters: vLLM `vllm:generation_tokens_total`, SGLang `sglang:generation_tokens_total` (same
   pages as above); the agent shows their rate between two reads.
 """
