@@ -45,6 +45,11 @@ class ConfigWatch:
         self._digest = _digest(path)
         self._missing_logged = False
 
+    def seen(self) -> None:
+        """The file as it is now counts as handled (a reload that SIGHUP or `qosagent reload` asked for read it)."""
+        self._identity = _identity(self.path)
+        self._digest = _digest(self.path)
+
     def changed(self) -> bool:
         now = self._clock()
         if now < self._next:

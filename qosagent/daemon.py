@@ -265,6 +265,8 @@ class Agent:
     def reload(self) -> tuple[bool, str]:
         """Re-read the config file, as one transaction over every capability: all of them prepare against the new
         config before any writes, and a refusal or a failed commit leaves every one on the old config."""
+        if self._watch is not None:
+            self._watch.seen()  # what this reload reads is not reloaded again by the watch
         try:
             new = config_mod.with_metrics(config_mod.load(self.config_path), self.metrics_overrides)
         except (ConfigError, ValueError) as e:

@@ -30,6 +30,9 @@ def config(tmp: Path, pin_root: str, tenants: int) -> dict[str, Any]:
         "state_dir": str(tmp),
         "status": {"socket": str(tmp / "status.sock")},
         "metrics": {"enabled": False},
+        # The reloads here are the test's own (`qosagent reload`): a watch polling between a write and the request
+        # would try the same file first and count its refusal too.
+        "config_watch": {"enabled": False},
         "bpf": {"pin_root": pin_root},
         "latency": {"ports": [8000], "runqueue": {"enabled": False}},
         "quota": {"enabled": True, "interfaces": ["lo"]},

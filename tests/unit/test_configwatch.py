@@ -113,3 +113,15 @@ def test_the_agent_reloads_a_changed_file_and_refuses_a_bad_one(tmp_path: Path, 
         path.write_text("interval: 50ms\n" + base)
         threading.Event().wait(0.4)
         assert a.stats.reloads_ok == 2 and a.config.interval == pytest.approx(0.04), "the watch is off now"
+
+
+def test_a_reload_asked_for_is_not_repeated_by_the_watch(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("qosagent.daemon.capabilities.CAPABILITIES", ())
+    path = tmp_path / "cfg.yaml"
+    path.write_text("interval: 20ms\nlatency: {enabled: false}\n")
+    a = Agent(config.load(str(path)), HostFS(tmp_path), str(path), gpu=NoGpu())
+    path.write_text("interval: fast\nlatency: {enabled: false}\n")
+    assert a.reload()[0] is False
+    a._watch._next = 0  # due now
+    assert not a._config_changed(), "the text the explicit reload refused is not tried again"
+    assert a.stats.reloads_failed == 1
