@@ -21,7 +21,9 @@ ATTACH_CGROUP_SOCK_OPS = 3
 
 # Where libbpf's API may be found: the shared library, else bcc's own when it was built with libbpf inside.
 _LIBRARIES = ("libbpf.so.1", "libbpf.so.0", "libbpf.so", "libbcc.so.0")
-_NEEDED = ("bpf_obj_get", "bpf_map_lookup_batch", "bpf_prog_test_run_opts", "bpf_link_create")
+# What the agent cannot run without. bpf_prog_test_run_opts (libbpf 0.7) serves only the tests and benchmarks:
+# asking for it made the agent refuse Ubuntu 22.04's libbpf 0.5, which has everything the agent itself calls.
+_NEEDED = ("bpf_obj_get", "bpf_map_lookup_batch", "bpf_link_create")
 
 
 class LibbpfMissing(OSError):
@@ -59,8 +61,9 @@ def lib() -> Any:
             continue
         if all(hasattr(so, f) for f in _NEEDED):
             for fn, args in _SIGNATURES.items():
-                f = getattr(so, fn)
-                f.argtypes, f.restype = list(args), ctypes.c_int
+                f = getattr(so, fn, None)
+                if f is not None:  # an older libbpf's missing extras are refused by call(), by name
+                    f.argtypes, f.restype = list(args), ctypes.c_int
             return so
         tried.append(f"{name}: no libbpf API in it")
     raise LibbpfMissing(f"libbpf (1.x) not found, needed to reach BPF maps: install libbpf1 ({'; '.join(tried)})")
@@ -69,7 +72,10 @@ def lib() -> Any:
 def call(fn: str, *args: Any) -> int:
     """libbpf's fn; its negative return as OSError with the errno (libbpf 1.x returns -errno and sets errno;
     0.x returns -1 and sets errno)."""
-    ret = getattr(lib(), fn)(*args)
+    f = getattr(lib(), fn, None)
+    if f is None:
+        raise LibbpfMissing(f"{fn} is not in this libbpf (an older one); install libbpf1 (1.x) for it")
+    ret = f(*args)
     if ret < 0:
         err = ctypes.get_errno() or -ret
         raise OSError(err, f"{fn}: {os.strerror(err)}")
