@@ -291,6 +291,9 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("up", "", "0x20"),
             ("qosagent_capability_state", ', capability="latency", state="unavailable"', "1x20"),
             ("qosagent_capability_state", ', capability="quota", state="unavailable"', "0x20"),
+            ("qosagent_capability_state", ', capability="dvfs", state="degraded"', "0x5 1x20"),
+            ("qosagent_capability_state", ', capability="servers", state="idle"', "1x20"),
+            ("qosagent_dvfs_emergency", "", "0x5 1x20"),
             ("qosagent_collect_errors_total", ', capability="dvfs"', "0+5x30"),
             ("qosagent_apply_errors_total", ', capability="quota"', "0+1x30"),
             ("qosagent_apply_errors_total", ', capability="dvfs"', "0x30"),
@@ -325,6 +328,14 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             {"eval_time": "15m", "alertname": "QosagentCapabilityUnavailable", "exp_alerts": [
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
                                 "capability": "latency", "state": "unavailable"}}]},
+            # Degraded (what was asked did not work) alerts; idle (nothing to act on here) does not.
+            {"eval_time": "10m", "alertname": "QosagentCapabilityDegraded", "exp_alerts": []},
+            {"eval_time": "20m", "alertname": "QosagentCapabilityDegraded", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
+                                "capability": "dvfs", "state": "degraded"}}]},
+            {"eval_time": "5m", "alertname": "QosagentThermalEmergency", "exp_alerts": []},
+            {"eval_time": "8m", "alertname": "QosagentThermalEmergency", "exp_alerts": [
+                {"exp_labels": {"severity": "critical", "instance": "node-a:9464", "job": "qosagent"}}]},
             {"eval_time": "25m", "alertname": "QosagentCollectErrors", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "job": "qosagent",
                                 "capability": "dvfs"}}]},
