@@ -13,7 +13,7 @@ from qosagent.config import Config
 from qosagent.ebpf import pins
 from qosagent.ebpf.testrun import test_run
 from qosagent.quota import datapath as dp
-from qosagent.quota.capability import _baseline_buckets
+from qosagent.quota.rules import baseline_buckets
 from qosagent.tenants import UNMATCHED_ID, tenant_id
 
 ETH_IP, ETH_IP6 = 0x0800, 0x86DD
@@ -87,7 +87,7 @@ def loaded(cfg: Config) -> Iterator[dp.Datapath]:
     """The classifier loaded with cfg's maps written (pins stay: the caller's pin root fixture removes them)."""
     d = dp.Datapath(cfg)
     try:
-        d.write_config(cfg, _baseline_buckets(cfg))
+        d.write_config(cfg, baseline_buckets(cfg))
         yield d
     finally:
         d.close()
