@@ -304,7 +304,7 @@ def allocator(config_path: str, listen: str) -> None:
     import signal
 
     from qosagent import logs
-    from qosagent.fleet.allocator import Allocator, AllocatorServer
+    from qosagent.fleet.allocator import Allocator, allocator_server
     from qosagent.fleet.etcd import Etcd
 
     cfg = load_config(config_path)
@@ -316,7 +316,7 @@ def allocator(config_path: str, listen: str) -> None:
     f = cfg.fleet
     alloc = Allocator(cfg, Etcd(f.endpoints, timeout=min(1.0, f.report_interval)))
     try:
-        server = AllocatorServer(alloc, listen)
+        server = allocator_server(alloc, listen)
     except (OSError, ValueError) as e:
         log.error("metrics listen %s: %s", listen, e)
         sys.exit(1)

@@ -15,8 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,6 +26,7 @@ from qosagent.fleet import records
 from qosagent.fleet.alloc import Round, allocate
 from qosagent.fleet.etcd import Etcd, EtcdError, Leadership
 from qosagent.fleet.quotas import fleet_quotas
+from qosagent.weblisten import Listener, Reply
 
 log = logging.getLogger("qosagent.allocator")
 
@@ -280,51 +280,18 @@ class Allocator:
         yield from (quota, demand, granted, committed, conv, short)
 
 
-class AllocatorServer:
-    """/metrics, /readyz (etcd reached in the last round, leader or standby) and /healthz (the loop runs)."""
+def allocator_server(alloc: Allocator, listen: str) -> Listener:
+    """/metrics, /readyz (etcd reached in the last round, leader or standby) and /healthz (the loop runs), on the
+    agent's own listener (weblisten)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(alloc)  # type: ignore[arg-type]
 
-    def __init__(self, alloc: Allocator, listen: str):
-        host, _, port = listen.rpartition(":")
-        host = host.strip("[]") or "0.0.0.0"
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(alloc)  # type: ignore[arg-type]
+    def ready(_headers: Mapping[str, str]) -> Reply:
+        ok, why = alloc.ready()
+        return 200 if ok else 503, (why + "\n").encode(), "text/plain"
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = 10
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif path == "/readyz":
-                    ok, why = alloc.ready()
-                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain")
-                elif path == "/healthz":
-                    self._send(200, b"ok\n", "text/plain")
-                else:
-                    self._send(404, b"not found\n", "text/plain")
-
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_args: object) -> None:
-                pass
-
-        class Server(ThreadingHTTPServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            daemon_threads = True
-
-        self.httpd = Server((host, int(port)), Handler)
-        self.address = self.httpd.server_address
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="allocator-http", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    return Listener(listen, {
+        "/metrics": lambda _h: (200, generate_latest(registry), CONTENT_TYPE_LATEST),
+        "/readyz": ready,
+        "/healthz": lambda _h: (200, b"ok\n", "text/plain"),
+    }, name="allocator-http")
