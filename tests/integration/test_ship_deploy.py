@@ -185,15 +185,22 @@ def test_configmap_is_the_embedded_default_and_metrics_bind_the_nodes_own_ip() -
 
 
 def test_daemonset_holds_the_units_capabilities_and_no_more(tmp_path: Path) -> None:
-    """The base grants what an agent without placement needs; with components/placement it holds exactly what the
-    unit's bounding set does. No service-account token: the agent asks the API server nothing."""
+    """The base grants what the unit's own bounding set does (an agent without placement); components/placement adds
+    what the unit's placement drop-in adds (qosagent check --systemd). No service-account token: the agent asks the
+    API server nothing."""
+    from qosagent import sandbox
+
     unit_caps = {c.removeprefix("CAP_") for c in unit_settings()["CapabilityBoundingSet"][0].split()}
+    placed_cfg = config_mod.parse({"placement": {"enabled": True, "mode": "enforce"}}, "t")
+    dropin_caps = {n.value.removeprefix("CAP_") for n in sandbox.needs(placed_cfg).get("placement", [])
+                   if n.setting == "CapabilityBoundingSet"}
+    assert dropin_caps == {"SYS_NICE", "SYS_PTRACE"}
     sc = _container()["securityContext"]
-    assert set(sc["capabilities"]["add"]) == unit_caps - {"SYS_NICE", "SYS_PTRACE"}
+    assert set(sc["capabilities"]["add"]) == unit_caps
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     placed = by_kind("DaemonSet", with_components(tmp_path, "placement"))["spec"]["template"]["spec"]
-    assert set(placed["containers"][0]["securityContext"]["capabilities"]["add"]) == unit_caps
+    assert set(placed["containers"][0]["securityContext"]["capabilities"]["add"]) == unit_caps | dropin_caps
     assert by_kind("DaemonSet")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 

@@ -80,8 +80,10 @@ def test_prometheus_scrapes_the_agent(prometheus: str, agent: dict[str, Any]) ->
                      lambda: query(prometheus, "increase(qosagent_ticks_total[10s]) > 0"), deadline)
     assert float(ticks[0]["value"][1]) > 0
     states = query(prometheus, "qosagent_capability_state == 1")
-    assert {s["metric"]["capability"] for s in states} == {"latency", "quota", "servers", "admission", "dvfs",
-                                                           "placement"}
+    # Every capability there is, one state each (disabled included).
+    from qosagent.capabilities import CAPABILITIES
+
+    assert {s["metric"]["capability"] for s in states} == {c.name for c in CAPABILITIES}
     slo = query(prometheus, "qosagent_tier_slo_p99_seconds")
     assert {s["metric"]["tier"]: float(s["value"][1]) for s in slo} == pytest.approx({"gold": 0.12, "silver": 0.35,
                                                                                    "bronze": 1.2})
@@ -158,7 +160,8 @@ def known_names(scrape_text: str) -> set[str]:
     names = set(re.findall(r"^# TYPE (\w+)", scrape_text, flags=re.M))
     names |= set(re.findall(r"^(qosagent_\w+)", scrape_text, flags=re.M))
     for src in (REPO / "qosagent").rglob("*.py"):
-        names |= set(re.findall(r"MetricFamily\(\s*\"(qosagent_[a-z0-9_]+)\"", src.read_text()))
+        # Hand-built families, the capabilities' tables (exposition.Family rows) and their helpers (_gpu_family).
+        names |= set(re.findall(r"[Ff]amily\(\s*\"(qosagent_[a-z0-9_]+)\"", src.read_text()))
     return names
 
 
