@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from qosagent.admission.config import AdmissionConfig
-from qosagent.configbase import RESTART, Duration, Port, Regex, Section
+from qosagent.configbase import RESTART, Duration, Port, Regex, Section, duration_between
 from qosagent.dvfs.config import DvfsConfig
 from qosagent.fleet.config import FleetConfig
 from qosagent.gpu.config import GpuConfig
@@ -173,14 +173,7 @@ class BpfConfig(Section):
 class ConfigWatchConfig(Section):
     # A change of the file given with --config (an edit, a ConfigMap update) reloads as SIGHUP does.
     enabled: bool = True
-    interval: Duration = 5.0
-
-    @field_validator("interval")
-    @classmethod
-    def _interval(cls, v: float) -> float:
-        if not 0.1 <= v <= 3600:
-            raise ValueError("expected between 100ms and 1h")
-        return v
+    interval: duration_between(0.1, 3600.0, "100ms and 1h") = 5.0  # type: ignore[valid-type]
 
 
 class ReadinessConfig(Section):

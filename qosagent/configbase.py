@@ -27,6 +27,15 @@ def _regex(v: str) -> str:
 
 Regex = Annotated[str, AfterValidator(_regex)]
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description="duration such as 100ms or 10s")]
+
+
+def duration_between(lo: float, hi: float, say: str) -> object:
+    """A Duration from lo to hi seconds; outside, the error `expected between {say}`."""
+    def check(v: float) -> float:
+        if not lo <= v <= hi:
+            raise ValueError(f"expected between {say}")
+        return v
+    return Annotated[Duration, AfterValidator(check)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Mode = Literal["enforce", "dry-run"]
 

@@ -2,9 +2,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator
 
-from qosagent.configbase import Duration, Section
+from qosagent.configbase import Section, duration_between
 
 
 class GpuConfig(Section):
@@ -13,11 +12,4 @@ class GpuConfig(Section):
     backend: Literal["auto", "nvml", "fake", "none"] = "auto"
     fake_file: str | None = None
     # While the backend could not be opened (no driver yet, devices not injected), how often it is tried again.
-    reprobe_interval: Duration = 60.0
-
-    @field_validator("reprobe_interval")
-    @classmethod
-    def _reprobe_interval(cls, v: float) -> float:
-        if not 1.0 <= v <= 3600.0:
-            raise ValueError("expected between 1s and 1h")
-        return v
+    reprobe_interval: duration_between(1.0, 3600.0, "1s and 1h") = 60.0  # type: ignore[valid-type]
