@@ -149,8 +149,8 @@ class Toggled:
         if lat.mode == "sockops" and serving_cgroup:
             # nginx listened before the agent started: its cgroup would be learned at its first response. Linked
             # now, so that no window starts before it is (and so that empty programs, which learn nothing, work).
-            lat.watch._ingress.attach(serving_cgroup)
-            lat.watch.stop_learning()  # the root-wide learner would time the first windows' arrivals twice over
+            lat.hooks.watch._ingress.attach(serving_cgroup)
+            lat.hooks.watch.stop_learning()  # the root-wide learner would time the first windows' arrivals twice over
         if not arrival and b"sk_data_ready" in self.bpf.raw_tracepoint_fds:
             # Without the arrival hook no request is ever stamped on arrival: each is timed from its first read.
             self.bpf.detach_raw_tracepoint(b"sk_data_ready")
@@ -183,26 +183,26 @@ class Toggled:
             from qosagent.ebpf.libbpf import ATTACH_CGROUP_SOCK_OPS
             from qosagent.latency.links import link_root
 
-            watch = self.lat.watch
+            watch = self.lat.hooks.watch
             watch._sockops_link = link_root(watch.fs, watch.root, self.bpf.funcs[b"lat_sockops"].fd,
                                             ATTACH_CGROUP_SOCK_OPS)
             for path in self.ingress_paths:
-                self.lat.watch._ingress.attach(path)
-        self.lat.adopter.set_adopting()
+                self.lat.hooks.watch._ingress.attach(path)
+        self.lat.hooks.adopter.set_adopting()
         self.on.set()
 
     def detach(self) -> None:
         self.on.clear()
-        self.lat.adopter.close()  # tracepoint mode's adopter, linked while a connection awaits adoption
+        self.lat.hooks.adopter.close()  # tracepoint mode's adopter, linked while a connection awaits adoption
         for tp in self.raw:
             self.bpf.detach_raw_tracepoint(tp)
         for tp in self.tps:
             self.bpf.detach_tracepoint(tp)
         if self.lat.mode == "sockops":
-            os.close(self.lat.watch._sockops_link)
-            self.ingress_paths = self.lat.watch.cgroups()
+            os.close(self.lat.hooks.watch._sockops_link)
+            self.ingress_paths = self.lat.hooks.watch.cgroups()
             for path in self.ingress_paths:
-                self.lat.watch._ingress.detach(path)
+                self.lat.hooks.watch._ingress.detach(path)
 
     def close(self) -> None:
         self._done.set()

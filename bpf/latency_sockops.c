@@ -1,4 +1,4 @@
-/* Sockops mode (>= 6.15; chosen by qosagent/latency/capability.py): per-socket hooks, state in socket local storage.
+/* Sockops mode (>= 6.15; chosen by qosagent/latency/planning.py): per-socket hooks, state in socket local storage.
  * A sock_ops program on the cgroup2 root picks the server sockets at PASSIVE_ESTABLISHED and asks the kernel for their
  * sendmsg callback and their state changes; cgroup_skb ingress and egress programs on the serving cgroups see request
  * bytes arrive and response bytes leave. Every other socket on the host costs nothing per request. */

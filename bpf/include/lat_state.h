@@ -8,7 +8,7 @@
  * latency), and its framing (Content-Length, the chunked end), which ends it at its last byte even when the
  * connection then stays idle. See docs/latency.md for what this can and cannot see.
  *
- * Two ways to get the events, chosen by the agent (qosagent/latency/capability.py), each an entry file of its own:
+ * Two ways to get the events, chosen by the agent (qosagent/latency/planning.py), each an entry file of its own:
  *  - bpf/latency_sockops.c (>= 6.15): per-socket hooks (sock_ops, and cgroup_skb on the serving cgroups); state is
  *    socket local storage. Every other socket on the host costs nothing per request.
  *  - bpf/latency_trace.c: tracepoints that fire for every socket (kprobes on kernels < 6.4), state in a table keyed
@@ -31,7 +31,7 @@
 #include "qos_hist.h"
 #include "qos_flow.h"
 
-/* Filled from config by the agent (qosagent/latency/capability.py), with the same layouts the quota classifier uses
+/* Filled from config by the agent (qosagent/latency/datapath.py), with the same layouts the quota classifier uses
  * (tenant_ports' slots stay 0 here: latency has no quota arrays). */
 BPF_TABLE("array", __u32, struct qos_port_tenant, tenant_ports, QOS_PORTS);
 BPF_F_TABLE("lpm_trie", struct qos_cidr_key, struct qos_tenant_val, tenant_cidrs, 4096, BPF_F_NO_PREALLOC);
@@ -172,7 +172,7 @@ struct lat_sock {
  * them (4.8 KB a row, every tick) grows with the number of CPUs. The counters, 144 bytes a slot and one of them bumped
  * by every request, are per CPU: no cache line moves between CPUs for them. Their adds stay atomic, because a softirq
  * (the ingress program) can interrupt a program in process context (the sendmsg callback) on the same CPU. */
-#ifndef LAT_SLOTS /* from the number of tenants, with room for reloads (qosagent/latency/capability.py) */
+#ifndef LAT_SLOTS /* from the number of tenants, with room for reloads (qosagent/latency/bpfmaps.py) */
 #define LAT_SLOTS 64
 #endif
 #define LAT_NCOUNTERS 18

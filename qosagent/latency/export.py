@@ -217,7 +217,7 @@ def _ttft_note(t: Any) -> str | None:
 
 def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantile: float) -> dict[str, Any]:
     """Per tenant: counts, each signal's window quantiles, and the SLO judged as admission judges it (the `signal`'s
-    `quantile` over the window against the tier's SLO)."""
+    `quantile` over the window against the tier's SLO); the hooks as the tick found them."""
     if part is None:
         return {}
     tenants = []
@@ -249,6 +249,14 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
     if part.runqueue is not None and part.runqueue_window is not None:
         out["runqueue"] = _quantiles(part.runqueue_window)
         out["runqueue_total"] = _quantiles(part.runqueue)
+    h = part.hooks
+    out["mode"] = h.mode
+    out["ttft"] = h.ttft
+    out["programs"] = [{"name": n, "id": i} for n, i in h.programs]
+    if h.mode == "sockops":
+        out["cgroups"] = list(h.cgroups)
+        out["learning"] = h.learning
+        out["cgroup_errors"] = h.cgroup_errors
     return out
 
 

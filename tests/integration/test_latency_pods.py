@@ -170,8 +170,8 @@ def test_pods_on_one_port_are_two_tenants_by_address_followed_as_they_come_and_g
     try:
         # sockops mode: from here only the programs on the serving cgroups see requests arrive, as LEARN_S after a
         # start; the pod's server listened before the agent, so its cgroup must have been linked at start.
-        if cap.watch is not None:
-            cap.watch.stop_learning()
+        if cap.hooks.watch is not None:
+            cap.hooks.watch.stop_learning()
         part = tick(cap)
         assert followed(part) == {"alpha": [POD_A]}, part.namespaces
         assert part.found_open == 1, part

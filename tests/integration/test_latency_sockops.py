@@ -89,12 +89,12 @@ def test_a_server_started_later_is_hooked_on_its_own_cgroup_only(bpf: None, cgro
     cap.start(plan)
     server = None
     try:
-        cap.watch.stop_learning()  # what the agent does LEARN_S after start: from here on, only serving cgroups
+        cap.hooks.watch.stop_learning()  # what the agent does LEARN_S after start: from here on, only serving cgroups
         server = start_server(cgroup, port)
         # listen() reported the server's cgroup: linked before any request is sent.
-        assert until(lambda: cap.watch.cgroups() == [cgroup]), cap.watch.cgroups()
+        assert until(lambda: cap.hooks.watch.cgroups() == [cgroup]), cap.hooks.watch.cgroups()
         assert "lat_ingress" in programs_on(cgroup)
-        assert cap.watch.errors == 0
+        assert cap.hooks.watch.errors == 0
         assert programs_on(root) & ours(cap) == {"lat_sockops"}  # the client's cgroup (the root) has no ingress
         for _ in range(3):
             get(port)
@@ -118,8 +118,8 @@ def test_a_server_running_before_the_agent_is_timed_by_the_learner_from_its_firs
     cap.start(plan)
     try:
         get(port)  # its arrival reaches the root learner: timed, and the cgroup reported
-        assert until(lambda: cgroup in cap.watch.cgroups()), cap.watch.cgroups()
-        cap.watch.stop_learning()
+        assert until(lambda: cgroup in cap.hooks.watch.cgroups()), cap.hooks.watch.cgroups()
+        cap.hooks.watch.stop_learning()
         get(port)  # now through the server's own cgroup only
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 2)
         assert (t.requests, t.connections, t.unpaired, t.headers.count) == (2, 2, 0, 2)
@@ -139,8 +139,8 @@ def test_a_server_listening_before_the_agent_is_hooked_at_start_and_its_first_re
     cap, plan = latency(port)
     cap.start(plan)
     try:
-        cap.watch.stop_learning()
-        assert cap.watch.cgroups() == [cgroup]
+        cap.hooks.watch.stop_learning()
+        assert cap.hooks.watch.cgroups() == [cgroup]
         get(port)
         t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 1)
         assert (t.requests, t.unpaired, t.headers.count) == (1, 0, 1), t
