@@ -211,6 +211,7 @@ class Agent:
                          "" if d.applied else " [dry-run]")
             decided.extend(decisions)
         self._recover(failed)
+        self._restate()
         self.decisions.extend(decided)
         for cap in self.capabilities:
             if cap.name not in failed:
@@ -260,6 +261,19 @@ class Agent:
             self._tick_degraded.discard(name)
             self.verdicts[name] = self._started[name]
             log.info("%s recovered: %s", name, self._started[name].state.value)
+
+    def _restate(self) -> None:
+        """A capability's own verdict changed while it ran (latency's hooks verified by traffic, or found silent):
+        reported from now on, unless a failure of the agent's (degraded above) is what stands."""
+        for cap in self.capabilities:
+            was = self._started[cap.name]
+            if cap.verdict == was:
+                continue
+            self._started[cap.name] = cap.verdict
+            if self.verdicts.get(cap.name) == was:
+                self.verdicts[cap.name] = cap.verdict
+            v = cap.verdict
+            log.info("%s %s%s", cap.name, v.state.value, f" ({v.reason})" if v.reason else "")
 
     # ---- reload ------------------------------------------------------------------------------------------
     def reload(self) -> tuple[bool, str]:

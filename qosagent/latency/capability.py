@@ -155,6 +155,9 @@ class Latency(Capability):
         raw = self.dp.read_raw()
         base_t, base = self._window.push(now, raw)
         cfg = self.ctx.config
+        seen = self.hooks.verified_by_traffic(raw, now, set(cfg.tracked_ports()), cfg.latency.verify_within)
+        if seen is not None:
+            self.verdict = seen
         tenants = reading.tenants(raw, base, now - base_t, self._tenants, self._known)
         runq, runq_window = reading.runqueue(raw, base) if self.runq else (None, None)
         slos = {info.name: info.slo_p99 for info in self._tenants.values()}

@@ -1,18 +1,22 @@
 """Latency's hooks beyond the datapath's tracepoints and kprobes, kept attached while cgroups and connections come and
 go: sockops mode's cgroup watch (cgroupwatch.py), lat_egress on the cgroup2 root in tracepoint and kprobe modes
 (links.py), and the adopter of connections open before their port was tracked (adopt.py); with the self-test that
-the ones on every socket's path run (selftest.py) and the view of them the part carries (`model.Hooks`)."""
+the ones on every socket's path run (selftest.py; where it cannot run, real traffic's counts) and the view of them the
+part carries (`model.Hooks`)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from qosagent.capability import State, Verdict
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS
 from qosagent.latency import adopt, links, selftest
+from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.model import Hooks, Plan
+from qosagent.schedule import Every
 
 if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
@@ -20,6 +24,8 @@ if TYPE_CHECKING:
     from qosagent.netns import ServingNs
 
 log = logging.getLogger("qosagent.latency")
+
+LIST_S = 1.0  # how often, until traffic verified the hooks, the connections on the tracked ports are listed
 
 
 class Upkeep:
@@ -39,6 +45,11 @@ class Upkeep:
         self.watch: CgroupWatch | None = None  # sockops mode: the hooks on the cgroup2 root and serving cgroups
         self.adopter: adopt.Adopter | None = None  # connections open before their port was tracked
         self._root_link: int | None = None  # tracepoint and kprobe modes: lat_egress on the cgroup2 root
+        # Where the self-test could not run: the hooks verified by real traffic instead (selftest.ByTraffic), and
+        # the verdict the self-test left, which what traffic shows replaces.
+        self._by_traffic: selftest.ByTraffic | None = None
+        self._unverified: Verdict | None = None
+        self._traffic_listed = Every(LIST_S)
 
     def start(self, tracked: set[int], write: Callable[[], None]) -> None:
         """write() the maps, then link the hooks and adopt the connections already open on tracked. Maps first,
@@ -89,13 +100,38 @@ class Upkeep:
             silent = selftest.check(self.dp.fds(rooted + self.dp.traced()), tracked)
         except selftest.Unverifiable as e:
             # Said, not degraded: the documented unit runs without CAP_SYS_ADMIN, and a capability degraded on every
-            # such host would be a false alarm (and an agent never ready).
-            log.info("%s", e)
-            return Verdict(verdict.state, "; ".join(r for r in (verdict.reason, str(e)) if r))
+            # such host would be a false alarm (and an agent never ready). Real traffic verifies the hooks later.
+            log.info("%s; verifying them by traffic on ports %s", e, sorted(tracked))
+            self._unverified = verdict
+            self._by_traffic = selftest.ByTraffic(counted(self.dp.read_raw()), self._open_on(tracked))
+            return Verdict(verdict.state, "; ".join(r for r in (verdict.reason, f"{e}, awaiting traffic") if r))
         if silent:
             log.warning("%s", silent)
             verdict = Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, silent) if r))
         return verdict
+
+    def _open_on(self, tracked: set[int]) -> set[bytes]:
+        return {c.key for c in adopt.established(self.fs, tracked, elsewhere=self._serving_pids(tracked))}
+
+    def verified_by_traffic(self, raw: bm.Raw, now: float, tracked: set[int], within: float) -> Verdict | None:
+        """Where the self-test could not run, the hooks verified or found silent by what real traffic made the
+        programs count (raw: this tick's read): the capability's new verdict, or None while it stands."""
+        check, base = self._by_traffic, self._unverified
+        if check is None or base is None:
+            return None
+        # Connections are listed at most once a second, and only until the first new one was seen.
+        listed = self._open_on(tracked) if check.traffic_since is None and self._traffic_listed.due(now) else None
+        seen = check.observe(now, time.time(), counted(raw), listed, within)
+        if seen is None:
+            return None
+        if seen.verified:
+            log.info("latency %s", seen.reason)
+            self._by_traffic = None
+            state = base.state
+        else:
+            log.warning("latency %s", seen.reason)
+            state = State.DEGRADED
+        return Verdict(state, "; ".join(r for r in (base.reason, seen.reason) if r))
 
     def write_adopting(self, added: set[int], write: Callable[[], None]) -> None:
         """write() (a reload's maps), then the connections already open on the ports it newly tracks, added, taken
@@ -148,3 +184,10 @@ class Upkeep:
             self.watch = None
         links.close(self._root_link)
         self._root_link = None
+        self._by_traffic = self._unverified = None
+
+
+def counted(raw: bm.Raw) -> int:
+    """What the programs counted on the tracked ports, every tenant's row (the unmatched one too): connections
+    tracked and requests started."""
+    return sum(n for (_tid, what), n in raw.counters.items() if what in (bm.C_CONNS, bm.C_STARTED))

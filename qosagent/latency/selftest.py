@@ -6,6 +6,9 @@ call that quiet. So, with the kernel's BPF run statistics on for that moment onl
 opens one loopback TCP connection of its own, on a port no tenant watches (its bytes are counted nowhere), sends a
 request, answers it and closes; each program attached where every TCP socket passes (tracepoints, kprobes, the
 cgroup2 root) must have run meanwhile. Those that did not are named in the capability's degraded verdict.
+
+Where the statistics cannot be turned on (no CAP_SYS_ADMIN: the shipped unit and DaemonSet), ByTraffic verifies the
+hooks later, from the first connections real clients open on the tracked ports and the counters the programs keep.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import Callable, Collection, Mapping
 
 from qosagent.ebpf import libbpf
@@ -96,3 +100,46 @@ def check(programs: Mapping[str, int], avoid: Collection[int] = (),
                 "requests there would go uncounted")
     log.info("latency self-test: %d hooks ran for a loopback connection of the agent's own", len(programs))
     return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What ByTraffic.observe found: `verified` (the programs counted traffic) or `silent` (they counted none of
+    what came), with the reason for the verdict; None from observe while neither is known."""
+
+    verified: bool
+    reason: str
+
+
+class ByTraffic:
+    """The hooks verified from real traffic, where the self-test could not run. The programs count every connection
+    they track on a tracked port and every request they see start there (lat_count: LAT_C_CONNS, LAT_C_STARTED), so a
+    connection on a tracked port that was not open at start must move the count. Verified once the count moved; silent
+    when new connections came on those ports for `within` seconds and it did not (a silent agent is verified again
+    once it moves). Pure: the capability passes the count and the connections it lists."""
+
+    def __init__(self, counted: int, open_now: Collection[bytes]):
+        self._counted = counted  # at start
+        self._known = set(open_now)  # open at start: adopted, counted only at their next request
+        self.traffic_since: float | None = None  # when the first new connection on a tracked port was seen
+        self.silent = False
+
+    def observe(self, now: float, wall: float, counted: int, open_now: Collection[bytes] | None,
+                within: float) -> Seen | None:
+        """now: monotonic seconds; wall: time.time() for the message; open_now: the connections open on the tracked
+        ports, or None when they were not listed this time (the count alone can still verify)."""
+        if counted > self._counted:
+            self.silent = False
+            n = counted - self._counted
+            return Seen(True, f"hooks verified at {_utc(wall)} by traffic ({n} connections and requests counted)")
+        if open_now is not None and self.traffic_since is None and set(open_now) - self._known:
+            self.traffic_since = now
+        if self.silent or self.traffic_since is None or now - self.traffic_since < within:
+            return None
+        self.silent = True
+        return Seen(False, f"hooks not seen running: connections came on the tracked ports for {within:g} s "
+                           "and no program counted one (requests there go uncounted)")
+
+
+def _utc(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))

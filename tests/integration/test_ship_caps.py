@@ -6,11 +6,13 @@ applies the same bounding set that systemd would (a root service's effective set
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from typing import Iterator
@@ -19,11 +21,12 @@ import pytest
 
 from qosagent import sandbox
 from qosagent.config import parse
-from testkit.agent import AgentProcess
+from testkit.agent import TIME_SCALE, AgentProcess
 
 from tests.conftest import netns as make_netns
 from tests.conftest import require
-from tests.integration.latency_helpers import free_port
+from tests.integration.latency_helpers import free_port, serving
+from tests.integration.test_latency_probes import Handler, get
 from tests.integration.test_ship_systemd import unit_settings
 
 PROBE = textwrap.dedent(r'''
@@ -131,14 +134,28 @@ def _agent_with_unit_caps(conf, sock, log, prefix: list[str], shell: str = "", d
 @pytest.mark.parametrize("mode", ["sockops", "tracepoint"])
 def test_latency_runs_with_only_the_units_capabilities(bpf: None, tmp_path, mode: str) -> None:
     """The real agent, not a probe: under the unit's bounding set its latency programs load and attach, in both
-    modes (sockops links programs to the cgroup2 root)."""
+    modes (sockops links programs to the cgroup2 root). Without CAP_SYS_ADMIN its self-test cannot run: the first
+    requests to a tracked port verify the hooks instead."""
     sock = tmp_path / "status.sock"
     conf = tmp_path / "config.yaml"
-    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\nlatency: {{mode: {mode}}}\n")
-    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", [], dropin=False) as agent:
+    port = free_port()
+    conf.write_text(f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n"
+                    f"latency: {{mode: {mode}, ports: [{port}]}}\n")
+    with _agent_with_unit_caps(conf, sock, tmp_path / "agent.log", [], dropin=False) as agent, \
+            serving((port,), Handler):
         status = agent.status()
         assert status["capabilities"]["latency"]["state"] == "active", status["capabilities"]
         assert status["latency"]["mode"] == mode
+        assert re.search(r"hooks not verified at start \(BPF run statistics: .*Operation not permitted\), awaiting "
+                         "traffic", status["capabilities"]["latency"]["reason"]), status["capabilities"]["latency"]
+        get(port, "127.0.0.1", 3)
+        deadline = time.monotonic() + 15 * TIME_SCALE
+        while "by traffic" not in (latency := agent.status()["capabilities"]["latency"])["reason"] \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert latency["state"] == "active" and re.search(r"hooks verified at \S+Z by traffic \(\d+ connections",
+                                                      latency["reason"]), latency
+    assert "latency hooks verified at" in agent.output()
     assert agent.proc is not None and agent.proc.returncode == 0, agent.output()[-3000:]
 
 

@@ -137,6 +137,34 @@ def test_a_capability_degraded_by_tick_errors_recovers_when_they_stop(scripted, 
     assert a.stats.collect_errors["a"] == 1
 
 
+def test_a_verdict_a_capability_changes_while_it_runs_is_reported_unless_a_tick_error_stands(scripted,
+                                                                                                   tmp_path) -> None:
+    state = {"verdict": Verdict(State.ACTIVE, "hooks not verified at start"), "fail": False}
+
+    class Verifying(make_cap("a")):  # type: ignore[misc, valid-type]
+        def collect(self) -> Any:
+            if state["fail"]:
+                raise OSError("map read failed")
+            self.verdict = state["verdict"]
+            return {"n": 1}
+
+    scripted(Verifying)
+    a = agent(tmp_path)
+    a.start()
+    a.tick()
+    assert a.verdicts["a"] == Verdict(State.ACTIVE, "hooks not verified at start")
+    state["verdict"] = Verdict(State.DEGRADED, "hooks not seen running")
+    a.tick()
+    assert a.verdicts["a"] == Verdict(State.DEGRADED, "hooks not seen running")
+    state["fail"] = True
+    a.tick()
+    assert a.verdicts["a"] == Verdict(State.DEGRADED, "collect failed: map read failed")
+    # The failure's recovery returns to the capability's latest verdict, not the one it started with.
+    state["fail"], state["verdict"] = False, Verdict(State.ACTIVE, "hooks verified by traffic")
+    a.tick()
+    assert a.verdicts["a"] == Verdict(State.ACTIVE, "hooks verified by traffic")
+
+
 def test_reload_keeps_old_config_on_error(scripted, tmp_path) -> None:
     scripted(make_cap("a"))
     a = agent(tmp_path, "interval: 200ms\nlatency: {enabled: false}\n")

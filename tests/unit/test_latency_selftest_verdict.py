@@ -1,4 +1,5 @@
-"""The latency self-test's verdict from run counts (fakes for the kernel), and its loopback exchange for real."""
+"""The latency self-test's verdict from run counts (fakes for the kernel), and its loopback exchange for real; the
+verification by traffic where the self-test cannot run."""
 
 from __future__ import annotations
 
@@ -75,3 +76,34 @@ def test_the_exchange_is_real_and_avoids_watched_ports() -> None:
     avoid = FirstTwoWatched()
     selftest.loopback_exchange(avoid)  # type: ignore[arg-type]
     assert len(avoid.asked) == 3, "two ports refused, the third used"
+
+
+OPEN = {b"adopted"}  # a connection open at start: adopted, counted only at its next request
+
+
+def test_traffic_the_programs_counted_verifies_at_once_even_before_connections_are_listed() -> None:
+    t = selftest.ByTraffic(counted=5, open_now=OPEN)
+    assert t.observe(0.0, 0.0, 5, OPEN, within=30) is None
+    seen = t.observe(1.0, 1796175123.0, 8, None, within=30)
+    assert seen == selftest.Seen(True, "hooks verified at 2026-12-02T01:32:03Z by traffic "
+                                       "(3 connections and requests counted)")
+
+
+def test_new_connections_with_nothing_counted_are_silent_after_within_then_verified_when_counts_move() -> None:
+    t = selftest.ByTraffic(counted=0, open_now=OPEN)
+    assert t.observe(0.0, 0.0, 0, OPEN, within=30) is None, "the connections open at start are no traffic"
+    assert t.observe(10.0, 0.0, 0, OPEN | {b"new"}, within=30) is None
+    assert t.traffic_since == 10.0
+    assert t.observe(39.0, 0.0, 0, None, within=30) is None, "not yet 30 s since the first new connection"
+    seen = t.observe(40.0, 0.0, 0, None, within=30)
+    assert seen is not None and not seen.verified
+    assert "connections came on the tracked ports for 30 s and no program counted one" in seen.reason
+    assert t.observe(41.0, 0.0, 0, None, within=30) is None, "said once"
+    later = t.observe(50.0, 0.0, 1, None, within=30)
+    assert later is not None and later.verified and not t.silent
+
+
+def test_no_new_connection_is_never_silent() -> None:
+    t = selftest.ByTraffic(counted=0, open_now=OPEN)
+    for now in (0.0, 100.0, 10_000.0):
+        assert t.observe(now, 0.0, 0, OPEN, within=30) is None
