@@ -1,26 +1,22 @@
 """Per-tenant quotas in the kernel: the quota capability's face (probe, start, collect, prepare, stop, detach),
-wiring its datapath, where it sits (interfaces.py), the limits writer offered to admission (limits.py) and what it
-shows (export.py)."""
+wiring its datapath, where it sits (interfaces.py), the limits writer offered to admission (limits.py), the tick's
+read as the part (reading.py) and what it shows (export.py)."""
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
+from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, Verdict, rewrite
 from qosagent.config import Config
 from qosagent import netns
-from qosagent.pods import service as pods_service
-from qosagent.pods.cri import CriError, grpc_module
 from qosagent.pods.service import Pods
 from qosagent.quota import datapath as dp
-from qosagent.quota import export, tc
+from qosagent.quota import export, planning, reading, tc
 from qosagent.quota.interfaces import NamespaceEgress, interfaces
 from qosagent.quota.limits import FleetWriter, LimitsWriter
-from qosagent.quota.model import QUOTA, QuotaPart, TenantQuota
+from qosagent.quota.model import QUOTA, QuotaPart
 from qosagent.quota.rules import baseline_buckets, bucket
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import (
@@ -32,7 +28,6 @@ from qosagent.tenants import (
     baseline,
     tenant_id,
     tenant_table,
-    with_floor,
 )
 
 if TYPE_CHECKING:
@@ -67,8 +62,7 @@ class Quota(Capability):
         self.attached: list[str] = []
         self.others: list[str] = []
         self.namespaces = NamespaceEgress(ctx)
-        self._history: collections.deque[tuple[float, dict[int, tuple[int, int, int, int]]]] = \
-            collections.deque(maxlen=64)
+        self.rates = reading.Rates()
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
         self.table: dict[int, TenantInfo] = {}
@@ -82,45 +76,7 @@ class Quota(Capability):
         return baseline(cfg), {tid: info for tid, info in table.items() if tid != UNMATCHED_ID}
 
     def probe(self, features: "Features") -> Verdict:
-        if os.geteuid() != 0:
-            return Verdict(State.UNAVAILABLE, "needs root (CAP_BPF, CAP_NET_ADMIN)")
-        if not features.kernel_headers:
-            return Verdict(State.UNAVAILABLE, "no kernel headers for BCC (run make setup)")
-        if not (features.clsact and features.cls_bpf):
-            return Verdict(State.UNAVAILABLE, "the kernel lacks clsact or cls_bpf")
-        if features.bpffs == "absent":
-            return Verdict(State.UNAVAILABLE, "no bpffs to pin maps in (fail-static needs it)")
-        names = interfaces(self.ctx.config, self.ctx.hostfs)
-        notes = []
-        q = self.ctx.config.quota
-        try:
-            with tc.IPRoute() as ipr:
-                for n in names:
-                    idx = tc.ifindex(ipr, n)
-                    if idx is None:
-                        return Verdict(State.UNAVAILABLE, f"interface {n!r} not found")
-                    for h in tc.ingress_filters(ipr, idx, n):
-                        if not tc.is_ours(h, q.tc_prio, q.tc_handle):
-                            notes.append(f"other filter: {h}")
-                    notes += [f"runs before ours: {p}" for p in tc.tcx_programs(n)]
-        except OSError as e:
-            return Verdict(State.UNAVAILABLE, f"cannot list tc filters: {e}")
-        reason = f"ingress of {', '.join(names)}"
-        if any(t.match.pods for t in self.ctx.config.tenants):
-            try:
-                grpc_module()
-            except CriError as e:
-                return Verdict(State.UNAVAILABLE, str(e))
-            # A runtime not answering now (restarting with the node) is no reason to leave every tenant
-            # unenforced: quota runs, and the pods' namespaces get their tenants once it answers (check fails).
-            runtime: list[str] = []
-            problem = pods_service.problem(self.ctx.config, self.ctx.hostfs, runtime)
-            reason += f"; pods from {runtime[0]}" if runtime else f"; {problem}: no pods tenant until one answers"
-        if q.namespaces:
-            reason += "; serving network namespaces followed (egress of their host-side veths)"
-        if notes:
-            reason += "; " + "; ".join(notes)
-        return Verdict(State.ACTIVE, reason, tuple(notes))
+        return planning.verdict(self.ctx.config, self.ctx.hostfs, features)
 
     def start(self, plan: tuple[str, ...]) -> None:
         """plan: the other filters and programs probe found on the hooks, which status names."""
@@ -154,47 +110,10 @@ class Quota(Capability):
         d = self.datapath
         assert d is not None
         r = d.read()
-        now = r.ktime_ns / 1e9
-        self._history.append((now, dict(r.counts)))
-        old_t, old = self._history[0]
-        for t, c in self._history:
-            if now - t >= 1.0:
-                old_t, old = t, c
-        span = now - old_t
-        cfg = self.ctx.config
-        specs = self.specs
-        fresh = r.ktime_ns - r.heartbeat_ns <= int(cfg.quota.heartbeat_timeout * 1e9)
-        tenants = {}
-        for tid, info in self.table.items():
-            c = r.counts.get(tid, (0, 0, 0, 0))
-            o = old.get(tid, (0, 0, 0, 0))
-            spec = specs.get(info.name)
-            base = spec.requests if spec else None
-            lim_in_force = base
-            ovr = self.overrides.get(info.name)
-            if ovr is not None and fresh:
-                lim_in_force = with_floor(ovr, spec.floor if spec else None)
-            share = self.fleet.get(info.name)
-            on_share = share is not None and fresh and r.ktime_ns < share[1] and \
-                (lim_in_force is None or share[0].rps < lim_in_force.rps)
-            if on_share:
-                lim_in_force = share[0]
-            tokens = None
-            kl = r.limits.get(tid)
-            if kl is not None and lim_in_force is not None:
-                b = kl.fleet if on_share else kl.override if (ovr is not None and fresh) else kl.req
-                tat = r.buckets.get(tid, (0, 0))[0]
-                if b.interval_ns:
-                    tokens = max(0.0, (b.tau_ns - max(tat - r.ktime_ns, 0)) / b.interval_ns)
-            tenants[info.name] = TenantQuota(
-                tenant=info.name, tier=info.tier, baseline=base, limit=lim_in_force,
-                admitted=c[0], dropped=c[1], conn_admitted=c[2], conn_dropped=c[3],
-                admitted_rps=(c[0] - o[0]) / span if span > 0 else 0.0,
-                dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
-        return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
-                         unmatched_counts=r.counts.get(UNMATCHED_ID, (0, 0, 0, 0)), passed=dict(r.stats),
-                         interfaces=tuple(self.attached), pins=d.path, others_on_hook=tuple(self.others),
-                         namespaces=self.namespaces.shown)
+        old_t, old = self.rates.push(r.ktime_ns / 1e9, r.counts)
+        tenants = reading.tenants(r, old_t, old, self.table, self.specs, self.overrides, self.fleet,
+                                  self.ctx.config.quota.heartbeat_timeout)
+        return reading.part(r, tenants, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
 
     def _follow(self, starting: bool = False) -> None:
         assert self.datapath is not None
