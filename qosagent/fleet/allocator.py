@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from qosagent.config import Config
+from qosagent.exposition import Family, families, one
 from qosagent.fleet import records
-from qosagent.fleet.alloc import Round, allocate
+from qosagent.fleet.alloc import Round, TenantRound, allocate
 from qosagent.fleet.etcd import Etcd, EtcdError, Leadership
 from qosagent.fleet.quotas import fleet_quotas
 from qosagent.weblisten import Listener, Reply
@@ -237,47 +238,54 @@ class Allocator:
         return True, "leader (waiting one lease)" if self.waiting else "leader"
 
     def collect(self) -> Iterable[Metric]:
-        leader = self.is_leader
-        yield GaugeMetricFamily("qosagent_allocator_leader", "1 on the elected allocator, 0 on the others",
-                                value=1.0 if leader else 0.0)
-        yield GaugeMetricFamily("qosagent_allocator_etcd_up", "1 when the last round reached etcd",
-                                value=1.0 if self.reachable else 0.0)
-        yield GaugeMetricFamily("qosagent_allocator_nodes", "Nodes with a live report (leader only)",
-                                value=float(self.nodes) if leader else 0.0)
-        yield CounterMetricFamily("qosagent_allocator_rounds", "Rounds run", value=self.stats.rounds)
-        yield CounterMetricFamily("qosagent_allocator_leader_changes", "Times this replica became leader",
-                                  value=self.stats.leader_changes)
-        yield CounterMetricFamily("qosagent_allocator_deposed", "Grant writes refused by the election fence",
-                                  value=self.stats.deposed)
-        yield GaugeMetricFamily("qosagent_allocator_round_cpu_seconds", "CPU time of the last round",
-                                value=self.stats.round_seconds)
-        errs = CounterMetricFamily("qosagent_allocator_errors", "Failed etcd rounds, malformed records and tenants "
-                                   "without a fleet quota in reports", labels=["kind"])
-        for kind in ("etcd", "malformed", "foreign"):
-            errs.add_metric([kind], self.stats.errors.get(kind, 0))
-        yield errs
-        quota = GaugeMetricFamily("qosagent_allocator_quota_rps", "Fleet quota (quota.fleet_rps)", labels=["tenant"])
-        demand = GaugeMetricFamily("qosagent_allocator_demand_rps", "Demand reported, summed over nodes",
-                                   labels=["tenant"])
-        granted = GaugeMetricFamily("qosagent_allocator_granted_rps", "Grants of the last round, summed over nodes",
-                                    labels=["tenant"])
-        committed = GaugeMetricFamily("qosagent_allocator_committed_rps", "Sum over nodes of max(held, granted): "
-                                      "never above the quota but for the documented slack", labels=["tenant"])
-        conv = GaugeMetricFamily("qosagent_allocator_convergence_seconds", "Time the last demand shift took until "
-                                 "every node enforced its target", labels=["tenant"])
-        short = CounterMetricFamily("qosagent_allocator_short_rounds", "Rounds whose quota was below nodes x the "
-                                    "per-node minimum (split evenly)", labels=["tenant"])
-        for tenant, q in sorted(self.quotas.items()):
-            quota.add_metric([tenant], q)
-            short.add_metric([tenant], self.stats.short.get(tenant, 0))
-            t = self.last.tenants.get(tenant) if leader else None
-            if t is not None:
-                demand.add_metric([tenant], t.demand)
-                granted.add_metric([tenant], sum(t.grants.values()))
-                committed.add_metric([tenant], t.committed)
-            if tenant in self.stats.convergence:
-                conv.add_metric([tenant], self.stats.convergence[tenant])
-        yield from (quota, demand, granted, committed, conv, short)
+        return families(FAMILIES, self)
+
+
+def _tenants(a: Allocator) -> list[tuple[str, float]]:
+    return sorted(a.quotas.items())
+
+
+def _rounds(a: Allocator) -> list[tuple[str, TenantRound]]:
+    """The last round's tenants, on the leader only: a standby's last round is stale."""
+    if not a.is_leader:
+        return []
+    return [(tenant, t) for tenant, _ in _tenants(a) if (t := a.last.tenants.get(tenant)) is not None]
+
+
+FAMILIES: tuple[Family[Allocator], ...] = (
+    Family("qosagent_allocator_leader", "gauge", "1 on the elected allocator, 0 on the others", (),
+           one(lambda a: 1.0 if a.is_leader else 0.0)),
+    Family("qosagent_allocator_etcd_up", "gauge", "1 when the last round reached etcd", (),
+           one(lambda a: 1.0 if a.reachable else 0.0)),
+    Family("qosagent_allocator_nodes", "gauge", "Nodes with a live report (leader only)", (),
+           one(lambda a: float(a.nodes) if a.is_leader else 0.0)),
+    Family("qosagent_allocator_rounds", "counter", "Rounds run", (), one(lambda a: a.stats.rounds)),
+    Family("qosagent_allocator_leader_changes", "counter", "Times this replica became leader", (),
+           one(lambda a: a.stats.leader_changes)),
+    Family("qosagent_allocator_deposed", "counter", "Grant writes refused by the election fence", (),
+           one(lambda a: a.stats.deposed)),
+    Family("qosagent_allocator_round_cpu_seconds", "gauge", "CPU time of the last round", (),
+           one(lambda a: a.stats.round_seconds)),
+    Family("qosagent_allocator_errors", "counter", "Failed etcd rounds, malformed records and tenants without a "
+           "fleet quota in reports", ("kind",),
+           lambda a: (([kind], a.stats.errors.get(kind, 0)) for kind in ("etcd", "malformed", "foreign"))),
+    Family("qosagent_allocator_quota_rps", "gauge", "Fleet quota (quota.fleet_rps)", ("tenant",),
+           lambda a: (([tenant], q) for tenant, q in _tenants(a))),
+    Family("qosagent_allocator_demand_rps", "gauge", "Demand reported, summed over nodes", ("tenant",),
+           lambda a: (([tenant], t.demand) for tenant, t in _rounds(a))),
+    Family("qosagent_allocator_granted_rps", "gauge", "Grants of the last round, summed over nodes", ("tenant",),
+           lambda a: (([tenant], sum(t.grants.values())) for tenant, t in _rounds(a))),
+    Family("qosagent_allocator_committed_rps", "gauge", "Sum over nodes of max(held, granted): never above the "
+           "quota but for the documented slack", ("tenant",),
+           lambda a: (([tenant], t.committed) for tenant, t in _rounds(a))),
+    Family("qosagent_allocator_convergence_seconds", "gauge", "Time the last demand shift took until every node "
+           "enforced its target", ("tenant",),
+           lambda a: (([tenant], a.stats.convergence[tenant]) for tenant, _ in _tenants(a)
+                      if tenant in a.stats.convergence)),
+    Family("qosagent_allocator_short_rounds", "counter", "Rounds whose quota was below nodes x the per-node minimum "
+           "(split evenly)", ("tenant",),
+           lambda a: (([tenant], a.stats.short.get(tenant, 0)) for tenant, _ in _tenants(a))),
+)
 
 
 def allocator_server(alloc: Allocator, listen: str) -> Listener:

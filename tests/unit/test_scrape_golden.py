@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from qosagent import config as config_mod
@@ -22,7 +23,10 @@ from qosagent.daemon import Agent
 from qosagent.dvfs.capability import Dvfs
 from qosagent.dvfs.model import DvfsPart, PolicyView
 from qosagent.fleet.agent import Seen
+from qosagent.fleet.alloc import Round, TenantRound
+from qosagent.fleet.allocator import Allocator, Stats
 from qosagent.fleet.capability import Fleet
+from qosagent.fleet.etcd import Leadership
 from qosagent.fleet.model import FleetPart, TenantShare
 from qosagent.gpu.backend import GpuProcess, GpuSample, GpuState, NoGpu
 from qosagent.hist import Histogram
@@ -153,3 +157,28 @@ def test_the_text_scrape_of_a_fixed_snapshot_is_the_golden_one(scrape_agent: Age
 
 def test_the_protobuf_scrape_of_a_fixed_snapshot_is_the_golden_one(scrape_agent: Agent) -> None:
     _check("scrape.pb", exposition.encode(make_registry(scrape_agent).collect()))
+
+
+def _allocator(leading: bool) -> Allocator:
+    cfg = config_mod.parse({"quota": {"enabled": True}, "fleet": {"enabled": True, "expected_nodes": 2}, "tenants": [
+        {"name": "chat", "tier": "gold", "match": {"ports": [8000]}, "quota": {"fleet_rps": 400}},
+        {"name": "batch", "tier": "bronze", "match": {"ports": [8001]}, "quota": {"fleet_rps": 90}},
+        {"name": "idle", "tier": "bronze", "match": {"ports": [8002]}, "quota": {"fleet_rps": 10}}]}, "test")
+    a = Allocator(cfg, None, me="replica-a")  # type: ignore[arg-type]  # the scrape never reaches etcd
+    a.leading = Leadership("replica-a", 7, True) if leading else None
+    a.reachable, a.nodes = True, 2
+    a.stats = Stats(rounds=12, leader_changes=1, deposed=1, errors={"etcd": 2, "foreign": 3}, short={"batch": 4},
+                    round_seconds=0.0125, convergence={"chat": 1.5})
+    a.last = Round({"chat": TenantRound({"n1": 150.0, "n2": 250.0}, {"n1": 150.0, "n2": 250.0}, 380.0, False, 395.5),
+                    "batch": TenantRound({"n1": 45.0, "n2": 45.0}, {"n1": 45.0, "n2": 45.0}, 200.0, True, 90.0)})
+    return a
+
+
+def test_the_allocators_scrape_of_a_fixed_state_is_the_golden_one() -> None:
+    """The allocator's families (qosagent allocator), leading and standing by: a standby shows no round's numbers."""
+    scrapes = []
+    for leading in (True, False):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_allocator(leading))  # type: ignore[arg-type]
+        scrapes.append(generate_latest(registry))
+    _check("allocator.txt", b"".join(scrapes))
