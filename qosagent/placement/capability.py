@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
-from qosagent.placement import applier, export
+from qosagent.placement import applier, export, policy
 from qosagent.placement.config import PlacementConfig
-from qosagent.cpulist import format_cpulist, parse_cpulist
+from qosagent.cpulist import parse_cpulist
 from qosagent.cgroups import HostCgroups
 from qosagent.placement.model import PLACEMENT, Drop, PlacementPart, Place, Record
 from qosagent.placement.discovery import Matcher, ProcInfo, discover, numa_pages, proc_start
-from qosagent.placement.planner import Policy, Target, plan
+from qosagent.placement.planner import Policy, plan
 from qosagent.placement.topology import Topology, read_topology
 from qosagent.schedule import Every
 from qosagent.statefile import StateFileError
@@ -207,24 +207,7 @@ class Placement(Capability):
             return []
         assert self.topology is not None
         targets = plan(view.procs, view.gpus, self.topology, self.policy)
-        procs = {p.pid: p for p in view.procs}
-        out: list[Decision] = []
-        # Forgetting comes first: a pid reused by a new process must lose the old one's record and originals
-        # before the new one is pinned and its own originals are saved.
-        for pid, rec in sorted(self.records.items()):
-            p = procs.get(pid)
-            if pid in view.gone or (p is not None and p.start != rec.start):
-                out.append(self._decision(pid, rec.name, "forget", rec.cpus, None, "exited", rec.gpus, applied=True,
-                                          command=Drop(pid, release=False)))
-            elif p is None:
-                # Still running but no selector names it now (a reload): it gets its original affinity back.
-                out.append(self._decision(pid, rec.name, "release", rec.cpus, None, "no longer selected", rec.gpus,
-                                          applied=pid in self.store.entries, command=Drop(pid, release=True)))
-        for p in view.procs:
-            d = self._compare(p, targets[p.pid], self.records.get(p.pid))
-            if d is not None:
-                out.append(d)
-        return out
+        return policy.decide(view, targets, self.records, self.store.entries.keys(), self.enforce)
 
     def _gpu_data_unknown(self, gpu: Any) -> bool:
         assert self.topology is not None
@@ -233,45 +216,6 @@ class Placement(Capability):
         if gpu is None or not gpu.available:
             return True
         return any(g.lost or any(f in ("processes", "sample") for f, _ in g.errors) for g in gpu.gpus)
-
-    def _decision(self, pid: int, name: str, action: str, old: frozenset[int] | None, new: frozenset[int] | None,
-                  reason: str, gpus: tuple[int, ...], command: Place | Drop, applied: bool | None = None,
-                  **inputs: Any) -> Decision:
-        return Decision(
-            capability=self.name, target=f"pid {pid} ({name})", action=action,
-            old=format_cpulist(old) if old is not None else None,
-            new=format_cpulist(new) if new is not None else None, reason=reason,
-            inputs={"pid": pid, "gpus": list(gpus), **inputs},
-            applied=self.enforce if applied is None else applied, command=command,
-        )
-
-    def _compare(self, p: ProcInfo, t: Target, rec: Record | None) -> Decision | None:
-        if rec is not None and rec.start != p.start:
-            rec = None  # the pid names another program now; "forget" covers the old one
-        threads = p.thread_cpus or {}
-        current = threads.get(p.pid) or (next(iter(threads.values())) if threads else None)
-        inputs = {"node": t.node, "selector": p.selector,
-                  "cpuset": format_cpulist(p.cpuset) if p.cpuset is not None else None}
-        if t.pinned:
-            if rec is None or rec.cpus != t.cpus or rec.node != t.node or (self.enforce and not rec.applied):
-                return self._decision(p.pid, p.name, "pin", current, t.cpus, t.reason, t.gpus,
-                                      Place("pin", p, t, t.reason), **inputs)
-            # A thread the application bound inside the target (one CPU of it, say) is placed, not drifted.
-            off = {tid: c for tid, c in threads.items() if not c <= t.cpus}
-            if self.enforce and off:
-                tid, c = sorted(off.items())[0]
-                why = f"drift: {len(off)} of {len(threads)} threads off target (tid {tid} on {format_cpulist(c)})"
-                return self._decision(p.pid, p.name, "correct", c, t.cpus, why, t.gpus, Place("correct", p, t, why),
-                                      **inputs)
-            return None
-        if rec is not None and rec.cpus is not None and p.pid in self.store.entries:
-            return self._decision(p.pid, p.name, "restore", current, None, t.reason, t.gpus,
-                                  Place("restore", p, t, t.reason), **inputs)
-        if rec is None or rec.reason != t.reason or rec.cpus is not None:
-            # Nothing is written; the decision is there so the audit says why this process was left alone.
-            return self._decision(p.pid, p.name, "leave", current, current, t.reason, t.gpus,
-                                  Place("leave", p, t, t.reason), applied=True, **inputs)
-        return None
 
     def apply(self, decisions: list[Decision]) -> None:
         commands = [(d.command, d.wall_time) for d in decisions
