@@ -10,7 +10,6 @@ is shown of them in export.py.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from qosagent import cpufreq
 from qosagent.admission.model import ADMISSION
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
-from qosagent.dvfs import export, policy, sensors
+from qosagent.dvfs import export, policy, rollback, sensors
 from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
 from qosagent.dvfs.cpufreq import resolve_khz
@@ -111,7 +110,7 @@ class Dvfs(Capability):
     def start(self, plan: None = None) -> None:
         fs = self.ctx.hostfs
         if self.enforce:
-            self._recover()
+            rollback.recover(self.ctx.config.state_dir, str(fs.root), KnobIO(fs, self.ctx.gpu))
         self.reader = sensors.SensorReader(fs, sensors.discover(fs, self.cfg.thermal_types, self.cfg.hwmon_names))
         crits = [c for c in (*(s.critical_c for s in self.reader.sensors), self.cfg.emergency_c) if c is not None]
         self.critical_c = min(crits) if crits else None
@@ -129,27 +128,6 @@ class Dvfs(Capability):
         if self._gpu_devices():
             self.gpu = GpuActuator(gpu, self.originals, list(self.cfg.gpu.bands), self.cfg.gpu.temp_hysteresis_c,
                                    self.cfg.dwell)
-
-    def _recover(self) -> None:
-        """A previous agent died with our values in place: put the host back before starting over."""
-        state_dir = self.ctx.config.state_dir
-        try:
-            os.makedirs(state_dir, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise CapabilityError(
-                f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write") from None
-        if not os.access(state_dir, os.W_OK):
-            raise CapabilityError(f"state_dir {state_dir} is not writable; originals must be saved before any write")
-        try:
-            left = Originals.load(self.ctx.config.state_dir, str(self.ctx.hostfs.root))
-        except ValueError as e:
-            raise CapabilityError(f"{e}; move it away (or run `qosagent detach`) before enforcing") from None
-        if left:
-            for line in left.restore(KnobIO(self.ctx.hostfs, self.ctx.gpu)):
-                log.warning("recovering after an unclean stop: %s", line.removeprefix("dvfs: "))
-            if left:
-                raise CapabilityError("originals left by a previous agent could not all be restored; "
-                                      f"see {left.path}")
 
     def stop(self) -> None:
         for line in self.restore():

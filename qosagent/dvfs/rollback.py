@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from qosagent import statefile
+from qosagent.capability import CapabilityError
 
 log = logging.getLogger("qosagent.dvfs")
 
@@ -126,3 +127,25 @@ class Originals:
         self.entries = dict(reversed(list(kept.items())))
         self._persist()
         return lines
+
+
+def recover(state_dir: str, host_root: str, io: KnobIO) -> None:
+    """A previous agent died with our values in place: the host put back before starting over. CapabilityError
+    where originals could not be saved (state_dir not writable) or not all of those left could be restored."""
+    try:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise CapabilityError(
+            f"state_dir {state_dir}: {e.strerror}; originals must be saved before any write") from None
+    if not os.access(state_dir, os.W_OK):
+        raise CapabilityError(f"state_dir {state_dir} is not writable; originals must be saved before any write")
+    try:
+        left = Originals.load(state_dir, host_root)
+    except ValueError as e:
+        raise CapabilityError(f"{e}; move it away (or run `qosagent detach`) before enforcing") from None
+    if left:
+        for line in left.restore(io):
+            log.warning("recovering after an unclean stop: %s", line.removeprefix("dvfs: "))
+        if left:
+            raise CapabilityError("originals left by a previous agent could not all be restored; "
+                                  f"see {left.path}")
