@@ -14,7 +14,7 @@ import logging
 import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from qosagent import statefile
 from qosagent.hostfs import HostFS
@@ -52,43 +52,31 @@ class Store:
     FILE = "resources-originals.json"
 
     def __init__(self, state_dir: str | None):
-        self.path = os.path.join(state_dir, self.FILE) if state_dir else None
+        self.file = statefile.Kept(state_dir, self.FILE, "resources originals")
         self.files: dict[str, str] = {}  # host path -> original value
         self.moved: dict[int, Moved] = {}
         self.created: list[str] = []  # our cgroup directories, removed once empty
         self.threads: dict[int, Thread] = {}  # tid ->
         self.default_slice = 0  # what a thread without a custom slice reads back (sched.restoring)
-        self.unreadable = False
 
     def empty(self) -> bool:
         return not (self.files or self.moved or self.created or self.threads)
 
     def load(self) -> None:
-        if not self.path:
-            return
-        try:
-            data = statefile.load_json(self.path) or {}
-            try:
-                self.files = {str(k): str(v) for k, v in data.get("files", {}).items()}
-                self.moved = {int(p): Moved(int(m["start"]), dict(m["back"]), dict(m.get("into", {})))
-                              for p, m in data.get("moved", {}).items()}
-                self.created = [str(d) for d in data.get("created", [])]
-                self.threads = {int(t): Thread(int(v["pid"]), int(v["start"]), sched.Attr.from_json(v["attr"]))
-                                for t, v in data.get("threads", {}).items()}
-                self.default_slice = int(data.get("default_slice", 0))
-            except (AttributeError, ValueError, KeyError, TypeError, IndexError) as e:
-                raise statefile.StateFileError(f"{self.path}: not a resources originals file ({e})") from None
-        except statefile.StateFileError:
-            self.unreadable = True
-            raise
+        """What a previous agent saved; raises statefile.StateFileError for a file that cannot be ours (kept)."""
+        self.file.read(self._parse, None)
+
+    def _parse(self, data: dict[str, Any]) -> None:
+        self.files = {str(k): str(v) for k, v in data.get("files", {}).items()}
+        self.moved = {int(p): Moved(int(m["start"]), dict(m["back"]), dict(m.get("into", {})))
+                      for p, m in data.get("moved", {}).items()}
+        self.created = [str(d) for d in data.get("created", [])]
+        self.threads = {int(t): Thread(int(v["pid"]), int(v["start"]), sched.Attr.from_json(v["attr"]))
+                        for t, v in data.get("threads", {}).items()}
+        self.default_slice = int(data.get("default_slice", 0))
 
     def save(self) -> None:
-        if not self.path or self.unreadable:
-            return
-        if self.empty():
-            statefile.remove(self.path)
-            return
-        statefile.save_json(self.path, {
+        self.file.write(None if self.empty() else {
             "files": self.files,
             "moved": {str(p): {"start": m.start, "back": m.back, "into": m.into} for p, m in self.moved.items()},
             "created": self.created,

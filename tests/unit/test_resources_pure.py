@@ -8,12 +8,18 @@ import math
 import pytest
 
 from qosagent import config as config_mod
+from qosagent.capability import AgentContext, CapabilityError
 from qosagent.config import ConfigError
+from qosagent.gpu.backend import NoGpu
+from qosagent.hostfs import HostFS
 from qosagent.resources import planner, policy
-from qosagent.resources.capability import node_problems
+from qosagent.resources.applier import Moved, Store, Thread
+from qosagent.resources.capability import Resources, node_problems
 from qosagent.resources.config import SuppressConfig
+from qosagent.resources.sched import Attr
 from qosagent.resources.discovery import is_shared
 from qosagent.slo import tier
+from qosagent.statefile import StateFileError
 from qosagent.units import parse_size
 
 
@@ -163,3 +169,36 @@ def test_loop_leaves_tiers_it_may_not_set_and_the_pressed_tier_itself() -> None:
     off = SuppressConfig(enabled=False)
     (o,) = run([tiers], off)
     assert o.steps == () and o.held == frozenset() and math.isinf(-o.state.last_step)
+
+
+def test_a_damaged_originals_file_is_kept_and_stops_resources(tmp_path) -> None:
+    path = tmp_path / "state" / Store.FILE
+    path.parent.mkdir()
+    path.write_text('{"threads": {"5": {"pid": 5}}}')
+    store = Store(str(tmp_path / "state"))
+    with pytest.raises(StateFileError, match="not a resources originals file"):
+        store.load()
+    store.save()
+    assert path.read_text() == '{"threads": {"5": {"pid": 5}}}'
+    cfg = parse(f"state_dir: {tmp_path / 'state'}\nresources: {{enabled: true}}")
+    ctx = AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=NoGpu())
+    with pytest.raises(CapabilityError, match="move it away"):
+        Resources(ctx).start(None)
+    assert Resources.detach(ctx)[0].startswith("resources: ") and path.exists()
+
+
+def test_originals_round_trip_and_an_empty_store_leaves_no_file(tmp_path) -> None:
+    store = Store(str(tmp_path / "state"))
+    store.files["/sys/fs/cgroup/cpu/x/cpu.shares"] = "1024"
+    store.moved[42] = Moved(7, {"cpu": "/sys/fs/cgroup/cpu"}, {"cpu": "/sys/fs/cgroup/cpu/qosagent-gold"})
+    store.created.append("/sys/fs/cgroup/cpu/qosagent-gold")
+    store.threads[43] = Thread(42, 7, Attr(0, 0, 1400000))
+    store.default_slice = 1400000
+    store.save()
+    again = Store(str(tmp_path / "state"))
+    again.load()
+    assert (again.files, again.moved, again.created, again.threads, again.default_slice) == \
+        (store.files, store.moved, store.created, store.threads, 1400000)
+    again.files, again.moved, again.created, again.threads = {}, {}, [], {}
+    again.save()
+    assert not (tmp_path / "state" / Store.FILE).exists()
