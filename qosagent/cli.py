@@ -33,6 +33,17 @@ def host_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def listener_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """What the metrics listener asks of clients, for run and allocator alike."""
+    f = click.option("--web-config-file", envvar="QOSAGENT_WEB_CONFIG_FILE", default=None, metavar="FILE",
+                     help="Overrides metrics.web_config_file: TLS, client certificates and basic auth users in "
+                          "exporter-toolkit's web config shape. [env: QOSAGENT_WEB_CONFIG_FILE]")(f)
+    f = click.option("--health-listen", envvar="QOSAGENT_HEALTH_LISTEN", default=None, metavar="HOST:PORT",
+                     help="Overrides metrics.health_listen: /healthz and /readyz alone, in plain HTTP, for probes. "
+                          "[env: QOSAGENT_HEALTH_LISTEN]")(f)
+    return f
+
+
 def load_config(path: str | None) -> config_mod.Config:
     try:
         return config_mod.load(path)
@@ -59,8 +70,7 @@ def sd_notify(state: str) -> None:
 @click.version_option(__version__, prog_name="qosagent")
 def main() -> None:
     """Keep inference tenants inside their latency SLOs: eBPF latency per tenant, in-kernel quotas,
-    SLO-driven limits, DVFS, NUMA placement and per-tier CPU and memory (cgroups, scheduler hints), with Prometheus
-    metrics and an audit of every decision."""
+    SLO-driven limits, DVFS and NUMA placement, with Prometheus metrics and an audit of every decision."""
 
 
 @main.command()
@@ -71,12 +81,7 @@ def main() -> None:
                    "them later. [env: QOSAGENT_DETACH_ON_EXIT]")
 @click.option("--metrics-listen", envvar="QOSAGENT_METRICS_LISTEN", default=None, metavar="HOST:PORT",
               help="Overrides metrics.listen (the DaemonSet binds the node's own IP). [env: QOSAGENT_METRICS_LISTEN]")
-@click.option("--health-listen", envvar="QOSAGENT_HEALTH_LISTEN", default=None, metavar="HOST:PORT",
-              help="Overrides metrics.health_listen: /healthz and /readyz alone, in plain HTTP, for probes. "
-                   "[env: QOSAGENT_HEALTH_LISTEN]")
-@click.option("--web-config-file", envvar="QOSAGENT_WEB_CONFIG_FILE", default=None, metavar="FILE",
-              help="Overrides metrics.web_config_file: TLS, client certificates and basic auth users in "
-                   "exporter-toolkit's web config shape. [env: QOSAGENT_WEB_CONFIG_FILE]")
+@listener_options
 def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_listen: str | None,
         health_listen: str | None, web_config_file: str | None) -> None:
     """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config). On exit every capability
@@ -257,8 +262,7 @@ def reload(config_path: str | None, host_root: str, socket_path: str | None) -> 
 @main.command()
 @host_options
 def detach(config_path: str | None, host_root: str) -> None:
-    """Remove everything a qosagent left on this host (filters, pins, frequency limits, affinities, cgroup values,
-    thread scheduling)."""
+    """Remove everything a qosagent left on this host (filters, pins, frequency limits, affinities)."""
     from qosagent.capabilities import CAPABILITIES
     from qosagent.capability import AgentContext
     from qosagent.gpu.backend import NoGpu
@@ -299,17 +303,25 @@ def topology(config_path: str | None, host_root: str, as_json: bool) -> None:
               help="YAML config: its fleet section (engine, endpoints, prefix, intervals) and tenants' "
                    "quota.fleet_rps, as the agents have them.")
 @click.option("--metrics", "listen", default="127.0.0.1:9465", show_default=True,
-              help="HOST:PORT of /metrics, /readyz and /healthz.")
-def allocator(config_path: str, listen: str) -> None:
+              help="HOST:PORT of /metrics, /readyz and /healthz (over TLS and with basic auth on /metrics as "
+                   "metrics.tls, metrics.basic_auth or --web-config-file say, as the agent's).")
+@listener_options
+def allocator(config_path: str, listen: str, health_listen: str | None, web_config_file: str | None) -> None:
     """Split each tenant's fleet quota over the nodes that report to etcd (docs/fleet.md). Run 2-3 replicas: one
     leads (etcd election), the others stand by; SIGTERM resigns so a standby takes over within a round."""
     import signal
 
     from qosagent import logs
-    from qosagent.fleet.allocator import Allocator, allocator_server
+    from qosagent.fleet.allocator import Allocator, allocator_servers
     from qosagent.fleet.etcd import Etcd
+    from qosagent.weblisten import security
 
-    cfg = load_config(config_path)
+    try:
+        cfg = config_mod.with_metrics(load_config(config_path), {"health_listen": health_listen,
+                                                                 "web_config_file": web_config_file})
+    except ValueError as e:
+        click.echo(f"command line: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
     if not cfg.fleet.enabled:
         click.echo(f"{config_path}: fleet.enabled is false: nothing to allocate", err=True)
         sys.exit(EXIT_CONFIG)
@@ -318,13 +330,15 @@ def allocator(config_path: str, listen: str) -> None:
     f = cfg.fleet
     alloc = Allocator(cfg, Etcd(f.endpoints, timeout=min(1.0, f.report_interval)))
     try:
-        server = allocator_server(alloc, listen)
+        servers = allocator_servers(alloc, listen, security(cfg.metrics), cfg.metrics.health_listen)
     except (OSError, ValueError) as e:
         log.error("metrics listen %s: %s", listen, e)
         sys.exit(1)
-    server.start()
-    log.info("allocator %s: %d tenant(s) with a fleet quota, etcd %s, metrics on http://%s:%s/metrics", alloc.me,
-             len(alloc.quotas), ", ".join(f.endpoints), *server.address[:2])
+    for server in servers:
+        server.start()
+    log.info("allocator %s: %d tenant(s) with a fleet quota, etcd %s, metrics on %s://%s:%s/metrics", alloc.me,
+             len(alloc.quotas), ", ".join(f.endpoints), "https" if servers[0].tls else "http",
+             *servers[0].address[:2])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: alloc.stop())
     sd_notify("READY=1")
@@ -332,6 +346,7 @@ def allocator(config_path: str, listen: str) -> None:
         alloc.run()
     finally:
         alloc.resign()
-        server.close()
+        for server in servers:
+            server.close()
         alloc.etcd.close()
         log.info("allocator stopped")

@@ -2,9 +2,19 @@
 node's etcd lease, reads this node's grant and writes the node's report.
 
 The tick never waits on the network: it hands the thread its latest wants and reads the thread's latest state.
-A grant counts as renewed when its record's mod revision moves (the allocator rewrites it every round); its
-lease ends `lease` after the read that saw it move, on this host's monotonic clock (the kernel's clock too), so
-a wall-clock jump here extends nothing, and an allocator that stops rewriting lets the lease run out.
+The node's grant and the leader's round record are read together (one transaction, one revision); the grant
+counts as renewed when the round record's mod revision moves under the leader that wrote the grant (the leader
+rewrites the round record every round, a grant only when it changes). Its lease ends `lease` after the read that
+saw the move, on this host's monotonic clock (the kernel's clock too), so a wall-clock jump here extends
+nothing, and an allocator that stops its rounds lets the lease run out.
+
+The report written right after that read says, as `held`, the grant just read (what the tick enforces from
+its next run on), not what the last tick enforced: a moved share reaches the allocator in this report, not the
+next one. A share moving between nodes waits on two reports (the giver's lower rate, then the taker's higher
+one), so this halves a move. A higher grant reported before the tick writes it claims more than the kernel
+holds (harmless: the allocator counts the grant anyway); a lower one claims less for up to one agent interval
+(the slack that adds: docs/fleet.md). A report identical to the last one written is not written again:
+the node's etcd lease keeps it.
 """
 
 from __future__ import annotations
@@ -22,6 +32,17 @@ from qosagent.fleet.config import FleetConfig
 from qosagent.fleet.etcd import Etcd, EtcdError
 
 log = logging.getLogger("qosagent.fleet")
+
+# The grant is polled this many times a report interval (one small read of two keys): a lowered grant is
+# reported, and a raised one enforced, within a fraction of an interval of the round that wrote it.
+POLLS_PER_REPORT = 4
+EARLY_MOVE = 0.25  # a move of demand (relative) that a poll reports before the interval is up
+# The capability's demand is request starts over the last second (quota's admitted + dropped rates): for that
+# long after a raise of a node its rate held back, demand measured under the lower rate understates what the
+# node would take (clients that were refused back off), so the raised rate stands in for it until the measure
+# has caught up.
+DEMAND_WINDOW = 1.0
+LIMITED = 0.95  # demand at this fraction of the rate enforced or above: the rate held the node back
 
 
 @dataclass(frozen=True)
@@ -47,8 +68,11 @@ class Reporter:
         self._lock = threading.Lock()
         self._wants: dict[str, Want] = {}
         self._seen = Seen()
-        self._rev = 0
+        self._rev = 0  # mod revision of the round record at the last renewal
+        self._sent = b""  # the last report written under self.lease_id
         self._stop = threading.Event()
+        self._reported: dict[str, float] = {}  # demand per tenant in the last report written
+        self._raised: dict[str, tuple[float, float]] = {}  # tenant -> (until, rate): a raise not yet measured
         self._thread = threading.Thread(target=self._run, name="fleet-reporter", daemon=True)
 
     def start(self) -> None:
@@ -63,32 +87,74 @@ class Reporter:
             return self._seen
 
     def _run(self) -> None:
+        every = self.cfg.report_interval
+        due = 0.0
         while not self._stop.is_set():
-            self.cycle()
-            # Jitter (+-10 %) so that a fleet restarted at once does not report in lockstep.
-            self._stop.wait(self.cfg.report_interval * random.uniform(0.9, 1.1))
+            full = self.clock() >= due
+            self.cycle(full)
+            if full:
+                # Jitter (+-10 %) so that a fleet restarted at once does not report in lockstep.
+                due = self.clock() + every * random.uniform(0.9, 1.1)
+            self._stop.wait(min(every / POLLS_PER_REPORT, max(due - self.clock(), 0.0)))
 
-    def cycle(self) -> None:
-        """One report: lease, grant, report. A failure is counted and the last grant kept (its lease runs on)."""
+    def _moved(self, wants: Mapping[str, Want]) -> bool:
+        """A tenant's demand moved by more than EARLY_MOVE (and at least 1 rps) since the last report."""
+        for t, w in wants.items():
+            old = self._reported.get(t, 0.0)
+            if abs(w.demand - old) >= max(EARLY_MOVE * max(w.demand, old), 1.0):
+                return True
+        return False
+
+    def cycle(self, full: bool = True) -> None:
+        """A poll of the grant; with full (once a report interval), the lease renewed and the report written even
+        if nothing moved. A failure is counted and the last grant kept (its lease runs on)."""
         with self._lock:
             wants = dict(self._wants)
         s = self._seen
+        # A renewal read stands even if the report after it fails.
+        grant, renewed, leader = s.grant, s.renewed_at, s.leader
         try:
-            if not self.lease_id or self.etcd.keepalive(self.lease_id) <= 0:
-                self.lease_id = self.etcd.grant(self.cfg.lease)
-            kv = self.etcd.get(records.grants_prefix(self.cfg.prefix) + self.node)
-            grant, renewed, leader = s.grant, s.renewed_at, s.leader
-            if kv is not None and kv.mod_revision != self._rev:
+            if not self.lease_id or (full and self.etcd.keepalive(self.lease_id) <= 0):
+                self.lease_id, self._sent = self.etcd.grant(self.cfg.lease), b""
+            kv, rnd = self.etcd.get_many([records.grants_prefix(self.cfg.prefix) + self.node,
+                                          records.round_key(self.cfg.prefix)])
+            fresh = False
+            if kv is not None and rnd is not None and rnd.mod_revision != self._rev:
                 g = records.decode_grant(kv.value)
-                self._rev, grant, renewed, leader = kv.mod_revision, g.tenants, self.clock(), g.leader
-            # The report after the grant: `held` then says what this node enforces from now on.
-            self.etcd.put(records.nodes_prefix(self.cfg.prefix) + self.node,
-                          records.encode_report(self.node, wants), self.lease_id)
+                if records.decode_round(rnd.value)[0] == g.leader:
+                    self._rev, renewed, leader = rnd.mod_revision, self.clock(), g.leader
+                    fresh = g.tenants != grant
+                    until = renewed + DEMAND_WINDOW + self.cfg.report_interval
+                    for t, rate in g.tenants.items():
+                        w = wants.get(t)
+                        # Only a node its old rate held back (its demand, refused starts included, reached it):
+                        # one that had room measured its real demand, and standing in for it would ratchet.
+                        if w is not None and rate > w.held and w.demand >= LIMITED * w.held:
+                            self._raised[t] = until, rate
+                    grant = g.tenants
+            now = self.clock()
+            self._raised = {t: v for t, v in self._raised.items() if v[0] > now}
+            if renewed is not None and now - renewed < self.cfg.report_interval:
+                # What the tick enforces from its next run on (the lease has at least an interval to run).
+                wants = {t: Want(w.demand, grant[t]) if t in grant else w for t, w in wants.items()}
+            if self._raised:
+                wants = {t: Want(max(w.demand, self._raised[t][1]), w.held) if t in self._raised else w
+                         for t, w in wants.items()}
+            report = records.encode_report(self.node, wants)
+            if report != self._sent and (full or fresh or self._moved(wants)):
+                try:
+                    self.etcd.put(records.nodes_prefix(self.cfg.prefix) + self.node, report, self.lease_id)
+                except EtcdError:
+                    # Most likely the lease expired between renewals (a partition healed): take a new one next.
+                    self.lease_id = 0
+                    raise
+                self._sent = report
+                self._reported = {t: w.demand for t, w in wants.items()}
             new = Seen(grant, renewed, leader, True, s.report_errors, s.last_error, s.reports + 1)
         except (EtcdError, records.Malformed, KeyError, ValueError) as e:
             if s.etcd_up or not s.report_errors:
                 log.warning("fleet report failed (grant kept until its lease ends, then the safe share): %s", e)
-            new = Seen(s.grant, s.renewed_at, s.leader, False, s.report_errors + 1, str(e), s.reports)
+            new = Seen(grant, renewed, leader, False, s.report_errors + 1, str(e), s.reports)
         with self._lock:
             self._seen = new
 

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from operator import sub
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
@@ -24,10 +25,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from qosagent.config import Config
 from qosagent.exposition import Family, families, one
 from qosagent.fleet import records
-from qosagent.fleet.alloc import Round, TenantRound, allocate
+from qosagent.fleet.alloc import Ledger, Round, TenantRound
 from qosagent.fleet.etcd import Etcd, EtcdError, Leadership
 from qosagent.fleet.quotas import fleet_quotas
-from qosagent.weblisten import Listener, Reply
+from qosagent.weblisten import Listener, Reply, Route, Security
 
 log = logging.getLogger("qosagent.allocator")
 
@@ -61,6 +62,8 @@ class Allocator:
         self.me = me or f"{socket.gethostname()}-{os.getpid()}"
         self.clock = clock
         self.quotas = {t: q.rps for t, q in fleet_quotas(cfg).items()}
+        self.ledger = Ledger(self.quotas, cfg.fleet.capacity_rps,
+                             {t.name: cfg.tiers[t.tier].weight for t in cfg.tenants if t.name in self.quotas})
         self.lease_id = 0
         self.leading: Leadership | None = None
         self.leading_since = 0.0
@@ -70,8 +73,14 @@ class Allocator:
         self.reachable = False
         self.stats = Stats()
         self._shift_at: dict[str, float] = {}
-        self._targets: dict[str, dict[str, float]] = {}
-        self._written: set[str] = set()  # nodes whose grant key this leader wrote (deleted when they go)
+        self._targets: dict[str, Mapping[str, float]] = {}
+        # Nodes whose grant key holds a grant of this leader: the tenants' rates written, in self.last's order.
+        self._written: dict[str, tuple[float, ...]] = {}
+        # Reports by node as of the mod revision they were read at (None: malformed), and the store's revision of
+        # the last read: a round decodes only the reports written since.
+        self._seen: dict[str, tuple[int, Mapping[str, tuple[float, float]] | None]] = {}
+        self._read_rev = 0
+        self._unallocated: dict[str, Mapping[str, tuple[float, float]]] = {}  # read while waiting one lease
         self._stop = threading.Event()
         self._warned: set[str] = set()
 
@@ -95,7 +104,7 @@ class Allocator:
         if self.leading is not None:
             log.warning("%s no longer leads: %s", self.me, why)
         self.leading = None
-        self._written = set()
+        self._written = {}
 
     def round(self) -> None:
         """One round: renew, campaign, and (leading, past the wait) allocate and write. Never raises for etcd."""
@@ -122,74 +131,116 @@ class Allocator:
             self.stats.leader_changes += 1
             log.info("%s leads (election revision %d); first grants after one lease (%gs)", self.me, who.revision,
                      f.lease)
-            self._written = {kv.key.rsplit("/", 1)[-1] for kv in self.etcd.get_prefix(records.grants_prefix(f.prefix))}
-        reports = self._reports()
-        self.nodes = len(reports)
+            # Grant keys left by another leader (gone with its lease by now, unless it was this replica's): no
+            # rates never equal a round's, so each is rewritten, or deleted if its node went.
+            self._written = {kv.key.rsplit("/", 1)[-1]: ()
+                             for kv in self.etcd.get_prefix(records.grants_prefix(f.prefix))}
+        nodes, changed = self._reports()
+        self.nodes = len(nodes)
+        self._unallocated.update(changed)
         if self.waiting:
             return
-        self.last = allocate(self.quotas, reports)
+        self.last, moved, dirty = self.ledger.round(nodes, self._unallocated)
+        self._unallocated = {}
         self.round_no += 1
-        self._track(reports)
-        for tenant, t in self.last.tenants.items():
-            if t.short:
+        self._track(dirty)
+        for tenant in self.last.tenants:
+            if self.last.tenants[tenant].short:
                 self.stats.short[tenant] = self.stats.short.get(tenant, 0) + 1
-                self._warn(f"short:{tenant}", f"{tenant}: fleet_rps {self.quotas[tenant]:g} is below {len(reports)} "
-                           "nodes x the per-node minimum: split evenly")
-        self._write(self.last.by_node())
+                self._warn(f"short:{tenant}", f"{tenant}: its pool ({self.last.tenants[tenant].pool:g} rps) is "
+                           f"below {len(nodes)} nodes x the per-node minimum: split evenly")
+        if self.last.capacity_short:
+            self._warn("capacity", f"fleet.capacity_rps {f.capacity_rps:g} is below the tenants' floors (each "
+                       "tenant's per-node minimum on every node): each gets its floor's part")
+        self._write(moved | (self._written.keys() - set(nodes)) | (set(nodes) - self._written.keys()))
 
     def _warn(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("%s", msg)
 
-    def _reports(self) -> dict[str, dict[str, tuple[float, float]]]:
+    def _reports(self) -> tuple[list[str], dict[str, Mapping[str, tuple[float, float]]]]:
+        """Every node with a valid report (in key order), and the reports written since the last read: the keys
+        and their revisions first, then the values of the changed ones alone, at the same revision."""
         prefix = records.nodes_prefix(self.cfg.fleet.prefix)
-        out = {}
-        for kv in self.etcd.get_prefix(prefix):
-            node = kv.key[len(prefix):]
-            try:
-                if not node or "/" in node:
-                    raise records.Malformed("not a node key")
-                rep, foreign = records.decode_report(node, kv.value, self.quotas)
-            except records.Malformed as e:
-                self.stats.count("malformed")
-                self._warn(f"bad:{kv.key}", f"{kv.key}: skipped ({e}); that node stays on its safe share")
-                continue
-            if foreign:
-                self.stats.count("foreign", len(foreign))
-                self._warn(f"foreign:{node}", f"{node} reports tenants without a fleet quota here: "
-                           f"{', '.join(sorted(foreign))}")
-            out[node] = dict(rep.tenants)
-        return out
+        keys, rev = self.etcd.range_prefix(prefix, keys_only=True)
+        live = {kv.key[len(prefix):]: kv.mod_revision for kv in keys}
+        self._seen = {n: v for n, v in self._seen.items() if n in live}
+        changed: dict[str, Mapping[str, tuple[float, float]]] = {}
+        if any(n not in self._seen or self._seen[n][0] != r for n, r in live.items()):
+            kvs, _ = self.etcd.range_prefix(prefix, min_mod_revision=self._read_rev + 1 if self._seen else 0,
+                                            revision=rev)
+            for kv in kvs:
+                node = kv.key[len(prefix):]
+                if self._seen.get(node, (None,))[0] == kv.mod_revision:
+                    continue
+                self._seen[node] = kv.mod_revision, None
+                try:
+                    if not node or "/" in node:
+                        raise records.Malformed("not a node key")
+                    rep, foreign = records.decode_report(node, kv.value, self.quotas)
+                except records.Malformed as e:
+                    self.stats.count("malformed")
+                    self._warn(f"bad:{kv.key}", f"{kv.key}: skipped ({e}); that node stays on its safe share")
+                    continue
+                if foreign:
+                    self.stats.count("foreign", len(foreign))
+                    self._warn(f"foreign:{node}", f"{node} reports tenants without a fleet quota here: "
+                               f"{', '.join(sorted(foreign))}")
+                self._seen[node] = kv.mod_revision, rep.tenants
+                changed[node] = rep.tenants
+        self._read_rev = rev
+        return [n for n, (_, r) in self._seen.items() if r is not None], changed
 
-    def _write(self, grants: dict[str, dict[str, float]]) -> None:
+    def _write(self, nodes: set[str]) -> None:
+        """The grants of `nodes` that changed (written) or whose node went (deleted), then the round record that
+        renews every grant, in fenced transactions of at most TXN_OPS operations, the round record last: a round
+        whose writes were refused part way renews nothing (what did land was staged within the quota)."""
         f = self.cfg.fleet
         assert self.leading is not None
         gp = records.grants_prefix(f.prefix)
-        puts = [(gp + node, records.encode_grant(self.me, self.round_no, g), self.lease_id)
-                for node, g in sorted(grants.items())]
-        gone = [gp + node for node in sorted(self._written - grants.keys())]
-        ops: list[tuple[list[tuple[str, bytes, int]], list[str]]] = []
-        for i in range(0, max(len(puts), 1), TXN_OPS):
-            ops.append((puts[i:i + TXN_OPS], []))
-        for i in range(0, len(gone), TXN_OPS):
-            ops.append(([], gone[i:i + TXN_OPS]))
+        puts: list[tuple[str, bytes, int]] = []
+        gone: list[str] = []
+        names = list(self.last.tenants)
+        # Node by node, each the tenants' rates in names' order: zipped from the tenants' columns (in the nodes'
+        # order), not looked up node x tenant times.
+        rows = list(zip(*(t.grants.values() for t in self.last.tenants.values())))
+        rates: dict[str, tuple[float, ...]] = {}
+        for node in sorted(nodes):
+            i = self.ledger.index.get(node)
+            if i is None:
+                gone.append(node)
+                continue
+            g = rates[node] = rows[i] if rows else ()
+            if g != self._written.get(node):
+                puts.append((gp + node, records.encode_grant(self.me, self.round_no, names, g), self.lease_id))
+        ops: list[tuple[list[tuple[str, bytes, int]], list[str]]] = [
+            (puts[i:i + TXN_OPS], []) for i in range(0, len(puts), TXN_OPS)]
+        ops += [([], [gp + n for n in gone[i:i + TXN_OPS]]) for i in range(0, len(gone), TXN_OPS)]
+        ops.append(([(records.round_key(f.prefix), records.encode_round(self.me, self.round_no), self.lease_id)],
+                    []))
         for p, d in ops:
-            if (p or d) and not self.etcd.fenced(records.leader_key(f.prefix), self.leading.revision, p, d):
+            if not self.etcd.fenced(records.leader_key(f.prefix), self.leading.revision, p, d):
                 self.stats.deposed += 1
                 self._lose("another replica won the election (fenced write refused)")
                 return
-        self._written = set(grants)
+            for key, _value, _lease in p:
+                node = key[len(gp):]
+                if node in rates:
+                    self._written[node] = rates[node]
+            for key in d:
+                self._written.pop(key[len(gp):], None)
 
-    def _track(self, reports: dict[str, dict[str, tuple[float, float]]]) -> None:
-        """Convergence after a shift, for the metric: zipped over the targets' values when the nodes are the same
-        as last round (the usual case), and held looked at only while a shift is pending."""
+    def _track(self, dirty: set[str]) -> None:
+        """Convergence after a shift, for the metric: only the tenants re-split this round can have moved or
+        settled (a report that moved held re-splits its tenants)."""
         now = self.clock()
-        for tenant, t in self.last.tenants.items():
+        for tenant in dirty:
+            t = self.last.tenants[tenant]
             bound = SHIFT * self.quotas[tenant]
             before = self._targets.get(tenant, {})
             if before.keys() == t.target.keys():
-                moved = any(abs(a - b) > bound for a, b in zip(t.target.values(), before.values()))
+                moved = bool(before) and max(map(abs, map(sub, t.target.values(), before.values()))) > bound
             else:
                 moved = True
             if moved:
@@ -199,8 +250,8 @@ class Allocator:
             if start is None:
                 continue
             settled = SETTLED * self.quotas[tenant]
-            if all(abs((reports[n][tenant][1] if tenant in reports[n] else 0.0) - v) <= settled
-                   for n, v in t.target.items()):
+            held = self.ledger.held[tenant]
+            if all(abs(h - v) <= settled for h, v in zip(held, t.target.values())):
                 self.stats.convergence[tenant] = now - start
                 del self._shift_at[tenant]
 
@@ -288,9 +339,11 @@ FAMILIES: tuple[Family[Allocator], ...] = (
 )
 
 
-def allocator_server(alloc: Allocator, listen: str) -> Listener:
-    """/metrics, /readyz (etcd reached in the last round, leader or standby) and /healthz (the loop runs), on the
-    agent's own listener (weblisten)."""
+def allocator_servers(alloc: Allocator, listen: str, sec: Security | None = None,
+                      health_listen: str | None = None) -> list[Listener]:
+    """/metrics, /readyz (etcd reached in the last round, leader or standby) and /healthz (the loop runs) on the
+    agent's own listener (weblisten), /metrics under sec's TLS and basic auth as the agent's; and, with
+    health_listen, the two health routes alone in plain HTTP for probes. Raises OSError as Listener does."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(alloc)  # type: ignore[arg-type]
 
@@ -298,8 +351,13 @@ def allocator_server(alloc: Allocator, listen: str) -> Listener:
         ok, why = alloc.ready()
         return 200 if ok else 503, (why + "\n").encode(), "text/plain"
 
-    return Listener(listen, {
-        "/metrics": lambda _h: (200, generate_latest(registry), CONTENT_TYPE_LATEST),
-        "/readyz": ready,
-        "/healthz": lambda _h: (200, b"ok\n", "text/plain"),
-    }, name="allocator-http")
+    health: dict[str, Route] = {"/readyz": ready, "/healthz": lambda _h: (200, b"ok\n", "text/plain")}
+    out = [Listener(listen, {"/metrics": lambda _h: (200, generate_latest(registry), CONTENT_TYPE_LATEST),
+                             **health}, sec or Security(), frozenset({"/metrics"}), name="allocator-http")]
+    if health_listen:
+        try:
+            out.append(Listener(health_listen, health, name="allocator-health"))
+        except OSError:
+            out[0].httpd.server_close()  # never started: shutdown() would wait for a loop that never ran
+            raise
+    return out

@@ -23,6 +23,10 @@ class FleetConfig(Section):
     # The fraction of a tenant's fleet quota a node enforces without a live grant; default 1/expected_nodes.
     safe_share: float | None = Field(default=None, gt=0, le=1)
     expected_nodes: int | None = Field(default=None, ge=1, le=100000)
+    # The fleet's capacity: the most new requests per second granted over every tenant with a fleet quota
+    # together; when demand is above it, tiers are served by weight (docs/fleet.md, "Tiers"). None: no such
+    # bound, each tenant has its own fleet_rps whatever the others do.
+    capacity_rps: float | None = Field(default=None, gt=0)
 
     @field_validator("endpoints")
     @classmethod

@@ -122,8 +122,30 @@ class Etcd:
         self._call("/v3/kv/put", body)
 
     def get_prefix(self, prefix: str) -> list[KV]:
-        doc = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _range_end(prefix)})
-        return [_kv(d) for d in doc.get("kvs") or []]
+        return self.range_prefix(prefix)[0]
+
+    def range_prefix(self, prefix: str, keys_only: bool = False, min_mod_revision: int = 0,
+                     revision: int = 0) -> tuple[list[KV], int]:
+        """The keys under prefix (without values when keys_only; only those written after min_mod_revision - 1
+        when given; as of revision when given) and the store's revision the answer is from."""
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _range_end(prefix)}
+        if keys_only:
+            body["keys_only"] = True
+        if min_mod_revision:
+            body["min_mod_revision"] = str(min_mod_revision)
+        if revision:
+            body["revision"] = str(revision)
+        doc = self._call("/v3/kv/range", body)
+        return [_kv(d) for d in doc.get("kvs") or []], int((doc.get("header") or {}).get("revision", 0))
+
+    def get_many(self, keys: Iterable[str]) -> list[KV | None]:
+        """Several keys read at one revision (one transaction), in keys' order."""
+        doc = self._call("/v3/kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
+        out: list[KV | None] = []
+        for r in doc.get("responses") or []:
+            kvs = (r.get("response_range") or {}).get("kvs") or []
+            out.append(_kv(kvs[0]) if kvs else None)
+        return out
 
     def get(self, key: str) -> KV | None:
         doc = self._call("/v3/kv/range", {"key": _b64(key)})

@@ -3,8 +3,10 @@
     <prefix>/fleet/leader          the elected allocator (its id), on the leader's etcd lease
     <prefix>/fleet/nodes/<node>    a node's report: per tenant [demand, rate it enforces], on the node's
                                    etcd lease (a node gone frees its share when that lease expires)
-    <prefix>/fleet/grants/<node>   the allocator's grant to a node: per tenant its rate; rewritten every round (a
-                                   round is the lease's renewal), fenced by the leader key's create revision
+    <prefix>/fleet/grants/<node>   the allocator's grant to a node: per tenant its rate; written when it changes,
+                                   on the leader's lease, fenced by the leader key's create revision
+    <prefix>/fleet/round           the leader's id and round, rewritten every round after the round's grants: a
+                                   move of its revision is every grant's renewal (1 write, not one per node)
 
 Records are JSON objects with a version "v". Anything else under the prefix (another program's keys, a record
 of another version, a value that does not parse) is foreign or malformed: counted and skipped, never fatal.
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from itertools import repeat
+from typing import Any, Mapping, Sequence
 
 from qosagent.fleet.alloc import NUMBERS, Want, clean
 
@@ -31,6 +34,10 @@ def nodes_prefix(prefix: str) -> str:
 
 def grants_prefix(prefix: str) -> str:
     return f"{prefix.rstrip('/')}/fleet/grants/"
+
+
+def round_key(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/fleet/round"
 
 
 class Malformed(ValueError):
@@ -75,6 +82,10 @@ def decode_report(key_node: str, raw: bytes, quotas: Mapping[str, float]) -> tup
     tenants = doc.get("tenants")
     if not isinstance(tenants, dict):
         raise Malformed("no tenants object")
+    if tenants.keys() == quotas.keys():
+        fast = _pairs(tenants, quotas)
+        if fast is not None:
+            return Report(key_node, fast), []
     out, foreign = {}, []
     for name, v in tenants.items():
         quota = quotas.get(name)
@@ -92,6 +103,23 @@ def decode_report(key_node: str, raw: bytes, quotas: Mapping[str, float]) -> tup
     return Report(key_node, out), foreign
 
 
+def _pairs(tenants: dict[str, Any], quotas: Mapping[str, float]) -> dict[str, tuple[float, float]] | None:
+    """A report naming exactly the tenants with a fleet quota, checked and clamped column-wise (map() over
+    built-ins: 100,000 pairs a round for 1,000 nodes x 100 tenants); None when any pair is not two numbers >= 0,
+    for the loop of decode_report to name it."""
+    pairs = list(tenants.values())
+    if set(map(type, pairs)) != {list} or set(map(len, pairs)) != {2}:
+        return None
+    d, h = [p[0] for p in pairs], [p[1] for p in pairs]
+    if not set(map(type, d)) | set(map(type, h)) <= _NUMBER_TYPES or min(d) < 0 or min(h) < 0:
+        return None
+    q = [quotas[t] for t in tenants]
+    return dict(zip(tenants, zip(map(min, d, q), map(min, h, q))))
+
+
+_NUMBER_TYPES = set(NUMBERS)
+
+
 @dataclass(frozen=True)
 class Grant:
     leader: str
@@ -99,10 +127,23 @@ class Grant:
     tenants: Mapping[str, float]  # tenant -> rps on this node
 
 
-def encode_grant(leader: str, round_: int, tenants: Mapping[str, float]) -> bytes:
+def encode_grant(leader: str, round_: int, tenants: Sequence[str], rates: Sequence[float]) -> bytes:
+    """tenants and rates in the same order (the allocator's columns, zipped)."""
     return json.dumps({"v": VERSION, "leader": leader, "round": round_,
-                       "tenants": {t: round(r, 3) for t, r in sorted(tenants.items())}},
-                      separators=(",", ":")).encode()
+                       "tenants": dict(zip(tenants, map(round, rates, repeat(3))))},
+                      separators=(",", ":"), sort_keys=True).encode()
+
+
+def encode_round(leader: str, round_: int) -> bytes:
+    return json.dumps({"v": VERSION, "leader": leader, "round": round_}, separators=(",", ":")).encode()
+
+
+def decode_round(raw: bytes) -> tuple[str, int]:
+    """The leader's id and round number of a round record."""
+    doc = _load(raw)
+    if not isinstance(doc.get("leader"), str) or not isinstance(doc.get("round"), int):
+        raise Malformed("expected leader and round")
+    return doc["leader"], doc["round"]
 
 
 def decode_grant(raw: bytes) -> Grant:

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from qosagent.fleet import records
-from qosagent.fleet.alloc import MIN_NODE_RPS, Want, allocate, level, minimum, split, stage
+from qosagent.fleet.alloc import MIN_NODE_RPS, Ledger, Want, allocate, level, minimum, pools, split, stage
 
 
 def test_the_water_level_is_max_min_fair() -> None:
@@ -130,10 +130,104 @@ def test_foreign_tenants_in_a_report_are_named_and_skipped() -> None:
 
 
 def test_grants_round_trip_and_bad_ones_are_refused() -> None:
-    g = records.decode_grant(records.encode_grant("alloc-1", 7, {"a": 12.3456}))
+    g = records.decode_grant(records.encode_grant("alloc-1", 7, ["a"], [12.3456]))
     assert g.leader == "alloc-1" and g.round == 7 and g.tenants == {"a": 12.346}
     with pytest.raises(records.Malformed):
         records.decode_grant(b'{"v": 1, "round": 1, "tenants": {"a": Infinity}}')
     with pytest.raises(records.Malformed):
         records.decode_grant(b'{"v": 1, "tenants": {}}')
     assert not math.isnan(g.tenants["a"])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_incremental_ledger_decides_as_a_fresh_allocation_and_names_every_grant_that_moved(seed: int) -> None:
+    """The allocator's Ledger, fed only the reports that changed, grants what allocate() grants from scratch; the
+    nodes it names are those whose grant differs from the round before (what the allocator rewrites)."""
+    rng = random.Random(seed)
+    quotas = {"a": 300.0, "b": 50.0, "c": 1000.0}
+    weights = {"a": 10, "b": 10, "c": 1}
+    capacity = rng.choice([None, 600.0, 200.0])
+    ledger = Ledger(quotas, capacity, weights)
+    reports: dict[str, dict[str, Want]] = {}
+    before: dict[str, dict[str, float]] = {}
+    for step in range(30):
+        changed = {}
+        for n in rng.sample([f"n{i}" for i in range(6)], rng.randint(0, 3)):
+            changed[n] = {t: Want(rng.choice([0.0, rng.uniform(0, q)]), rng.uniform(0, q / 3))
+                          for t, q in quotas.items() if rng.random() < 0.8}
+        reports.update(changed)
+        if step % 7 == 6 and reports:  # a node goes
+            reports.pop(sorted(reports)[0])
+        r, moved, _dirty = ledger.round(list(reports), {n: v for n, v in changed.items() if n in reports})
+        fresh = allocate(quotas, reports, capacity, weights)
+        for t in quotas:
+            assert r.tenants[t].grants == pytest.approx(fresh.tenants[t].grants)
+            assert r.tenants[t].pool == pytest.approx(fresh.tenants[t].pool)
+        now = r.by_node()
+        assert {n for n in now if now[n] != before.get(n)} <= moved
+        before = now
+
+
+def test_without_a_capacity_tenants_never_compete() -> None:
+    r = allocate({"gold": 100.0, "bronze": 100.0}, {"n1": {"gold": Want(100, 50), "bronze": Want(100, 50)}})
+    assert r.tenants["gold"].pool == r.tenants["bronze"].pool == 100
+
+
+def test_pools_serve_the_heavier_tier_first_when_the_capacity_is_short() -> None:
+    quotas = {"g1": 100.0, "g2": 100.0, "s": 100.0, "b": 100.0}
+    weights = {"g1": 10, "g2": 10, "s": 5, "b": 1}
+    demand = {"g1": 80.0, "g2": 500.0, "s": 100.0, "b": 100.0}
+    # Two nodes: each tenant's floor is 2 x max(1, 5 % of 50) = 5.
+    pool, short = pools(250, quotas, demand, 2, weights)
+    assert not short and sum(pool.values()) == pytest.approx(250)
+    assert pool["g1"] == pytest.approx(80) and pool["g2"] == pytest.approx(100)  # gold first, up to demand/quota
+    assert pool["s"] == pytest.approx(250 - 180 - 5)  # silver gets what gold left, bronze keeps its floor
+    assert pool["b"] == pytest.approx(5)
+    # A capacity that fits every demand: each tier gets its demand, then headroom up to the quotas by weight.
+    pool, _ = pools(395, quotas, {"g1": 10.0, "g2": 10.0, "s": 10.0, "b": 10.0}, 2, weights)
+    assert pool["g1"] == pool["g2"] == pool["s"] == pytest.approx(100) and pool["b"] == pytest.approx(95)
+    # Within a tier that does not fit: max-min fair by demand.
+    pool, _ = pools(110, {"x": 100.0, "y": 100.0}, {"x": 20.0, "y": 200.0}, 2, {"x": 1, "y": 1})
+    assert pool["x"] == pytest.approx(20) and pool["y"] == pytest.approx(90)
+
+
+def test_a_capacity_below_every_floor_is_split_by_floors_and_flagged_never_zero() -> None:
+    pool, short = pools(6, {"a": 100.0, "b": 300.0}, {"a": 100.0, "b": 300.0}, 3, {"a": 10, "b": 1})
+    # Floors: a 3 x max(1, 5/3) = 5, b 3 x 5 = 15: the capacity of 6 in that proportion, bronze too.
+    assert short and pool["a"] == pytest.approx(1.5) and pool["b"] == pytest.approx(4.5)
+    r = allocate({"a": 100.0, "b": 300.0}, {f"n{i}": {"a": Want(50, 0), "b": Want(50, 0)} for i in range(3)},
+                 capacity=6, weights={"a": 10, "b": 1})
+    assert r.capacity_short and all(g > 0 for t in r.tenants.values() for g in t.grants.values())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_sum_over_tenants_never_exceeds_the_capacity_while_tiers_trade_it(seed: int) -> None:
+    """Demand moving between tiers and nodes, agents applying their grants on random rounds: the sum over every
+    tenant and node of max(held, granted) stays within fleet.capacity_rps (each tenant's within its fleet_rps),
+    and with demand held still the heavier tier ends up with what it asks for."""
+    rng = random.Random(seed)
+    quotas = {"gold": 400.0, "silver": 400.0, "bronze": 400.0}
+    weights = {"gold": 10, "silver": 5, "bronze": 1}
+    capacity = 600.0
+    nodes = [f"n{i}" for i in range(rng.randint(2, 6))]
+    held = {(n, t): capacity / len(nodes) / 3 for n in nodes for t in quotas}
+    ledger = Ledger(quotas, capacity, weights)
+    demand: dict[tuple[str, str], float] = {}
+    for step in range(60):
+        if step < 40:
+            demand = {(n, t): rng.choice([0.0, rng.uniform(0, 200), 1000.0]) for n in nodes for t in quotas}
+        if step == 40:
+            demand = {(n, t): (300.0 if t != "bronze" else 500.0) / len(nodes) for n in nodes for t in quotas}
+        reports = {n: {t: Want(min(demand[n, t], quotas[t]), held[n, t]) for t in quotas} for n in nodes}
+        r, _, _ = ledger.round(nodes, reports)
+        total = 0.0
+        for t, tr in r.tenants.items():
+            assert tr.committed <= quotas[t] + 1e-6
+            total += sum(max(held[n, t], tr.grants[n]) for n in nodes)
+        assert total <= capacity + 1e-6
+        for n in nodes:
+            for t in quotas:
+                if rng.random() < 0.7:
+                    held[n, t] = r.tenants[t].grants[n]
+    assert sum(r.tenants["gold"].grants.values()) >= 300 - 1e-6
+    assert sum(r.tenants["silver"].grants.values()) >= 300 - 1e-6 - len(nodes) * minimum(400, len(nodes))

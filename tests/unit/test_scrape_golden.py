@@ -169,8 +169,9 @@ def _allocator(leading: bool) -> Allocator:
     a.reachable, a.nodes = True, 2
     a.stats = Stats(rounds=12, leader_changes=1, deposed=1, errors={"etcd": 2, "foreign": 3}, short={"batch": 4},
                     round_seconds=0.0125, convergence={"chat": 1.5})
-    a.last = Round({"chat": TenantRound({"n1": 150.0, "n2": 250.0}, {"n1": 150.0, "n2": 250.0}, 380.0, False, 395.5),
-                    "batch": TenantRound({"n1": 45.0, "n2": 45.0}, {"n1": 45.0, "n2": 45.0}, 200.0, True, 90.0)})
+    a.last = Round({"chat": TenantRound({"n1": 150.0, "n2": 250.0}, {"n1": 150.0, "n2": 250.0}, 380.0, False, 395.5,
+                                       400.0),
+                    "batch": TenantRound({"n1": 45.0, "n2": 45.0}, {"n1": 45.0, "n2": 45.0}, 200.0, True, 90.0, 90.0)})
     return a
 
 
