@@ -14,13 +14,15 @@ from qosagent.fleet.capability import Fleet
 from qosagent.latency.capability import Latency
 from qosagent.placement.capability import Placement
 from qosagent.quota.capability import Quota
+from qosagent.resources.capability import Resources
 from qosagent.servers.capability import Servers
 from qosagent.services import Service
 
 # In start and tick order: measurement first, then the ones that decide on it. Quota starts before latency because
 # latency reads quota's pinned flow map (header-matched tenants); servers (readings only) before admission, which
-# decides on them; fleet after quota, whose maps hold its shares.
-CAPABILITIES: tuple[type[Capability], ...] = (Quota, Latency, Servers, Admission, Fleet, Dvfs, Placement)
+# decides on them; fleet after quota, whose maps hold its shares; resources before admission, whose latency cuts
+# wait while resources can still take CPU from the tiers below (ResourcesPart.cpu_held).
+CAPABILITIES: tuple[type[Capability], ...] = (Quota, Latency, Servers, Resources, Admission, Fleet, Dvfs, Placement)
 
 
 def services(kinds: Iterable[type[Capability]]) -> list[type[Service]]:

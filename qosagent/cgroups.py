@@ -82,6 +82,43 @@ def hierarchy(fs: HostFS, kind: str) -> str | None:
     return m if fs.exists(f"{m}/cgroup.procs") else None
 
 
+def controller_version(fs: HostFS, controller: str) -> str | None:
+    """Where a controller is: V2 where the unified hierarchy offers it, "v1" where it is mounted as a v1
+    hierarchy of its own (hybrid and legacy hosts), None where neither."""
+    root = hierarchy(fs, V2)
+    if root is not None and controller in (fs.try_read(f"{root}/cgroup.controllers") or "").split():
+        return V2
+    return "v1" if hierarchy(fs, controller) is not None else None
+
+
+def cgroup_dir(fs: HostFS, version: str, controller: str, path: str) -> str | None:
+    """The host directory of a cgroup, by its path in the hierarchy the controller is in (None: not mounted)."""
+    base = hierarchy(fs, V2 if version == V2 else controller)
+    if base is None:
+        return None
+    return posixpath.join(base, path.lstrip("/")) if path.strip("/") else base
+
+
+def cgroup_procs(fs: HostFS, directory: str) -> list[int] | None:
+    """The processes of a cgroup (None: the cgroup is gone)."""
+    text = fs.try_read(f"{directory}/cgroup.procs")
+    if text is None:
+        return None
+    return [int(p) for p in text.split() if p.isdigit()]
+
+
+def flat_keyed(text: str | None) -> dict[str, int]:
+    """A flat-keyed controller file (cpu.stat, memory.events): key -> value; {} when unreadable."""
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(" ")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            continue
+    return out
+
+
 # ---- a process's cgroups -------------------------------------------------------------------------------------
 
 def parse_proc_cgroup(text: str) -> dict[str, str]:
@@ -155,8 +192,8 @@ class HostCgroups:
     def __init__(self, fs: HostFS, pid: int | None = None):
         self.fs = fs
         self.pid = pid if pid is not None else os.getpid()
-        self.own = dict(zip(KINDS, cgroup_paths(fs.try_read(f"/proc/{self.pid}/cgroup") or "")))
-        self.init = dict(zip(KINDS, cgroup_paths(fs.try_read("/proc/1/cgroup") or "")))
+        self.own = parse_proc_cgroup(fs.try_read(f"/proc/{self.pid}/cgroup") or "")
+        self.init = parse_proc_cgroup(fs.try_read("/proc/1/cgroup") or "")
         self.roots: dict[str, str | None] = {}
         self.unresolved: set[str] = set()  # hierarchies whose namespace root was not found (paths left as read)
 
@@ -174,6 +211,15 @@ class HostCgroups:
         """A process's (v2, cpuset, systemd) paths as the host names them ("" where it has none or has exited)."""
         v2, cpuset, systemd = cgroup_paths(self.fs.try_read(f"/proc/{pid}/cgroup") or "")
         return self.host(V2, v2), self.host("cpuset", cpuset), self.host("systemd", systemd)
+
+    def of_pid_kinds(self, pid: int, kinds: tuple[str, ...]) -> dict[str, str] | None:
+        """A process's paths in the hierarchies of `kinds` (V2 or v1 controllers) as the host names them, those it
+        has; None when it has exited."""
+        text = self.fs.try_read(f"/proc/{pid}/cgroup")
+        if text is None:
+            return None
+        found = parse_proc_cgroup(text)
+        return {k: self.host(k, found[k]) for k in kinds if found.get(k)}
 
     def _find_root(self, kind: str) -> str | None:
         mount = hierarchy(self.fs, kind)

@@ -70,7 +70,8 @@ def sd_notify(state: str) -> None:
 @click.version_option(__version__, prog_name="qosagent")
 def main() -> None:
     """Keep inference tenants inside their latency SLOs: eBPF latency per tenant, in-kernel quotas,
-    SLO-driven limits, DVFS and NUMA placement, with Prometheus metrics and an audit of every decision."""
+    SLO-driven limits, DVFS, NUMA placement and per-tier CPU and memory (cgroups, scheduler hints), with Prometheus
+    metrics and an audit of every decision."""
 
 
 @main.command()
@@ -262,7 +263,8 @@ def reload(config_path: str | None, host_root: str, socket_path: str | None) -> 
 @main.command()
 @host_options
 def detach(config_path: str | None, host_root: str) -> None:
-    """Remove everything a qosagent left on this host (filters, pins, frequency limits, affinities)."""
+    """Remove everything a qosagent left on this host (filters, pins, frequency limits, affinities, cgroup values,
+    thread scheduling)."""
     from qosagent.capabilities import CAPABILITIES
     from qosagent.capability import AgentContext
     from qosagent.gpu.backend import NoGpu

@@ -23,6 +23,7 @@ from qosagent.latency.config import LatencyConfig
 from qosagent.pods.config import PodMatch, PodsConfig
 from qosagent.placement.config import PlacementConfig
 from qosagent.quota.config import QuotaConfig
+from qosagent.resources.config import ResourcesConfig, TierResources
 from qosagent.servers.config import ServerConfig
 
 # The name traffic gets when it is on a watched port but matches no tenant.
@@ -51,6 +52,20 @@ class TierConfig(Section):
     # May admission's pressure paths refuse this tier's new requests entirely (down to its floor, 0 without one)?
     # Otherwise no path takes a tenant of it below admission.min_rps (docs/admission.md, "Floors").
     sheddable: bool = False
+    # The CPU, memory and scheduling its serving processes get (the resources capability).
+    resources: TierResources | None = None
+
+    def latency_sensitive(self) -> bool:
+        """Whether its serving threads get the scheduler's latency hints: as configured, else an SLO under 500 ms."""
+        r = self.resources
+        if r is not None and r.latency_sensitive is not None:
+            return r.latency_sensitive
+        return (r is None or r.sched == "normal") and self.slo_p99 < 0.5
+
+    def cpu_weight(self) -> int:
+        """Its cgroups' CPU weight (v2 units): as configured, else 100 x its weight, at most 10000."""
+        r = self.resources
+        return r.cpu_weight if r is not None and r.cpu_weight is not None else min(10000, 100 * self.weight)
 
 
 class HeaderMatch(Section):
@@ -179,7 +194,8 @@ class ConfigWatchConfig(Section):
 class ReadinessConfig(Section):
     # Capabilities that may be unavailable or degraded while /readyz still answers ready; every other enabled one
     # must be active.
-    optional: list[Literal["latency", "quota", "admission", "fleet", "dvfs", "placement"]] = Field(default_factory=list)
+    optional: list[Literal["latency", "quota", "admission", "fleet", "dvfs", "placement", "resources"]] = Field(
+        default_factory=list)
 
 
 def _default_tiers() -> dict[str, TierConfig]:
@@ -213,6 +229,7 @@ class Config(Section):
     dvfs: DvfsConfig = DvfsConfig()
     placement: PlacementConfig = PlacementConfig()
     fleet: FleetConfig = FleetConfig()
+    resources: ResourcesConfig = ResourcesConfig()
 
     @field_validator("interval")
     @classmethod

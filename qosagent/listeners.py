@@ -104,3 +104,19 @@ def holders(fs: HostFS, inodes: Iterable[int], pids: Iterable[int], every: bool 
 def pids(fs: HostFS) -> list[int]:
     """Every process in the host's /proc, in pid order."""
     return sorted(int(n) for n in fs.listdir("/proc") if n.isdigit())
+
+
+def _stat_start(stat: str) -> int | None:
+    # comm (field 2) may hold spaces and parentheses: the fields after it start after the last ')'.
+    tail = stat.rsplit(")", 1)[-1].split()
+    try:
+        return int(tail[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_start(fs: HostFS, pid: int) -> int | None:
+    """A process's start time in clock ticks (/proc/PID/stat), which with its pid names it (a reused pid is another
+    process); None when it has exited."""
+    text = fs.try_read(f"/proc/{pid}/stat")
+    return _stat_start(text) if text else None

@@ -60,6 +60,12 @@ def needs(cfg: "Config") -> dict[str, list[Need]]:
         if cfg.placement.mode == "enforce":
             p.append(Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set the CPU affinity of other users' processes"))
         out["placement"] = p + _state_dir(cfg)
+    if cfg.resources.enabled and cfg.resources.mode == "enforce":
+        out["resources"] = [
+            Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
+            Need("ReadWritePaths", "/sys/fs/cgroup", "write the serving cgroups' cpu and memory files "
+                 "(ProtectControlGroups makes them read-only)"),
+        ] + _state_dir(cfg)
     if cfg.dvfs.enabled and cfg.dvfs.mode == "enforce":
         out["dvfs"] = [Need("ReadWritePaths", p, "CPU frequency limits") for p in CPUFREQ] + _state_dir(cfg)
     return out

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def save_json(path: str, data: Any) -> None:
@@ -40,3 +42,39 @@ def remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class Kept:
+    """One capability's originals file under state_dir (none without a state_dir): read once at start, written whole
+    after each change, removed when nothing is left to put back, and never written over or removed once it could not
+    be read (the operator must look first)."""
+
+    def __init__(self, state_dir: str | None, name: str, what: str):
+        self.path = os.path.join(state_dir, name) if state_dir else None
+        self.what = what  # "placement originals": what a file that is not one is called in the error
+        self.unreadable = False
+
+    def read(self, parse: Callable[[Any], T], empty: T) -> T:
+        """parse(the file's data), `empty` without a file; raises StateFileError for a file that cannot be ours."""
+        if not self.path:
+            return empty
+        try:
+            data = load_json(self.path)
+            if data is None:
+                return empty
+            try:
+                return parse(data)
+            except (AttributeError, ValueError, KeyError, TypeError, IndexError, AssertionError) as e:
+                raise StateFileError(f"{self.path}: not a {self.what} file ({e})") from None
+        except StateFileError:
+            self.unreadable = True
+            raise
+
+    def write(self, data: Any) -> None:
+        """The file replaced by data; removed for None (nothing left to put back)."""
+        if not self.path or self.unreadable:
+            return
+        if data is None:
+            remove(self.path)
+        else:
+            save_json(self.path, data)

@@ -24,3 +24,26 @@ def format_duration(seconds: float) -> str:
     if ms >= 1 and abs(ms - round(ms)) < 1e-9:
         return f"{int(round(ms))}ms"
     return f"{seconds * 1e6:g}us"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|kB|KB|MB|GB|TB)?\s*$")
+_BYTES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+          "kB": 1000, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB": 1000 ** 4}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from "8GiB", "512MiB", "2GB" or a whole number of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            return int(float(m.group(1)) * _BYTES[m.group(2) or "B"])
+    raise ValueError(f"expected a size such as 512MiB or 8GiB, got {value!r}")
+
+
+def format_size(n: int) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n >= _BYTES[unit] and n % _BYTES[unit] == 0:
+            return f"{n // _BYTES[unit]}{unit}"
+    return f"{n}B"

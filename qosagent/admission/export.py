@@ -73,6 +73,7 @@ def status(part: AdmissionPart) -> dict[str, Any]:
         "gpu": part.gpu,
         "shed_tiers": part.shed_tiers,
         "server_pressure": sorted(part.server_pressure),
+        "held_for_cpu": sorted(part.held_for_cpu),
         "escalation": part.escalation,
         "healthy_streak": part.healthy_streak,
         "gpus": [{"gpu": g.gpu, "memory_used_ratio": g.memory_used_ratio, "evidence": g.evidence, "counts": g.counts,
@@ -94,10 +95,12 @@ def render(status: dict[str, Any]) -> str:
         return "-" if v is None else f"{v * 1000:.1f}ms"
 
     pressed = ",".join(map(str, status.get("server_pressure", ())))
+    held = ",".join(status.get("held_for_cpu", ()))
     head = (f"ADMISSION  mode {status['mode']}{'' if status['enforcing'] else ' (not writing)'}  "
             f"P{status['quantile'] * 100:g} {status['signal']}  GPU {status['gpu']}"
             f"{'  shed tiers ' + str(status['shed_tiers']) if status['shed_tiers'] else ''}"
-            f"{'  servers pressed ' + pressed if pressed else ''}")
+            f"{'  servers pressed ' + pressed if pressed else ''}"
+            f"{'  cuts wait: resources takes CPU from ' + held if held else ''}")
     lines = [head, "TIER         OBSERVED   SLO        STATE"]
     for tier, v in status["tiers"].items():
         st = "BREACH" if v["in_breach"] else f"over {v['breach_streak']}" if v["breach_streak"] else \

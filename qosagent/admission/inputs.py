@@ -20,6 +20,7 @@ from qosagent.config import Config, LimitSpec
 from qosagent.gpu.backend import GPU, GpuSample, GpuState
 from qosagent.latency.model import LATENCY, LatencyPart
 from qosagent.quota.model import QUOTA
+from qosagent.resources.model import RESOURCES
 from qosagent.servers.model import SERVERS, ServerReading, ServersPart
 from qosagent.slo import SloVerdict
 from qosagent.snapshot import Snapshot
@@ -168,6 +169,7 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
              for name, v in verdict.tiers.items()}
     rq = lat.runqueue_window if lat is not None else None
     servers = snap.part(SERVERS)
+    res = snap.part(RESOURCES)
     return TickInput(
         now=snap.monotonic,
         tiers=tiers,
@@ -177,4 +179,5 @@ def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit])
                       for s in (servers.servers if servers is not None else ())),
         runqueue_p99=rq.quantile(0.99) if rq is not None else None,
         window_s=lat.window_s if lat is not None else cfg.latency.window,
+        cpu_held=res.cpu_held if res is not None else frozenset(),
     )

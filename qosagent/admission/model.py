@@ -52,6 +52,8 @@ class AdmissionPart:
     in_breach: frozenset[str] = frozenset()
     gpu_pressure: bool = False
     server_pressure: frozenset[int] = frozenset()  # ports of the servers pressed this tick
+    # Tiers whose latency cut waited this tick because the resources capability can still take CPU from them.
+    held_for_cpu: frozenset[str] = frozenset()
     # The rest is the report of the same tick, for metrics and status.
     decided: bool = False  # False before the first decision: nothing below is known yet
     mode: str = ""

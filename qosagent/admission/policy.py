@@ -123,6 +123,9 @@ class TickInput:
     servers: tuple[ServerInput, ...] = ()
     # The latency window: a quantile reflects a cut only once the window has turned over since it.
     window_s: float = 0.0
+    # Tiers the resources capability can still take CPU from (ResourcesPart.cpu_held): latency cuts of their
+    # requests wait, so that a lower tier loses CPU before it loses requests.
+    cpu_held: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -325,6 +328,7 @@ class _Tick:
         self.escalation, self.since_cut = prev.escalation, prev.ticks_since_cut + 1
         self.last_cut, self.last_change, self.last_server_cut = prev.last_cut, prev.last_change, prev.last_server_cut
         self.run_pre_cleanup = False
+        self.held: frozenset[str] = frozenset()
         self._evaluate_tiers()
         self.servers = _servers(inp, policy, prev)
         self.pressed = [srv for srv in inp.servers if self.servers[srv.port].pressed]
@@ -396,6 +400,9 @@ class _Tick:
         if policy.cut == "gradient":
             factor = min(1.0, max(0.5, d.slo / d.observed)) if d.observed else 1.0
         eligible = [n for n in self.order if inp.tiers[n].weight <= d.weight]
+        self.held = frozenset(eligible) & inp.cpu_held
+        if self.held:
+            return  # resources is still taking CPU from a tier this cut would reach: requests wait
         cause = {"breach_tier": driver, "observed_s": d.observed, "slo_s": d.slo, "quantile": policy.quantile,
                  "factor": round(factor, 4), "escalation": self.escalation}
         why = f"{driver} P{policy.quantile * 100:g} {d.observed or 0:.3f}s > SLO {d.slo:g}s"
@@ -566,6 +573,7 @@ class _Tick:
             in_breach=frozenset(self.breaching),
             gpu_pressure=self.gpu_pressure,
             server_pressure=frozenset(srv.port for srv in self.pressed),
+            held_for_cpu=self.held,
         )
         return Outcome(state, tuple(self.changes), MappingProxyType(overrides), part, MappingProxyType(self.views),
                        tuple(self.gpu_views), self.gpu_max, self.inp.gpu.reason, self.run_pre_cleanup,

@@ -162,35 +162,19 @@ class OriginalsStore:
     FILE = "placement-originals.json"
 
     def __init__(self, state_dir: str | None):
-        self.path = os.path.join(state_dir, self.FILE) if state_dir else None
+        self.file = statefile.Kept(state_dir, self.FILE, "placement originals")
         self.entries: dict[int, Original] = {}
-        self.unreadable = False  # the file on disk could not be read: it is never written over or removed
+
+    @property
+    def path(self) -> str | None:
+        return self.file.path
 
     def load(self) -> None:
         """What a previous agent saved; raises statefile.StateFileError for a file that cannot be ours (kept)."""
-        if not self.path:
-            return
-        try:
-            data = statefile.load_json(self.path)
-            try:
-                self.entries = {int(pid): Original.from_json(v) for pid, v in (data or {}).items()}
-            except (AttributeError, ValueError, KeyError, TypeError, AssertionError) as e:
-                raise statefile.StateFileError(f"{self.path}: not a placement originals file ({e})") from None
-        except statefile.StateFileError:
-            self.unreadable = True
-            raise
+        self.entries = self.file.read(lambda data: {int(pid): Original.from_json(v) for pid, v in data.items()}, {})
 
     def save(self) -> None:
-        if not self.path or self.unreadable:
-            return
-        if not self.entries:
-            self.remove()
-            return
-        statefile.save_json(self.path, {str(p): o.as_json() for p, o in self.entries.items()})
-
-    def remove(self) -> None:
-        if self.path and not self.unreadable:
-            statefile.remove(self.path)
+        self.file.write({str(p): o.as_json() for p, o in self.entries.items()} if self.entries else None)
 
 
 def restore(fs: HostFS, pid: int, orig: Original) -> AffinityResult:

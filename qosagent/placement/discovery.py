@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Mapping
 from qosagent.cgroups import HostCgroups, read_cpuset
 from qosagent.cpulist import parse_cpulist
 from qosagent.hostfs import HostFS
+from qosagent.listeners import proc_start
 from qosagent.placement.config import Selector
 
 
@@ -29,20 +30,6 @@ class ProcInfo:
     node_pref: int | None = None  # the selector's node for a process without a GPU
     tenant: str | None = None
     thread_cpus: Mapping[int, frozenset[int]] | None = None  # tid -> Cpus_allowed_list, read at collect
-
-
-def _stat_start(stat: str) -> int | None:
-    # comm (field 2) may hold spaces and parentheses: the fields after it start after the last ')'.
-    tail = stat.rsplit(")", 1)[-1].split()
-    try:
-        return int(tail[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def proc_start(fs: HostFS, pid: int) -> int | None:
-    text = fs.try_read(f"/proc/{pid}/stat")
-    return _stat_start(text) if text else None
 
 
 def thread_cpus(fs: HostFS, pid: int) -> dict[int, frozenset[int]]:

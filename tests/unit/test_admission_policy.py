@@ -40,6 +40,7 @@ class Loop:
         self.ticks = 0
         self.last: P.Outcome | None = None
         self.window_s = 0.0
+        self.cpu_held: frozenset[str] = frozenset()
 
     def tick(self, observed: dict[str, float | None] | None = None, gpu: P.GpuInput | None = None,
              servers: tuple[P.ServerInput, ...] = ()) -> P.Outcome:
@@ -55,7 +56,7 @@ class Loop:
                                           admitted_rps=rate, sheddable=tier in self.sheddable,
                                           ports=self.ports.get(name, frozenset()))
         inp = P.TickInput(self.now, tiers, tenants, gpu or P.GpuInput.unknown("no GPU"), servers=servers,
-                          window_s=self.window_s)
+                          window_s=self.window_s, cpu_held=self.cpu_held)
         out = P.decide(inp, self.policy, self.state)
         self.state = out.state
         self.last = out
@@ -92,6 +93,17 @@ def test_breach_cuts_the_lower_tier_first_within_three_ticks() -> None:
     assert c.inputs["slo_s"] == 0.12 and c.inputs["tier"] == "bronze"
     assert out.part.in_breach == {"gold"} and "gold" in out.part.near_slo
     assert out.overrides == {"hobby": TenantLimit(105.0, 10)}
+
+
+def test_latency_cuts_wait_while_resources_can_still_take_cpu_from_the_tiers_below() -> None:
+    loop = Loop(cfg())
+    loop.cpu_held = frozenset({"bronze"})  # resources has not brought bronze's CPU to its floor yet
+    for _ in range(6):
+        out = loop.tick(gold_over())
+    assert loop.changes == [] and out.part.in_breach == {"gold"} and out.part.held_for_cpu == {"bronze"}
+    loop.cpu_held = frozenset()  # bronze at its CPU floor: now its requests are cut
+    out = loop.tick(gold_over())
+    assert [(c.tenant, c.action) for c in out.changes] == [("hobby", "cut")] and out.part.held_for_cpu == set()
 
 
 def test_persistent_breach_escalates_up_the_tiers() -> None:

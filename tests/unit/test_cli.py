@@ -26,7 +26,8 @@ def test_check_reports_fixture_host_as_json(node_exporter_sysfs) -> None:
     assert report["host"]["numa_nodes"] == [0, 1, 2]
     assert report["host"]["thermal_zones"] == {"thermal_zone0": "cpu-thermal"}
     assert report["host"]["hwmon"]["hwmon0"] == "coretemp"
-    assert set(report["capabilities"]) == {"latency", "quota", "servers", "admission", "fleet", "dvfs", "placement"}
+    assert set(report["capabilities"]) == {"latency", "quota", "servers", "resources", "admission", "fleet", "dvfs",
+                                         "placement"}
     assert report["capabilities"]["quota"]["state"] == "disabled"
 
 

@@ -115,3 +115,10 @@ def test_capabilities_and_mounts_read_from_proc() -> None:
     assert sandbox.caps_from_status(status) == {"CAP_NET_ADMIN", "CAP_SYS_NICE", "CAP_PERFMON", "CAP_BPF"}
     mounts = "sysfs /sys sysfs rw 0 0\nnone /sys/fs/bpf bpf rw 0 0\n"
     assert sandbox.mount_type(mounts, "/sys/fs/bpf") == "bpf" and sandbox.mount_type(mounts, "/sys/fs") is None
+
+
+def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
+    cfg = parse({"resources": {"enabled": True, "mode": "enforce"}}, "test")
+    got = dropin_settings(sandbox.dropin(cfg))
+    assert got["CapabilityBoundingSet"] == {"CAP_SYS_NICE"} and got["ReadWritePaths"] == {"/sys/fs/cgroup"}
+    assert sandbox.dropin(parse({"resources": {"enabled": True}}, "test")) == "", "dry-run writes nothing"

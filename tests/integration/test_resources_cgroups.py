@@ -1,0 +1,398 @@
+"""Tier resources for real on this host's cgroups (hybrid here: cpu and memory as v1 controllers; the unified
+layout in the kernel matrix's VM): servers listening on tenant ports, in cgroups the test creates, get the
+configured files and scheduler hints; everything goes back on stop, after kill -9 (by detach, or by the next
+agent), and a value someone else rewrites is left to them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from qosagent import config as config_mod
+from qosagent.cgroups import V2
+from qosagent.daemon import Agent
+from qosagent.gpu.backend import NoGpu
+from qosagent.hostfs import HostFS
+from qosagent.resources import sched
+from qosagent.resources.capability import Resources
+from qosagent.resources.discovery import Layout
+from tests.conftest import require
+from testkit.agent import AgentProcess, agent_argv, agent_env, status_socket
+
+HOST = HostFS("/")
+
+# A stand-in serving process: listens on its port, three idle threads, one more on "spawn"; touches `mib` MiB.
+SERVER = r"""
+import socket, sys, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+stop = threading.Event()
+for _ in range(3):
+    threading.Thread(target=stop.wait, daemon=True).start()
+buf = bytearray(int(sys.argv[2]) << 20)
+for i in range(0, len(buf), 4096):
+    buf[i] = 1
+print("ready", flush=True)
+for line in sys.stdin:
+    threading.Thread(target=stop.wait, daemon=True).start()
+    print("spawned", flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """Cgroups of the test's own (per controller, where this host has each) and servers started in them."""
+
+    def __init__(self) -> None:
+        self.layout = Layout.probe(HOST)
+        self.token = f"qa-resources-{uuid.uuid4().hex[:8]}"
+        self.dirs: list[str] = []
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def dir(self, controller: str, path: str) -> str:
+        version = self.layout.versions[controller]
+        return f"/sys/fs/cgroup{path}" if version == V2 else f"/sys/fs/cgroup/{controller}{path}"
+
+    def cgroup(self, name: str) -> str:
+        """A cgroup /<token>/<name> in every hierarchy of cpu and memory (one on a unified host)."""
+        top, path = f"/{self.token}", f"/{self.token}/{name}"
+        for c in ("cpu", "memory"):
+            for d in (self.dir(c, top), self.dir(c, path)):
+                if not os.path.isdir(d):
+                    os.mkdir(d)
+                    self.dirs.append(d)
+            if self.layout.versions[c] == V2:
+                with open(f"{self.dir(c, top)}/cgroup.subtree_control", "w") as f:
+                    f.write(f"+{c}")
+        return path
+
+    def serve(self, port: int, path: str | None, mib: int = 1) -> subprocess.Popen[str]:
+        procs = [f"{self.dir(c, path)}/cgroup.procs" for c in ("cpu", "memory")] if path else []
+
+        def enter() -> None:
+            for f in dict.fromkeys(procs):
+                with open(f, "w") as out:
+                    out.write(str(os.getpid()))
+
+        p = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(mib), self.token], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+        self.procs.append(p)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        return p
+
+    def read(self, controller: str, path: str, file: str) -> str:
+        with open(f"{self.dir(controller, path)}/{file}") as f:
+            return f.read().strip()
+
+    def files(self, path: str) -> dict[str, str]:
+        names = {V2: ("cpu.max", "cpu.weight", "memory.min", "memory.high"),
+                 "v1": ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares", "memory.soft_limit_in_bytes",
+                        "memory.limit_in_bytes")}
+        out = {}
+        for c in ("cpu", "memory"):
+            for f in names[self.layout.versions[c] or "v1"]:
+                if f.startswith(c):
+                    out[f] = self.read(c, path, f)
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for d in reversed(self.dirs):
+            for _ in range(50):
+                try:
+                    os.rmdir(d)
+                    break
+                except OSError:
+                    time.sleep(0.1)  # a killed child leaves its cgroup a moment after wait()
+
+
+@pytest.fixture
+def lab(root: None):
+    layout = Layout.probe(HOST)
+    require(all(layout.versions.values()), f"cpu and memory controllers mounted (found {dict(layout.versions)})")
+    lab = Lab()
+    yield lab
+    lab.close()
+
+
+def expected(lab: Lab, cpus: float, weight: int, memory: int | None = None, high: int | None = None) -> dict:
+    cpu_v2 = lab.layout.versions["cpu"] == V2
+    out = {"cpu.max": f"{round(cpus * 100000)} 100000", "cpu.weight": str(weight)} if cpu_v2 else {
+        "cpu.cfs_quota_us": str(round(cpus * 100000)), "cpu.cfs_period_us": "100000",
+        "cpu.shares": str(weight * 1024 // 100)}
+    mem_v2 = lab.layout.versions["memory"] == V2
+    if memory is not None:
+        out["memory.min" if mem_v2 else "memory.soft_limit_in_bytes"] = str(memory)
+    if high is not None:
+        out["memory.high" if mem_v2 else "memory.limit_in_bytes"] = str(high)
+    return out
+
+
+def config(tmp_path: Path, gold: int, bronze: int, extra: str = "", mode: str = "enforce") -> str:
+    return f"""
+latency: {{enabled: false}}
+servers: []
+state_dir: {tmp_path}/state
+tiers:
+  gold: {{slo_p99: 120ms, weight: 10, resources: {{cpus: 1.5, memory: 64MiB, memory_high: 128MiB}}}}
+  bronze: {{slo_p99: 1200ms, weight: 1, resources: {{cpus: 0.5, sched: batch}}}}
+tenants:
+  - {{name: acme, tier: gold, match: {{ports: [{gold}]}}}}
+  - {{name: hobby, tier: bronze, match: {{ports: [{bronze}]}}}}
+resources:
+  enabled: true
+  mode: {mode}
+  reconcile_interval: 1s
+{extra}"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_agent(text: str) -> tuple[Agent, Clock]:
+    agent = Agent(config_mod.parse_text(text, "test"), HOST, gpu=NoGpu())
+    clock = Clock()
+    agent.ctx.clock = clock
+    agent.start()
+    return agent, clock
+
+
+def resources(agent: Agent) -> Resources:
+    (cap,) = [c for c in agent.capabilities if isinstance(c, Resources)]
+    return cap
+
+
+def threads(pid: int) -> dict[int, sched.Attr]:
+    return {int(t): sched.get(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def slices(pid: int) -> dict[int, int]:
+    """se.slice of every thread, as /proc/PID/task/TID/sched shows it."""
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        for line in open(f"/proc/{pid}/task/{t}/sched"):
+            if line.startswith("se.slice"):
+                out[int(t)] = int(line.split(":")[1])
+    return out
+
+
+def chrt(pid: int) -> str:
+    return subprocess.run(["chrt", "-p", str(pid)], capture_output=True, text=True, check=True).stdout
+
+
+def test_enforce_sets_files_and_hints_every_thread_then_stop_restores(tmp_path, lab) -> None:
+    gp, bp = free_port(), free_port()
+    gold, bronze = lab.cgroup("gold"), lab.cgroup("bronze")
+    g, b = lab.serve(gp, gold), lab.serve(bp, bronze)
+    before = {gold: lab.files(gold), bronze: lab.files(bronze)}
+    g_threads, b_threads = threads(g.pid), threads(b.pid)
+    agent, clock = make_agent(config(tmp_path, gp, bp))
+    cap = resources(agent)
+    try:
+        snap = agent.tick()
+        assert lab.files(gold) == {**before[gold], **expected(lab, 1.5, 1000, 64 << 20, 128 << 20)}
+        assert lab.files(bronze) == {**before[bronze], **expected(lab, 0.5, 100)}
+        slice_ns = 500_000 if cap.plan.slices.supported else None
+        if slice_ns:
+            assert set(slices(g.pid).values()) == {slice_ns}, slices(g.pid)
+        else:
+            assert {a.nice for a in threads(g.pid).values()} == {-5}
+        assert all(a.policy == sched.POLICIES["batch"] for a in threads(b.pid).values())
+        assert "SCHED_BATCH" in chrt(b.pid)
+        # A thread the gold server spawns after start gets the hint within one reconcile interval.
+        assert g.stdin is not None and g.stdout is not None
+        g.stdin.write("spawn\n")
+        g.stdin.flush()
+        assert g.stdout.readline().strip() == "spawned"
+        assert len(threads(g.pid)) == 5
+        clock.t += 1
+        agent.tick()
+        if slice_ns:
+            assert set(slices(g.pid).values()) == {slice_ns}, slices(g.pid)
+        part = snap.part("resources")
+        states = {(r.group.controller, r.group.path): (r.group.state, r.applied) for r in part.groups}
+        assert states[("cpu", gold)] == ("ok", True) and states[("memory", gold)] == ("ok", True)
+        text = Resources.render(cap.status(agent.latest))
+        assert "RESOURCES (enforce" in text and gold in text
+        fams = {m.name: m for m in cap.metrics(agent.latest)}
+        quota = "cpu.max" if lab.layout.versions["cpu"] == V2 else "cpu.cfs_quota_us"
+        assert [s.value for s in fams["qosagent_resources_setting"].samples
+                if s.labels["cgroup"] == bronze and s.labels["file"] == quota] == [50000.0]
+        assert any(s.labels["cgroup"] == gold for s in fams["qosagent_resources_throttled_periods"].samples)
+        assert [s.value for s in fams["qosagent_resources_hinted_threads"].samples if s.labels["tier"] == "gold"] \
+            == [5.0]
+    finally:
+        agent.stop()
+    assert {gold: lab.files(gold), bronze: lab.files(bronze)} == before
+    after = threads(g.pid)
+    assert all(after[t] == g_threads.get(t, g_threads[g.pid]) for t in after), (after, g_threads)
+    assert threads(b.pid) == b_threads and "SCHED_OTHER" in chrt(b.pid)
+    assert not (tmp_path / "state" / "resources-originals.json").exists()
+
+
+def test_dry_run_writes_nothing_and_says_would(tmp_path, lab) -> None:
+    gp, bp = free_port(), free_port()
+    gold = lab.cgroup("gold")
+    g = lab.serve(gp, gold)
+    before, attrs = lab.files(gold), threads(g.pid)
+    agent, _ = make_agent(config(tmp_path, gp, bp, mode="dry-run"))
+    try:
+        agent.tick()
+        sets = [d for d in agent.decisions if d.action == "set"]
+        assert sets and not any(d.applied for d in sets)
+        assert lab.files(gold) == before and threads(g.pid) == attrs
+        assert "* dry-run" in Resources.render(resources(agent).status(agent.latest))
+    finally:
+        agent.stop()
+
+
+def wait_for(what, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
+    gp, bp = free_port(), free_port()
+    gold = lab.cgroup("gold")
+    g = lab.serve(gp, gold)
+    before, attrs = lab.files(gold), threads(g.pid)
+    want = {**before, **expected(lab, 1.5, 1000, 64 << 20, 128 << 20)}
+    sock = status_socket()
+    cfg = tmp_path / "qosagent.yaml"
+    cfg.write_text(config(tmp_path, gp, bp) + f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n")
+    for then in ("detach", "restart"):
+        agent = AgentProcess(cfg, sock, tmp_path / "agent.log")
+        agent.start()
+        wait_for(lambda: lab.files(gold) == want)
+        agent.kill()  # SIGKILL: no stop, nothing restored
+        assert lab.files(gold) == want and threads(g.pid) != attrs
+        if then == "detach":
+            out = subprocess.run(agent_argv("detach", "--config", str(cfg)), env=agent_env(), capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert "resources:" in out.stdout and "restored" in out.stdout, out.stdout
+        else:
+            with AgentProcess(cfg, sock, tmp_path / "agent2.log"):
+                wait_for(lambda: lab.files(gold) == want)
+        assert lab.files(gold) == before and threads(g.pid) == attrs
+        assert not (tmp_path / "state" / "resources-originals.json").exists()
+
+
+def test_shared_cgroup_is_reported_or_moved_and_two_tiers_in_one_are_reported(tmp_path, lab) -> None:
+    gp, bp = free_port(), free_port()
+    both = lab.cgroup("both")
+    g, b = lab.serve(gp, both), lab.serve(bp, both)
+    before = lab.files(both)
+    # No memory for gold here: a shared cgroup's memory settings would be the harness's own.
+    text = config(tmp_path, gp, bp).replace(", memory: 64MiB, memory_high: 128MiB", "")
+    agent, clock = make_agent(text)
+    try:
+        agent.tick()
+        reports = [d for d in agent.decisions if d.action == "report"]
+        assert reports and all("conflict: serving processes of tiers bronze, gold" in d.reason for d in reports)
+        assert lab.files(both) == before
+    finally:
+        agent.stop()
+    moved_text = text.replace("  reconcile_interval: 1s\n", "  reconcile_interval: 1s\n  move: true\n")
+    agent, clock = make_agent(moved_text)
+    try:
+        agent.tick()
+        assert {d.action for d in agent.decisions} >= {"move"}
+        clock.t += 1
+        agent.tick()
+        own = "/qosagent-gold"
+        for c in ("cpu", "memory"):
+            with open(f"{lab.dir(c, own)}/cgroup.procs") as f:
+                assert str(g.pid) in f.read().split()
+        assert lab.files(own)[("cpu.max" if lab.layout.versions["cpu"] == V2 else "cpu.cfs_quota_us")] in (
+            "150000 100000", "150000")
+        assert str(b.pid) in open(f"{lab.dir('cpu', '/qosagent-bronze')}/cgroup.procs").read().split()
+    finally:
+        agent.stop()
+    for p in (g, b):
+        for c in ("cpu", "memory"):
+            assert str(p.pid) in open(f"{lab.dir(c, both)}/cgroup.procs").read().split()
+    assert not os.path.exists(lab.dir("cpu", "/qosagent-gold"))
+    assert lab.files(both) == before
+
+
+def test_refused_write_leaves_nothing_half_applied(tmp_path, lab) -> None:
+    gp, bp = free_port(), free_port()
+    gold = lab.cgroup("gold")
+    g = lab.serve(gp, gold, mib=48)
+    before = lab.files(gold)
+    # A hard limit below what the server holds (no swap): the kernel refuses it (v1 EBUSY; v2 memory.high takes
+    # any value, so there the refusal is a value out of range).
+    small = config(tmp_path, gp, bp).replace("memory: 64MiB, memory_high: 128MiB", "memory: 4MiB, memory_high: 8MiB")
+    agent, _ = make_agent(small)
+    cap = resources(agent)
+    try:
+        if lab.layout.versions["memory"] == V2:
+            pytest.skip("cgroup v2's memory.high takes any value")
+        agent.tick()
+        mem = [r for r in agent.latest.part("resources").groups if r.group.controller == "memory"]
+        assert mem and mem[0].error and not mem[0].applied, mem
+        assert cap.counters["errors"]["EBUSY"] >= 1
+        now = lab.files(gold)
+        assert now["memory.soft_limit_in_bytes"] == before["memory.soft_limit_in_bytes"]
+        assert now["memory.limit_in_bytes"] == before["memory.limit_in_bytes"]
+        assert now["cpu.cfs_quota_us"] == "150000"  # the cpu group is one of its own
+    finally:
+        agent.stop()
+    assert g.poll() is None
+    assert lab.files(gold) == before
+
+
+def test_a_value_rewritten_by_another_owner_is_left_to_it(tmp_path, lab) -> None:
+    gp, bp = free_port(), free_port()
+    gold = lab.cgroup("gold")
+    lab.serve(gp, gold)
+    before = lab.files(gold)
+    agent, clock = make_agent(config(tmp_path, gp, bp))
+    cap = resources(agent)
+    shares = "cpu.weight" if lab.layout.versions["cpu"] == V2 else "cpu.shares"
+    try:
+        agent.tick()
+        with open(f"{lab.dir('cpu', gold)}/{shares}", "w") as f:
+            f.write("77")  # as the kubelet or systemd would
+        clock.t += 1
+        agent.tick()
+        assert [d.action for d in agent.decisions].count("back_off") == 1
+        assert cap.counters["rewritten"]["cpu"] == 1
+        clock.t += 1
+        agent.tick()
+        assert lab.read("cpu", gold, shares) == "77"
+        assert [d.action for d in agent.decisions].count("back_off") == 1
+    finally:
+        agent.stop()
+    now = lab.files(gold)
+    assert now[shares] == "77"
+    assert {k: v for k, v in now.items() if k.startswith("memory")} == \
+        {k: v for k, v in before.items() if k.startswith("memory")}

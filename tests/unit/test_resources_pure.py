@@ -1,0 +1,204 @@
+"""The pure parts of resources: the config's checks, the files a group gets, the loop's steps, the node's verdict,
+the shared-cgroup rule and the rendering."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qosagent import config as config_mod
+from qosagent.capability import AgentContext, CapabilityError
+from qosagent.config import ConfigError
+from qosagent.gpu.backend import NoGpu
+from qosagent.hostfs import HostFS
+from qosagent.resources import planner, policy
+from qosagent.resources.applier import Moved, Store, Thread
+from qosagent.resources.capability import Resources, node_problems
+from qosagent.resources.config import SuppressConfig
+from qosagent.resources.sched import Attr
+from qosagent.resources.discovery import is_shared
+from qosagent.slo import tier
+from qosagent.statefile import StateFileError
+from qosagent.units import parse_size
+
+
+def parse(text: str) -> config_mod.Config:
+    return config_mod.parse_text(text, "test")
+
+
+TIERS = """
+tiers:
+  gold: {slo_p99: 120ms, weight: 10, resources: {cpus: 4, memory: 8GiB}}
+  silver: {slo_p99: 350ms, weight: 5, resources: {cpus: 2, memory: 4GiB, memory_high: 6GiB, cpu_weight: 300}}
+  bronze: {slo_p99: 1200ms, weight: 1, resources: {cpus: 1, sched: idle}}
+  free: {slo_p99: 5s, weight: 1}
+"""
+
+
+def test_sizes_and_tier_defaults() -> None:
+    assert parse_size("8GiB") == 8 << 30 and parse_size("2GB") == 2_000_000_000 and parse_size(4096) == 4096
+    with pytest.raises(ValueError):
+        parse_size("8 gigs")
+    cfg = parse(TIERS)
+    gold, silver, bronze = (cfg.tiers[n] for n in ("gold", "silver", "bronze"))
+    assert gold.cpu_weight() == 1000 and silver.cpu_weight() == 300 and bronze.cpu_weight() == 100
+    assert gold.latency_sensitive() and silver.latency_sensitive() and not bronze.latency_sensitive()
+    assert not cfg.tiers["free"].latency_sensitive()
+    assert cfg.resources.mode == "dry-run" and not cfg.resources.enabled and not cfg.resources.move
+
+
+@pytest.mark.parametrize("bad, where, says", [
+    ("{cpus: 0}", "tiers.gold.resources.cpus", "greater than 0"),
+    ("{memory: 8 gigs}", "tiers.gold.resources.memory", "expected a size"),
+    ("{memory: 8GiB, memory_high: 4GiB}", "tiers.gold.resources", "memory_high is below memory"),
+    ("{sched: idle, latency_sensitive: true}", "tiers.gold.resources", "contradicts latency_sensitive"),
+    ("{cpu_weight: 20000}", "tiers.gold.resources.cpu_weight", "less than or equal to 10000"),
+    ("{shares: 3}", "tiers.gold.resources.shares", "unknown key"),
+])
+def test_bad_tier_resources_name_the_key(bad: str, where: str, says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse(f"tiers:\n  gold: {{slo_p99: 120ms, weight: 10, resources: {bad}}}\n")
+    assert any(path == where and says in msg for path, msg in e.value.problems), e.value.problems
+
+
+def test_bad_resources_section() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse("resources: {latency_slice: 10ms5, suppress: {factor: 1.5, floor_cpus: 0}, mode: on}")
+    paths = {p for p, _ in e.value.problems}
+    assert {"resources.latency_slice", "resources.suppress.factor", "resources.suppress.floor_cpus",
+            "resources.mode"} <= paths
+
+
+def test_node_too_small_is_a_verdict() -> None:
+    cfg = parse(TIERS)
+    problems = node_problems(cfg, cpus=2, memory=6 << 30)
+    assert "tiers.gold.resources.cpus 4 is more than the node's 2 online CPUs" in problems
+    assert "tiers.gold.resources.memory 8GiB is more than the node's memory (6.0GiB)" in problems
+    assert not any("bronze" in p for p in problems)
+    assert node_problems(cfg, cpus=64, memory=64 << 30) == []
+
+
+def test_files_per_version() -> None:
+    cfg = parse(TIERS)
+    gold, silver, bronze = (cfg.tiers[n] for n in ("gold", "silver", "bronze"))
+    assert planner.values("cpu", "v2", gold, None, True) == (("cpu.max", "400000 100000"), ("cpu.weight", "1000"))
+    assert planner.values("cpu", "v1", gold, None, True) == (
+        ("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "400000"), ("cpu.shares", "10240"))
+    assert planner.values("memory", "v2", silver, None, True) == (
+        ("memory.min", str(4 << 30)), ("memory.high", str(6 << 30)))
+    assert planner.values("memory", "v1", silver, None, True) == (
+        ("memory.soft_limit_in_bytes", str(4 << 30)), ("memory.limit_in_bytes", str(6 << 30)))
+    # The loop's quota replaces the configured one; idle where the kernel has cpu.idle; never under 1 ms a period.
+    assert planner.values("cpu", "v2", bronze, 0.25, True) == (
+        ("cpu.max", "25000 100000"), ("cpu.weight", "100"), ("cpu.idle", "1"))
+    assert planner.values("cpu", "v2", bronze, 0.001, False)[0] == ("cpu.max", "1000 100000")
+    assert planner.values("memory", "v1", bronze, None, True) == ()
+    assert planner.values("cpu", "v2", cfg.tiers["free"], None, True) == ()
+
+
+@pytest.mark.parametrize("path, shared", [("/", True), ("", True), ("/user.slice/user-1000.slice", True),
+                                          ("/user.slice/user-1000.slice/session-3.scope", True),
+                                          ("/system.slice/vllm.service", False), ("/qosagent-gold", False),
+                                          ("/kubepods.slice/kubepods-pod1.slice/cri-containerd-ab.scope", False)])
+def test_shared_cgroups(path: str, shared: bool) -> None:
+    assert is_shared(path) is shared
+
+
+def tin(name: str, weight: int, observed: float | None, slo: float, cpus: float | None = None,
+        usage: float | None = None, settable: bool = True) -> policy.TierIn:
+    return policy.TierIn(name, weight, tier(observed, slo, 0.8, 0.9), cpus, settable, usage)
+
+
+def run(steps: list[dict[str, policy.TierIn]], cfg: SuppressConfig, dt: float = 1.0,
+        node: float = 2.0) -> list[policy.Outcome]:
+    state, out, now = policy.LoopState(), [], 0.0
+    for tiers in steps:
+        o = policy.decide(tiers, cfg, node, now, state)
+        state = o.state
+        out.append(o)
+        now += dt
+    return out
+
+
+def test_loop_cuts_lowest_first_to_the_floor_then_the_next_and_gives_back_paced() -> None:
+    cfg = SuppressConfig(floor_cpus=0.1, factor=0.5, every="1s", release_step=1.0, release_every="1s",
+                         healthy_ticks=2)
+    pressed = {"gold": tin("gold", 10, 0.110, 0.120), "silver": tin("silver", 5, 0.1, 0.35, cpus=1.0),
+               "bronze": tin("bronze", 1, 0.1, 1.2, usage=0.8)}
+    calm = {"gold": tin("gold", 10, 0.05, 0.120), "silver": tin("silver", 5, 0.1, 0.35, cpus=1.0),
+            "bronze": tin("bronze", 1, 0.1, 1.2)}
+    outs = run([pressed] * 6 + [calm] * 8, cfg)
+    cuts = [(s.tier, s.new) for o in outs[:6] for s in o.steps]
+    # bronze from what it used (0.8, not the node's 2), halving to the floor; then silver from its configured 1.
+    assert cuts == [("bronze", 0.4), ("bronze", 0.2), ("bronze", 0.1), ("silver", 0.5), ("silver", 0.25),
+                    ("silver", 0.125)]
+    assert outs[0].pressed == "gold" and outs[0].held == {"bronze", "silver"}
+    assert outs[3].held == {"silver"}, "bronze at its floor is no longer held back from admission"
+    assert all(s.reason == policy.NEAR_SLO and "gold 0.110s near its SLO" in s.why for o in outs[:6] for s in o.steps)
+    back = [[(s.tier, s.action, s.new) for s in o.steps] for o in outs[6:]]
+    # healthy_ticks healthy ticks first, then one step per release_every, the most important tier first.
+    assert back[0] == []
+    assert back[1] == [("silver", "raise", 0.25), ("bronze", "raise", 0.2)]
+    assert back[2] == [("silver", "raise", 0.5), ("bronze", "raise", 0.4)]
+    assert back[3] == [("silver", "restore", None), ("bronze", "raise", 0.8)]
+    assert back[4] == [("bronze", "raise", 1.6)] and back[5] == [("bronze", "restore", None)]
+    assert outs[-1].state.quota == {} and outs[-1].held == frozenset()
+
+
+def test_loop_paces_cuts_never_goes_below_the_floor_and_holds_between_near_and_healthy() -> None:
+    cfg = SuppressConfig(floor_cpus=0.3, factor=0.5, every="2s", healthy_ticks=1)
+    pressed = {"gold": tin("gold", 10, 0.2, 0.120), "bronze": tin("bronze", 1, 0.1, 1.2, cpus=1.0)}
+    outs = run([pressed] * 6, cfg)
+    assert [[s.new for s in o.steps] for o in outs] == [[0.5], [], [0.3], [], [], []]
+    # Gold calm but bronze itself near its SLO: nothing below bronze to cut, and not calm enough to give back.
+    between = {"gold": tin("gold", 10, 0.05, 0.120), "bronze": tin("bronze", 1, 1.15, 1.2, cpus=1.0)}
+    state = outs[-1].state
+    o = policy.decide(between, cfg, 2.0, 100.0, state)
+    assert o.steps == () and o.state.quota == {"bronze": 0.3}
+
+
+def test_loop_leaves_tiers_it_may_not_set_and_the_pressed_tier_itself() -> None:
+    cfg = SuppressConfig()
+    tiers = {"gold": tin("gold", 10, 0.2, 0.120), "silver": tin("silver", 5, 0.5, 0.35),
+             "bronze": tin("bronze", 1, 0.1, 1.2, settable=False)}
+    (o,) = run([tiers], cfg)
+    # silver is over its SLO too, but gold is the most important pressed tier: silver is below it and is cut.
+    assert [(s.tier, s.action) for s in o.steps] == [("silver", "cut")]
+    assert o.pressed == "gold" and o.held == {"silver"}
+    off = SuppressConfig(enabled=False)
+    (o,) = run([tiers], off)
+    assert o.steps == () and o.held == frozenset() and math.isinf(-o.state.last_step)
+
+
+def test_a_damaged_originals_file_is_kept_and_stops_resources(tmp_path) -> None:
+    path = tmp_path / "state" / Store.FILE
+    path.parent.mkdir()
+    path.write_text('{"threads": {"5": {"pid": 5}}}')
+    store = Store(str(tmp_path / "state"))
+    with pytest.raises(StateFileError, match="not a resources originals file"):
+        store.load()
+    store.save()
+    assert path.read_text() == '{"threads": {"5": {"pid": 5}}}'
+    cfg = parse(f"state_dir: {tmp_path / 'state'}\nresources: {{enabled: true}}")
+    ctx = AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=NoGpu())
+    with pytest.raises(CapabilityError, match="move it away"):
+        Resources(ctx).start(None)
+    assert Resources.detach(ctx)[0].startswith("resources: ") and path.exists()
+
+
+def test_originals_round_trip_and_an_empty_store_leaves_no_file(tmp_path) -> None:
+    store = Store(str(tmp_path / "state"))
+    store.files["/sys/fs/cgroup/cpu/x/cpu.shares"] = "1024"
+    store.moved[42] = Moved(7, {"cpu": "/sys/fs/cgroup/cpu"}, {"cpu": "/sys/fs/cgroup/cpu/qosagent-gold"})
+    store.created.append("/sys/fs/cgroup/cpu/qosagent-gold")
+    store.threads[43] = Thread(42, 7, Attr(0, 0, 1400000))
+    store.default_slice = 1400000
+    store.save()
+    again = Store(str(tmp_path / "state"))
+    again.load()
+    assert (again.files, again.moved, again.created, again.threads, again.default_slice) == \
+        (store.files, store.moved, store.created, store.threads, 1400000)
+    again.files, again.moved, again.created, again.threads = {}, {}, [], {}
+    again.save()
+    assert not (tmp_path / "state" / Store.FILE).exists()
