@@ -89,7 +89,10 @@ class Known:
     def __init__(self, h: Histogram, buckets: ClassicBucketsConfig):
         self.h, self.buckets = h, buckets
 
-    def metrics(self, _snapshot: Any) -> Iterable[Any]:
+    def traffic(self, _snapshot: Any) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def metrics(self, _snapshot: Any, _shown: Any) -> Iterable[Any]:
         h = self.h
         t = TenantLatency(tenant="chat", tier="gold", requests=h.count, headers=h, ttft=h, response=h, inter_token=h,
                           headers_window=h, ttft_window=h, response_window=h, inter_token_window=h, rate_rps=0.0)
@@ -108,7 +111,7 @@ def serve(h: Histogram, buckets: ClassicBucketsConfig) -> MetricsServer:
 def real() -> None:
     vals = values(1)
     h = Histogram.of(vals)
-    old, new = serve(h, ClassicBucketsConfig(fine_per_octave=2)), serve(h, ClassicBucketsConfig())
+    old, new = serve(h, ClassicBucketsConfig(fine_per_octave=2)), serve(h, ClassicBucketsConfig(fine_per_octave=8))
     jobs = [{"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{srv.address[1]}"]}]}
             for name, srv in (("old", old), ("new", new))]
     rows = {"agent's own quantile": [h.quantile(q) for q in QS]}
@@ -121,7 +124,7 @@ def real() -> None:
                 for label, url, sel in (
                         ("classic, 2 per power of two (before)", classic,
                          'qosagent_latency_response_seconds_bucket{job="old"}'),
-                        ("classic, 8 per power of two from 8.4 ms to 4.3 s (now)", classic,
+                        ("classic, 8 per power of two from 8.4 ms to 4.3 s (a tier's)", classic,
                          'qosagent_latency_response_seconds_bucket{job="new"}'),
                         ("native, schema 3 (protobuf)", nat, "qosagent_latency_response_seconds")):
                     rows[label] = [float(query(url, f"histogram_quantile({q}, {sel})")[0]["value"][1]) for q in QS]

@@ -1,4 +1,4 @@
-"""What the latency families' deprecated names (metrics.deprecated_names, on until 0.3.0) cost a scrape: the agent's
+"""What the latency families' deprecated names (metrics.deprecated_names, off by default) cost a scrape: the agent's
 latency families for 100 tenants rendered as text and as protobuf, with and without the old names, in interleaved
 rounds; the ratio is the median of the per-round ratios, so a busy neighbour slows both sides alike.
 
@@ -62,7 +62,7 @@ def main() -> None:
     p = part(args.tenants)
     without, with_ = scrapes(p, False), scrapes(p, True)
     print(f"{args.tenants} tenants, {args.rounds} interleaved rounds (median):\n")
-    print("| format | without old names | with old names (default) | ratio | bytes without / with |")
+    print("| format | without old names (default) | with old names | ratio | bytes without / with |")
     print("|---|---|---|---|---|")
     for fmt in ("text", "protobuf"):
         times: dict[bool, list[float]] = {False: [], True: []}

@@ -10,10 +10,11 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Container, Iterable, Mapping, TypeVar
 
 from qosagent import services as services_mod
 from qosagent.hostfs import HostFS
+from qosagent.retention import EVERYONE
 from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
@@ -201,8 +202,15 @@ class Capability:
         Returns one line per thing removed or restored."""
         return []
 
-    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
+        """Its families, from the snapshot; per-tenant series only for the tenants in `shown` (those with traffic
+        within metrics.retention: qosagent/retention.py)."""
         return ()
+
+    def traffic(self, snapshot: Snapshot) -> Mapping[str, tuple[int, ...]]:
+        """Per tenant, counts that grow with its traffic (requests, connections, body writes), from which the exports
+        tell who had traffic within metrics.retention; {} for a capability that counts none."""
+        return {}
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
         """JSON-able state for `qosagent status --json`."""

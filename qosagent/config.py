@@ -155,8 +155,12 @@ class MetricsConfig(Section):
     # /healthz and /readyz alone, in plain HTTP on their own address: probes need neither TLS nor credentials.
     health_listen: str | None = None
     # The latency families' names before 0.2.0 grouped them under qosagent_latency_, exposed beside the new ones
-    # until 0.3.0 (qosagent/latency/export.py, RENAMED).
-    deprecated_names: bool = True
+    # when on (qosagent/latency/export.py, RENAMED); off since they doubled every per-tenant family, 0.3.0 removes them.
+    deprecated_names: bool = False
+    # A tenant's series are written while it has had traffic within this long (qosagent/retention.py): an idle
+    # tenant costs nothing per scrape, and comes back with its counts since start. Longer than the longest range
+    # a rule or dashboard takes rate() over, so a tenant's last increase is still seen.
+    retention: duration_between(30.0, 30 * 86400.0, "30s and 30d") = 600.0  # type: ignore[valid-type]
 
     @field_validator("listen", "health_listen")
     @classmethod

@@ -217,11 +217,11 @@ class Agent:
             if cap.name not in failed:
                 parts[cap.name] = cap.settled(parts.get(cap.name))
         snap = Snapshot(snap.seq, snap.monotonic, snap.wall_time, MappingProxyType(parts), tuple(decided))
-        self.latest = snap
         elapsed = time.monotonic() - t0
         self.stats.ticks += 1
         self.stats.tick_seconds_last = elapsed
         self.stats.tick_seconds_max = max(self.stats.tick_seconds_max, elapsed)
+        self.latest = snap  # last: the exposition built for this snapshot carries this tick's stats
         return snap
 
     def _sample_gpu(self) -> GpuState:

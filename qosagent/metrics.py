@@ -1,13 +1,16 @@
-"""Prometheus exposition built at scrape time from the latest Snapshot (a custom collector), plus health routes.
+"""Prometheus exposition built from the latest Snapshot when it is first scraped (a custom collector), plus health
+routes.
 
-No gauge is mutated from the loop: a scrape reads one Snapshot, so every series in it describes the same tick.
+No gauge is mutated from the loop: a scrape reads one Snapshot, so every series in it describes the same tick; the
+exposition of a snapshot is built once and encoded once per format, however many scrapes ask for it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -19,10 +22,12 @@ from qosagent.config import MetricsBasicAuth, MetricsConfig, MetricsTls
 from qosagent.exposition import Family, Series, one
 from qosagent.gpu.backend import GPU
 from qosagent.readiness import readiness
+from qosagent.retention import Retention
 from qosagent.snapshot import Snapshot
 from qosagent.weblisten import Listener, Reply, Route, Security
 
 if TYPE_CHECKING:
+    from qosagent.config import Config
     from qosagent.daemon import Agent
     from qosagent.gpu.backend import GpuSample, GpuState
 
@@ -107,23 +112,70 @@ FAMILIES: tuple[Family[_Scrape], ...] = (
 
 
 class AgentCollector:
+    """The agent's families, built once per snapshot (and config) and encoded once per format: every scrape of one
+    tick is the same bytes, so a scrape costs one exposition a tick at most, however many scrapers ask. Per-tenant
+    series are written for the tenants with traffic within metrics.retention (qosagent/retention.py)."""
+
     def __init__(self, agent: "Agent"):
         self.agent = agent
+        self.retention = Retention(agent.config.metrics.retention)
+        self._lock = threading.Lock()
+        self._built_for: tuple[Snapshot, "Config"] | None = None
+        self._metrics: list[Metric] = []
+        self._bodies: dict[bool, bytes] = {}  # protobuf? -> the encoded exposition
 
     def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            return list(self._current())
+
+    def body(self, protobuf: bool) -> bytes:
+        """The exposition of the latest snapshot, text or protobuf, encoded at most once per snapshot."""
+        with self._lock:
+            metrics = self._current()
+            if protobuf not in self._bodies:
+                self._bodies[protobuf] = exposition.encode(metrics) if protobuf else generate_latest(_Built(metrics))
+            return self._bodies[protobuf]
+
+    def _current(self) -> list[Metric]:
         a = self.agent
-        snap = a.latest
+        snap, cfg = a.latest, a.config
+        if self._built_for is None or self._built_for[0] is not snap or self._built_for[1] is not cfg:
+            self._metrics = list(self._build(snap, cfg))
+            self._bodies = {}
+            self._built_for = (snap, cfg)
+        return self._metrics
+
+    def _build(self, snap: Snapshot, cfg: "Config") -> Iterator[Metric]:
+        a = self.agent
         yield from exposition.families(FAMILIES, _Scrape(a, snap))
         for svc in a.services:
             try:
-                yield from svc.metrics(snap.part(svc.name), a.config)
+                yield from svc.metrics(snap.part(svc.name), cfg)
             except Exception:  # noqa: BLE001 - as a capability's below
                 log.exception("%s: metrics failed", svc.name)
+        self.retention.window = cfg.metrics.retention
+        traffic = {}
         for cap in a.capabilities:
             try:
-                yield from cap.metrics(snap)
+                traffic[cap.name] = cap.traffic(snap)
+            except Exception:  # noqa: BLE001 - its tenants are then judged by the others' traffic
+                log.exception("%s: traffic failed", cap.name)
+        shown = self.retention.shown(snap.monotonic, traffic)
+        for cap in a.capabilities:
+            try:
+                yield from cap.metrics(snap, shown)
             except Exception:  # noqa: BLE001 - one broken capability must not empty the scrape
                 log.exception("%s: metrics failed", cap.name)
+
+
+@dataclass(frozen=True)
+class _Built:
+    """Families already built, as generate_latest reads a registry."""
+
+    metrics: list[Metric]
+
+    def collect(self) -> Iterable[Metric]:
+        return self.metrics
 
 
 def make_registry(agent: "Agent") -> CollectorRegistry:
@@ -143,10 +195,10 @@ class MetricsServer(Listener):
         (with the offending file named) when the listener, certificate or password is unusable."""
         if sec is None:
             sec = weblisten.security(MetricsConfig(listen=listen, tls=tls, basic_auth=basic_auth))
-        registry = make_registry(agent)
+        collector = AgentCollector(agent)
 
         def metrics(headers: Mapping[str, str]) -> Reply:
-            return (200, *scrape_body(registry, headers.get("Accept")))
+            return (200, *scrape_body(collector, headers.get("Accept")))
 
         super().__init__(listen, {"/metrics": metrics, **health_routes(agent)}, sec, frozenset({"/metrics"}),
                          name="metrics")
@@ -168,15 +220,15 @@ def health_server(agent: "Agent", listen: str) -> Listener:
     return Listener(listen, health_routes(agent), name="health")
 
 
-def scrape_body(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+def scrape_body(collector: AgentCollector, accept: str | None) -> tuple[bytes, str]:
     """The exposition a scraper asked for: protobuf (native histograms) when its Accept header ranks it first,
     else text. A protobuf encoding that fails is logged and answered in text: the scrape goes on."""
     if exposition.wants_protobuf(accept):
         try:
-            return exposition.encode(registry.collect()), exposition.CONTENT_TYPE
+            return collector.body(protobuf=True), exposition.CONTENT_TYPE
         except Exception:  # noqa: BLE001 - a bug in the encoder must not cost the scrape
             log.exception("protobuf exposition failed; answering in text")
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+    return collector.body(protobuf=False), CONTENT_TYPE_LATEST
 
 
 def agent_health(agent: "Agent") -> tuple[bool, str]:

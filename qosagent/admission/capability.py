@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent.admission import export, policy
 from qosagent.admission.inputs import baseline, tick_input
 from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
+from qosagent.retention import EVERYONE
 from qosagent.snapshot import Decision, Snapshot
 from qosagent.tenants import LIMITS_SERVICE, LimitsWriter, TenantLimit
 
@@ -191,9 +192,9 @@ class Admission(Capability):
             gpus=tuple(GpuAdmission(v.index, v.ratio, v.evidence, v.counts, v.why, v.conflict) for v in out.gpus),
             gpu_ignored=dict(self.ignored), **common)
 
-    def metrics(self, snapshot: Snapshot) -> Iterable[Metric]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable[Metric]:
         part = snapshot.part(ADMISSION)
-        return export.metrics(part) if part is not None else ()
+        return export.metrics(part, shown) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
         part = snapshot.part(ADMISSION)

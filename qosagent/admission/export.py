@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 from prometheus_client.core import Metric
 
 from qosagent.admission.model import AdmissionPart
 from qosagent.admission.policy import BY_CONFIG
 from qosagent.exposition import Family, families, one
+from qosagent.retention import EVERYONE
 from qosagent.tenants import TenantLimit
 
 
@@ -60,7 +62,12 @@ FAMILIES: tuple[Family[AdmissionPart], ...] = (
 )
 
 
-def metrics(part: AdmissionPart) -> Iterable[Metric]:
+def metrics(part: AdmissionPart, shown: Container[str] = EVERYONE) -> Iterable[Metric]:
+    """Its families; a tenant's series while it is shown (metrics.retention) or admission holds it below its
+    configured limit (an alert's subject, idle or not)."""
+    if shown is not EVERYONE:
+        part = dataclasses.replace(part, tenants=tuple(t for t in part.tenants
+                                                       if t.tenant in shown or t.signal != BY_CONFIG))
     return families(FAMILIES, part)
 
 

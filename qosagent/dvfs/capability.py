@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent import cpufreq
 from qosagent.admission.model import ADMISSION
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
+from qosagent.retention import EVERYONE
 from qosagent.dvfs import export, policy, rollback, sensors
 from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
@@ -282,7 +283,7 @@ class Dvfs(Capability):
                                                 for p in group if self.states[p.name].point and p.max_khz])
 
     # ---- visibility --------------------------------------------------------------------------------------
-    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(DVFS)
         return export.metrics(part, snapshot.part(GPU)) if part is not None else ()
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent.capability import Capability, CapabilityError, State, Verdict
+from qosagent.retention import EVERYONE
 from qosagent.fleet.agent import Reporter
 from qosagent.fleet.alloc import Want
 from qosagent.fleet.etcd import Etcd, EtcdError
@@ -121,9 +122,9 @@ class Fleet(Capability):
         self.current = {}
 
     # ---- visibility --------------------------------------------------------------------------------------
-    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(FLEET)
-        return export.metrics(part) if part is not None else ()
+        return export.metrics(part, shown) if part is not None else ()
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
         part = snapshot.part(FLEET)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import dataclasses
+from typing import Any, Container, Iterable
 
 from prometheus_client.core import Metric
 
 from qosagent.exposition import Family, families, one
 from qosagent.fleet.agent import Seen
 from qosagent.fleet.model import FleetPart, TenantShare
+from qosagent.retention import EVERYONE
 
 
 def _tenants(part: FleetPart) -> list[tuple[str, TenantShare]]:
@@ -32,7 +34,10 @@ FAMILIES: tuple[Family[FleetPart], ...] = (
 )
 
 
-def metrics(part: FleetPart) -> Iterable[Metric]:
+def metrics(part: FleetPart, shown: Container[str] = EVERYONE) -> Iterable[Metric]:
+    """Its families; a tenant's series while it is shown (metrics.retention)."""
+    if shown is not EVERYONE:
+        part = dataclasses.replace(part, tenants={t: s for t, s in part.tenants.items() if t in shown})
     return families(FAMILIES, part)
 
 

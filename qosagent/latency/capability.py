@@ -6,7 +6,7 @@ the pods' addresses (pods.py), the tick's read as the part (reading.py) and what
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
 from qosagent import netns
 from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, Verdict, rewrite
@@ -18,6 +18,7 @@ from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.pods.service import Pods
+from qosagent.retention import EVERYONE
 from qosagent.schedule import Every
 from qosagent.slo import SloVerdict
 from qosagent.tenants import TenantInfo
@@ -177,12 +178,16 @@ class Latency(Capability):
         log.info("latency probes detached")
 
     # ---- reporting ---------------------------------------------------------------------------------------
-    def metrics(self, snapshot: "Snapshot") -> Iterable["Metric"]:
+    def metrics(self, snapshot: "Snapshot", shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(LATENCY)
-        adm = self.ctx.config.admission
-        fams = export.families(part, part.hooks.attached if part is not None else 0, adm.signal, adm.quantile,
-                               self.ctx.config.latency.classic_buckets)
-        yield from export.with_deprecated(fams) if self.ctx.config.metrics.deprecated_names else fams
+        cfg = self.ctx.config
+        fams = export.families(part, part.hooks.attached if part is not None else 0, cfg.admission.signal,
+                               cfg.admission.quantile, cfg.latency.classic_buckets, shown, cfg.latency.tier_histograms)
+        yield from export.with_deprecated(fams) if cfg.metrics.deprecated_names else fams
+
+    def traffic(self, snapshot: "Snapshot") -> Mapping[str, tuple[int, ...]]:
+        part = snapshot.part(LATENCY)
+        return export.traffic(part) if part is not None else {}
 
     def status(self, snapshot: "Snapshot") -> dict[str, Any]:
         part = snapshot.part(LATENCY)

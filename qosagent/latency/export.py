@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Container, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
 from qosagent import exposition
+from qosagent.config import UNMATCHED
 from qosagent.exposition import Family, NativeHistogramMetricFamily, Series, one
 from qosagent.hist import Histogram, export_bounds_ns
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.config import ClassicBucketsConfig
-from qosagent.latency.model import LatencyPart
+from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.retention import EVERYONE
 
 QUANTILES = (0.5, 0.95, 0.99)
 LO_LOG2, HI_LOG2 = 17, 37  # classic edges from 131 us to 137 s
@@ -32,12 +34,14 @@ def le_text(ns: int) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def classic_bounds_ns(cfg: ClassicBucketsConfig = DEFAULT_BUCKETS) -> tuple[int, ...]:
-    """The classic `le` edges (ns) of latency.classic_buckets: per_octave per power of two, fine_per_octave over the
-    powers of two that fine_from..fine_to touch. Every edge is an exact internal bucket edge."""
+def classic_bounds_ns(cfg: ClassicBucketsConfig = DEFAULT_BUCKETS, tier: bool = False) -> tuple[int, ...]:
+    """The classic `le` edges (ns) of latency.classic_buckets: per_octave per power of two, fine_per_octave (a
+    tenant's histograms) or tier_fine_per_octave (`tier`: the per-tier ones and the run queue's) over the powers of
+    two that fine_from..fine_to touch. Every edge is an exact internal bucket edge."""
     lo = min(max(math.floor(math.log2(cfg.fine_from * 1e9)), LO_LOG2), HI_LOG2)
     hi = min(max(math.ceil(math.log2(cfg.fine_to * 1e9)), lo), HI_LOG2)
-    return tuple(export_bounds_ns(LO_LOG2, HI_LOG2, cfg.per_octave, (lo, hi, cfg.fine_per_octave)))
+    fine = cfg.tier_fine_per_octave if tier else cfg.fine_per_octave
+    return tuple(export_bounds_ns(LO_LOG2, HI_LOG2, cfg.per_octave, (lo, hi, fine)))
 
 
 # The latencies of a response, by the one name the config, the model's fields, status and the metrics use: help.
@@ -66,12 +70,37 @@ def add_histogram(fam: NativeHistogramMetricFamily, lv: Sequence[str], h: Histog
 
 @dataclass(frozen=True)
 class Source:
-    """What the latency families are read from: the part, the SLO as admission judges it, and the classic edges."""
+    """What the latency families are read from: the part, the SLO as admission judges it, the classic edges (a
+    tenant's, and the tiers' and the run queue's), which tenants' series to write and whether to sum per tier."""
 
     part: LatencyPart
     signal: str
     quantile: float
     bounds: tuple[int, ...]
+    tier_bounds: tuple[int, ...]
+    shown: Container[str] = EVERYONE
+    tier_histograms: bool = True
+    _tiers: dict[str, Mapping[str, Histogram]] = field(default_factory=dict, compare=False)
+
+    @functools.cached_property
+    def rows(self) -> tuple[TenantLatency, ...]:
+        """The tenants whose series are written (metrics.retention), and the unmatched one's always (one row, as
+        quota's)."""
+        return tuple(t for t in self.part.tenants.values() if t.tenant in self.shown or t.tenant == UNMATCHED)
+
+    def tiers(self, signal: str) -> Mapping[str, Histogram]:
+        """The signal's histogram since start summed over every tenant of each tier, idle ones included: a sum
+        over the shown ones alone would go down when one is left out, which reads as a counter reset."""
+        if signal not in self._tiers:
+            acc: dict[str, tuple[dict[int, int], list[int]]] = {}
+            for t in self.part.tenants.values():
+                counts, total = acc.setdefault(t.tier, ({}, [0]))
+                h = getattr(t, signal)
+                for i, c in h.counts.items():
+                    counts[i] = counts.get(i, 0) + c
+                total[0] += h.sum_ns
+            self._tiers[signal] = {tier: Histogram(c, total[0]) for tier, (c, total) in sorted(acc.items())}
+        return self._tiers[signal]
 
 
 def _add_histogram(fam: Metric, lv: Sequence[str], value: tuple[Histogram, tuple[int, ...]]) -> None:
@@ -91,19 +120,28 @@ LABELS = ("tenant", "tier")
 
 
 def _tenants(value: Callable[[Any], Any]) -> Callable[[Source], Series]:
-    """A family with one series per tenant: value(TenantLatency)."""
-    return lambda s: (([t.tenant, t.tier], value(t)) for t in s.part.tenants.values())
+    """A family with one series per tenant shown: value(TenantLatency)."""
+    return lambda s: (([t.tenant, t.tier], value(t)) for t in s.rows)
 
 
-def _signal(name: str, help_: str) -> tuple[Family[Source], Family[Source]]:
-    """A signal's two families: its histogram since start and its window as a summary."""
+def _tiered(s: Source) -> bool:
+    return s.tier_histograms
+
+
+def _signal(name: str, help_: str) -> tuple[Family[Source], Family[Source], Family[Source]]:
+    """A signal's three families: its histogram since start, its window as a summary, and its histogram summed per
+    tier (latency.tier_histograms)."""
     return (Family(f"qosagent_latency_{name}_seconds", "histogram", f"{help_}, since start", LABELS,
-                   lambda s: (([t.tenant, t.tier], (getattr(t, name), s.bounds)) for t in s.part.tenants.values()),
+                   lambda s: (([t.tenant, t.tier], (getattr(t, name), s.bounds)) for t in s.rows),
                    add=_add_histogram, old=f"qosagent_{name}_seconds"),
             Family(f"qosagent_latency_{name}_window_seconds", "summary", f"{help_}, over the last latency.window: "
                    "quantiles (absent while the window is empty), count and sum", LABELS,
                    _tenants(lambda t: getattr(t, f"{name}_window")), add=_add_window,
-                   old=f"qosagent_{name}_window_seconds"))
+                   old=f"qosagent_{name}_window_seconds"),
+            Family(f"qosagent_latency_tier_{name}_seconds", "histogram", f"{help_}, since start, summed over the "
+                   "tier's tenants (latency.tier_histograms; finer classic buckets than a tenant's)", ("tier",),
+                   lambda s: (([tier], (h, s.tier_bounds)) for tier, h in s.tiers(name).items()),
+                   shown=_tiered, add=_add_histogram))
 
 
 def _counter(name: str, help_: str, value: Callable[[Any], Any]) -> Family[Source]:
@@ -113,20 +151,20 @@ def _counter(name: str, help_: str, value: Callable[[Any], Any]) -> Family[Sourc
 
 def _slo(s: Source) -> Series:
     verdict = s.part.judged(s.signal, s.quantile).tenants
-    for t in s.part.tenants.values():
+    for t in s.rows:
         judged = verdict[t.tenant].latency
         if judged is not None:
             yield [t.tenant, t.tier, s.signal, str(s.quantile)], judged
 
 
 def _by_reason(s: Source) -> Series:
-    for t in s.part.tenants.values():
+    for t in s.rows:
         yield [t.tenant, t.tier, "response_without_request"], t.unpaired_send
         yield [t.tenant, t.tier, "closed_without_response"], t.unpaired_close
 
 
 def _no_ttft(s: Source) -> Series:
-    return (([t.tenant, t.tier, reason], t.no_ttft.get(reason, 0)) for t in s.part.tenants.values()
+    return (([t.tenant, t.tier, reason], t.no_ttft.get(reason, 0)) for t in s.rows
             for reason in bm.NO_TTFT_REASONS)
 
 
@@ -135,8 +173,9 @@ _SIGNALS = [_signal(name, help_) for name, help_ in SIGNALS.items()]
 # In the order a scrape writes them; `old`: the name before the families were grouped under qosagent_latency_
 # (0.2.0), kept as a deprecated copy (exposition.with_deprecated).
 FAMILIES: tuple[Family[Source], ...] = (
-    *(hist for hist, _ in _SIGNALS),
-    *(win for _, win in _SIGNALS),
+    *(hist for hist, _, _ in _SIGNALS),
+    *(win for _, win, _ in _SIGNALS),
+    *(tier for _, _, tier in _SIGNALS),
     Family("qosagent_latency_slo_seconds", "gauge", "The latency the SLO is judged on, as admission judges it: "
            "admission.quantile of admission.signal over the last latency.window (absent while the window is empty)",
            (*LABELS, "signal", "slo_quantile"), _slo, old="qosagent_slo_latency_seconds"),
@@ -172,7 +211,7 @@ FAMILIES: tuple[Family[Source], ...] = (
            "adopt was full)", ("reason",), lambda s: (([r], n) for r, n in s.part.unobserved.items()),
            shown=lambda s: bool(s.part.unobserved), old="qosagent_connections_unobserved"),
     Family("qosagent_latency_runqueue_seconds", "histogram", "Time threads of the processes serving watched ports "
-           "waited runnable for a CPU, since start", (), lambda s: (((), (s.part.runqueue, s.bounds)),),
+           "waited runnable for a CPU, since start", (), lambda s: (((), (s.part.runqueue, s.tier_bounds)),),
            shown=lambda s: s.part.runqueue is not None, add=_add_histogram,
            old="qosagent_runqueue_latency_seconds"),
 )
@@ -186,10 +225,22 @@ def with_deprecated(fams: Iterable[Metric]) -> Iterator[Metric]:
 
 
 def families(part: LatencyPart | None, programs_attached: int, signal: str, quantile: float,
-             classic_buckets: ClassicBucketsConfig = DEFAULT_BUCKETS) -> Iterable[Metric]:
+             classic_buckets: ClassicBucketsConfig = DEFAULT_BUCKETS, shown: Container[str] = EVERYONE,
+             tier_histograms: bool = True) -> Iterable[Metric]:
+    """The latency families; per-tenant series of the tenants in `shown` (metrics.retention)."""
     yield ATTACHED.build(programs_attached)
     if part is not None:
-        yield from exposition.families(FAMILIES, Source(part, signal, quantile, classic_bounds_ns(classic_buckets)))
+        yield from exposition.families(FAMILIES, Source(part, signal, quantile, classic_bounds_ns(classic_buckets),
+                                                        classic_bounds_ns(classic_buckets, tier=True), shown,
+                                                        tier_histograms))
+
+
+def traffic(part: LatencyPart) -> dict[str, tuple[int, ...]]:
+    """Per tenant, counts that move with its traffic: requests completed, connections, reads and writes not paired
+    or overlapped, requests in flight, and the sum of the gaps between body writes (a long stream's tokens keep its
+    tenant active)."""
+    return {t.tenant: (t.requests, t.connections, t.unpaired, t.overlapped, t.in_flight, t.inter_token.sum_ns)
+            for t in part.tenants.values()}
 
 
 def _quantiles(h: Histogram) -> dict[str, Any]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
+from qosagent.retention import EVERYONE
 from qosagent.placement import applier, export, policy
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import parse_cpulist
@@ -224,7 +225,7 @@ class Placement(Capability):
                                                                  self.topology))
 
     # ---- visibility --------------------------------------------------------------------------------------
-    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(PLACEMENT)
         return export.metrics(part) if part is not None else ()
 

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qosagent.pods")
 
-# The families' names while quota listed the pods, kept as deprecated copies while metrics.deprecated_names is on
-# (a dashboard on the old name goes on working; the pods are no longer quota's, so neither is the name).
+# The families' names while quota listed the pods, exposed as deprecated copies while metrics.deprecated_names is on
+# (off by default; a dashboard on the old name can go on working; the pods are no longer quota's, so neither is the
+# name).
 # The pods' families; `old`: their names while quota listed the pods (before the agent's pods service), kept as
 # deprecated copies.
 FAMILIES: tuple[Family[dict[str, Any]], ...] = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
 from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, Verdict, rewrite
 from qosagent.config import Config
@@ -18,6 +18,7 @@ from qosagent.quota.interfaces import NamespaceEgress, interfaces
 from qosagent.quota.limits import FleetWriter, LimitsWriter
 from qosagent.quota.model import QUOTA, QuotaPart
 from qosagent.quota.rules import baseline_buckets, bucket
+from qosagent.retention import EVERYONE
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import (
     FLEET_SERVICE,
@@ -192,9 +193,13 @@ class Quota(Capability):
         return done
 
     # ---- visibility --------------------------------------------------------------------------------------
-    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(QUOTA)
-        return export.metrics(part) if part is not None else ()
+        return export.metrics(part, shown) if part is not None else ()
+
+    def traffic(self, snapshot: Snapshot) -> Mapping[str, tuple[int, ...]]:
+        part = snapshot.part(QUOTA)
+        return export.traffic(part) if part is not None else {}
 
     def status(self, snapshot: Snapshot) -> dict[str, Any]:
         part = snapshot.part(QUOTA)

@@ -2,37 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Container, Iterable
 
 from prometheus_client.core import Metric
 
 from qosagent.config import UNMATCHED
 from qosagent.exposition import Family, Series, families
 from qosagent.quota.model import QuotaPart, TenantQuota
+from qosagent.retention import EVERYONE
 from qosagent.tenants import TenantLimit
 
 VERDICT = ("tenant", "tier", "verdict")
 TENANT = ("tenant", "tier")
 
 
+@dataclass(frozen=True)
+class Source:
+    """The part, and the tenants whose series are written (metrics.retention)."""
+
+    part: QuotaPart
+    shown: Container[str] = EVERYONE
+
+    @property
+    def rows(self) -> Iterable[TenantQuota]:
+        return (t for t in self.part.tenants.values() if t.tenant in self.shown)
+
+
 def _verdicts(admitted: Callable[[TenantQuota], int], dropped: Callable[[TenantQuota], int],
-              unmatched: int) -> Callable[[QuotaPart], Series]:
-    """Admitted and dropped per tenant, then the unmatched tenant's admitted (never limited, still counted;
+              unmatched: int) -> Callable[[Source], Series]:
+    """Admitted and dropped per tenant shown, then the unmatched tenant's admitted (never limited, still counted;
     unmatched: its index in QuotaPart.unmatched_counts)."""
-    def series(part: QuotaPart) -> Series:
-        for t in part.tenants.values():
+    def series(s: Source) -> Series:
+        for t in s.rows:
             yield [t.tenant, t.tier, "admitted"], admitted(t)
             yield [t.tenant, t.tier, "dropped"], dropped(t)
-        yield [UNMATCHED, "none", "admitted"], part.unmatched_counts[unmatched]
+        yield [UNMATCHED, "none", "admitted"], s.part.unmatched_counts[unmatched]
     return series
 
 
-def _rates(value: Callable[[TenantQuota], float | None]) -> Callable[[QuotaPart], Series]:
-    """Per tenant, where it has the value (a limit, a bucket)."""
-    return lambda part: (([t.tenant, t.tier], v) for t in part.tenants.values() if (v := value(t)) is not None)
+def _rates(value: Callable[[TenantQuota], float | None]) -> Callable[[Source], Series]:
+    """Per tenant shown, where it has the value (a limit, a bucket)."""
+    return lambda s: (([t.tenant, t.tier], v) for t in s.rows if (v := value(t)) is not None)
 
 
-FAMILIES: tuple[Family[QuotaPart], ...] = (
+FAMILIES: tuple[Family[Source], ...] = (
     Family("qosagent_quota_requests", "counter", "New HTTP/1.x requests (request-start segments) by verdict",
            VERDICT, _verdicts(lambda t: t.admitted, lambda t: t.dropped, 0)),
     Family("qosagent_quota_connections", "counter", "New connections (SYN) by verdict", VERDICT,
@@ -46,12 +60,17 @@ FAMILIES: tuple[Family[QuotaPart], ...] = (
            _rates(lambda t: t.bucket_tokens)),
     Family("qosagent_quota_passed_packets", "counter", "Packets passed without a quota check, by reason "
            "(unmatched: new connections and requests of no tenant)", ("reason",),
-           lambda part: (([reason], n) for reason, n in sorted(part.passed.items()))),
+           lambda s: (([reason], n) for reason, n in sorted(s.part.passed.items()))),
 )
 
 
-def metrics(part: QuotaPart) -> Iterable[Metric]:
-    return families(FAMILIES, part)
+def metrics(part: QuotaPart, shown: Container[str] = EVERYONE) -> Iterable[Metric]:
+    return families(FAMILIES, Source(part, shown))
+
+
+def traffic(part: QuotaPart) -> dict[str, tuple[int, ...]]:
+    """Per tenant, its request starts and connections, admitted and dropped."""
+    return {t.tenant: (t.admitted, t.dropped, t.conn_admitted, t.conn_dropped) for t in part.tenants.values()}
 
 
 def status(part: QuotaPart) -> dict[str, Any]:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import collections
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent import netns
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
+from qosagent.retention import EVERYONE
 from qosagent.cgroups import V2, HostCgroups, cgroup_dir, flat_keyed
 from qosagent.cpulist import parse_cpulist
 from qosagent.latency.model import LATENCY
@@ -481,7 +482,7 @@ class Resources(Capability):
             events["oom_kill"] = oom["oom_kill"]
         return {}, events
 
-    def metrics(self, snapshot: Snapshot) -> Iterable["Metric"]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(RESOURCES)
         return export.metrics(part) if part is not None else ()
 

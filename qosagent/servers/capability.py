@@ -7,11 +7,12 @@ server never delays a tick; collect() copies the latest readings into the Snapsh
 from __future__ import annotations
 
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from prometheus_client.core import Metric
 
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict, rewrite
+from qosagent.retention import EVERYONE
 from qosagent.servers import export
 from qosagent.gpu.backend import GPU
 from qosagent.servers.model import SERVERS, ServersPart
@@ -78,7 +79,7 @@ class Servers(Capability):
         return self.scraper.part()
 
     # ---- reporting ---------------------------------------------------------------------------------------
-    def metrics(self, snapshot: Snapshot) -> Iterable[Metric]:
+    def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable[Metric]:
         part = snapshot.part(SERVERS)
         return export.metrics(part, snapshot.part(GPU)) if part is not None else ()
 

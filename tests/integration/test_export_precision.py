@@ -30,6 +30,7 @@ from qosagent.hostfs import HostFS
 from qosagent.latency import export
 from qosagent.latency.model import LatencyPart, TenantLatency
 from qosagent.metrics import MetricsServer
+from qosagent.snapshot import Snapshot
 from testkit.agent import AgentProcess, agent_argv, agent_env
 from tests.integration.latency_helpers import free_port, serving
 from tests.integration.prometheus_helpers import DEADLINE_S, api, query, run_prometheus, wait_for
@@ -39,8 +40,9 @@ pytestmark = [pytest.mark.slow]
 
 QS = (0.5, 0.95, 0.99)
 OFF = {c: {"enabled": False} for c in ("latency", "quota", "admission", "dvfs", "placement")}
-HISTOGRAMS = tuple(f"qosagent_latency_{s}_seconds" for s in ("headers", "ttft", "response", "inter_token")) + (
-    "qosagent_latency_runqueue_seconds",)
+SIGNALS = ("headers", "ttft", "response", "inter_token")
+HISTOGRAMS = tuple(f"qosagent_latency_{s}_seconds" for s in SIGNALS) + tuple(
+    f"qosagent_latency_tier_{s}_seconds" for s in SIGNALS) + ("qosagent_latency_runqueue_seconds",)
 
 
 def lognormal_ns(median_s: float, sigma: float, n: int, seed: int) -> list[int]:
@@ -75,7 +77,10 @@ class KnownLatency:
         self.hist = {name: Histogram.of(v) for name, v in VALUES.items()}
         self.runq = Histogram.of(RUNQ)
 
-    def metrics(self, _snapshot: Any) -> Iterable[Any]:
+    def traffic(self, _snapshot: Any) -> dict[str, tuple[int, ...]]:
+        return {}  # every tenant shown
+
+    def metrics(self, _snapshot: Any, _shown: Any) -> Iterable[Any]:
         m = 1 + int(time.monotonic() - self.t0)
         tenants = {}
         for name, h in self.hist.items():
@@ -96,9 +101,19 @@ def known_endpoint() -> Iterator[str]:
     agent.capabilities.append(KnownLatency(cfg.latency.classic_buckets))  # type: ignore[arg-type]
     srv = MetricsServer(agent, cfg.metrics.listen)
     srv.start()
+    stop = threading.Event()
+
+    def ticks() -> None:  # a scrape is built once per snapshot: a new one each tick, as the agent's loop makes
+        while not stop.wait(0.2):
+            agent.latest = Snapshot.build(agent.latest.seq + 1, time.monotonic(), time.time(), {})
+
+    ticking = threading.Thread(target=ticks, daemon=True)
+    ticking.start()
     try:
         yield f"127.0.0.1:{srv.address[1]}"
     finally:
+        stop.set()
+        ticking.join()
         srv.close()
 
 

@@ -312,23 +312,29 @@ def test_native_histograms_beside_classic_buckets_and_their_quantiles() -> None:
 
 # ---- classic layout ----------------------------------------------------------------------------------------------
 def test_default_classic_layout_and_its_cost() -> None:
-    bounds = export.classic_bounds_ns()
-    assert len(bounds) + 1 + 2 == 98  # edges, +Inf, _sum and _count: series per tenant per histogram
-    assert all(bucket_upper(bucket_index(b)) == b for b in bounds)
-    assert all(int(round(float(export.le_text(b)) * 1e9)) == b for b in bounds)
-    fine = [b for b in bounds if 8_000_000 < b < 4_000_000_000]
-    assert all(0 < (b2 - b1) / b1 <= 1 / 8 for b1, b2 in zip(fine, fine[1:]))
+    """A tenant's histograms have 4 edges per power of two in the fine range, the tiers' and the run queue's 8."""
+    bounds, tier = export.classic_bounds_ns(), export.classic_bounds_ns(tier=True)
+    assert len(bounds) + 1 + 2 == 62  # edges, +Inf, _sum and _count: series per tenant per histogram
+    assert len(tier) + 1 + 2 == 98  # per tier per histogram
+    for edges, per_octave in ((bounds, 4), (tier, 8)):
+        assert all(bucket_upper(bucket_index(b)) == b for b in edges)
+        assert all(int(round(float(export.le_text(b)) * 1e9)) == b for b in edges)
+        fine = [b for b in edges if 8_000_000 < b < 4_000_000_000]
+        assert all(0 < (b2 - b1) / b1 <= 1 / per_octave for b1, b2 in zip(fine, fine[1:]))
+    assert set(bounds) <= set(tier)
     old = export.classic_bounds_ns(ClassicBucketsConfig(fine_per_octave=2))
     assert len(old) + 3 == 44
 
 
 def test_classic_layout_config_is_checked() -> None:
-    for bad in ({"fine_from": "5s", "fine_to": "1s"}, {"per_octave": 4, "fine_per_octave": 2}, {"per_octave": 3}):
+    for bad in ({"fine_from": "5s", "fine_to": "1s"}, {"per_octave": 4, "fine_per_octave": 2}, {"per_octave": 3},
+                {"per_octave": 4, "tier_fine_per_octave": 2}):
         with pytest.raises(config_mod.ConfigError):
             config_mod.parse({"latency": {"classic_buckets": bad}}, "t")
     cfg = config_mod.parse({"latency": {"classic_buckets": {"fine_from": "100us", "fine_to": "1h"}}}, "t")
     bounds = export.classic_bounds_ns(cfg.latency.classic_buckets)  # clamped to 131 us .. 137 s
-    assert bounds[0] == 1 << 17 and bounds[-1] == 1 << 37 and len(bounds) == 8 * 20 + 1
+    assert bounds[0] == 1 << 17 and bounds[-1] == 1 << 37 and len(bounds) == 4 * 20 + 1
+    assert len(export.classic_bounds_ns(cfg.latency.classic_buckets, tier=True)) == 8 * 20 + 1
 
 
 # ---- content negotiation -----------------------------------------------------------------------------------------
@@ -368,8 +374,11 @@ def test_protobuf_only_when_asked_for(accept: str | None, proto: bool) -> None:
 class Latency:
     name = "latency"
 
-    def metrics(self, _snapshot: Any) -> Iterable[Any]:
+    def metrics(self, _snapshot: Any, _shown: Any) -> Iterable[Any]:
         return export.families(part(), 5, "ttft", 0.95)
+
+    def traffic(self, _snapshot: Any) -> dict[str, tuple[int, ...]]:
+        return {}
 
 
 @pytest.fixture
@@ -448,7 +457,7 @@ def test_each_old_latency_name_is_still_exposed_and_equals_its_new_one() -> None
     assert "qosagent_latency_programs_attached" not in export.RENAMED  # already grouped: one name
 
 
-def test_the_old_latency_names_go_with_metrics_deprecated_names_off() -> None:
+def test_the_old_latency_names_come_only_with_metrics_deprecated_names_on() -> None:
     from qosagent.capability import AgentContext
     from qosagent.latency.capability import Latency as LatencyCapability
     from qosagent.snapshot import Snapshot
@@ -463,4 +472,4 @@ def test_the_old_latency_names_go_with_metrics_deprecated_names_off() -> None:
     on, off = names(True), names(False)
     assert "qosagent_ttft_seconds" in on and "qosagent_requests" in on
     assert off == on - set(export.RENAMED.values()) and "qosagent_latency_ttft_seconds" in off
-    assert config_mod.parse({}, "t").metrics.deprecated_names  # on unless turned off
+    assert not config_mod.parse({}, "t").metrics.deprecated_names  # off unless turned on
