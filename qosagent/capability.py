@@ -10,7 +10,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Container, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Container, Iterable, Mapping, NamedTuple, TypeVar
 
 from qosagent import services as services_mod
 from qosagent.hostfs import HostFS
@@ -35,6 +35,19 @@ class State(str, enum.Enum):
     DEGRADED = "degraded"
     UNAVAILABLE = "unavailable"
     DISABLED = "disabled"
+
+
+class Attention(NamedTuple):
+    """What `qosagent status` ranks a tenant by, most first: in breach of its SLO, throttled (requests dropped, or
+    a limit held below its configured one), then its requests per second."""
+
+    breaching: bool = False
+    throttled: bool = False
+    rps: float = 0.0
+
+    def __or__(self, other: "tuple[Any, ...]") -> "Attention":  # two capabilities' views of one tenant
+        o = Attention(*other)
+        return Attention(self.breaching or o.breaching, self.throttled or o.throttled, max(self.rps, o.rps))
 
 
 @dataclass(frozen=True)
@@ -220,4 +233,10 @@ class Capability:
     def render(status: dict[str, Any]) -> str:
         """Human text for this capability's status part (runs in the CLI, on the JSON)."""
         return ""
+
+    @staticmethod
+    def attention(status: dict[str, Any]) -> dict[str, Attention]:
+        """Per tenant of this status part (runs in the CLI, on the JSON), what it says of the tenant's state:
+        `qosagent status` shows the tenants that need it most first. {} for a capability that judges none."""
+        return {}
 

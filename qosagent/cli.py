@@ -224,12 +224,17 @@ def _render_features(f: Any) -> str:
 
 @main.command()
 @host_options
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output, every tenant (or only --tenant's).")
 @click.option("--decisions", is_flag=True, help="Every decision kept in the audit ring, not only the last ten.")
+# 20: a node of a thousand tenants printed three thousand lines.
+@click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Tenants shown: those in SLO breach first, then throttled ones, then the busiest; 0 shows all.")
+@click.option("--tenant", "tenant", default=None, metavar="NAME", help="Show this tenant only.")
 @click.option("--socket", "socket_path", default=None, help="Status socket (default: status.socket of the config).")
-def status(config_path: str | None, host_root: str, as_json: bool, decisions: bool, socket_path: str | None) -> None:
+def status(config_path: str | None, host_root: str, as_json: bool, decisions: bool, top: int, tenant: str | None,
+           socket_path: str | None) -> None:
     """Show the running agent's per-tenant latency, limits, capabilities and recent decisions."""
-    from qosagent.status import NoAgent, render, request
+    from qosagent.status import NoAgent, ranked, render, request, select
 
     path = socket_path or load_config(config_path).status.socket
     try:
@@ -237,10 +242,12 @@ def status(config_path: str | None, host_root: str, as_json: bool, decisions: bo
     except NoAgent as e:
         click.echo(f"qosagent: {e}", err=True)
         sys.exit(EXIT_NO_AGENT)
+    if tenant is not None and tenant not in ranked(st):
+        raise click.BadParameter(f"no tenant {tenant!r} in the agent's status", param_hint="--tenant")
     if as_json:
-        click.echo(json.dumps(st, indent=2, default=str))
+        click.echo(json.dumps(st if tenant is None else select(st, [tenant]), indent=2, default=str))
     else:
-        click.echo(render(st))
+        click.echo(render(st, top, tenant))
 
 
 @main.command()

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from qosagent import capabilities
+from qosagent.capability import Attention
 
 if TYPE_CHECKING:
     from qosagent.daemon import Agent
@@ -102,8 +103,41 @@ def request(path: str, req: dict[str, Any], timeout: float = 15.0) -> dict[str, 
     return json.loads(buf)
 
 
-def render(status: dict[str, Any]) -> str:
-    """The human view: agent line, capabilities, the services', each capability's own table, recent decisions."""
+def ranked(status: dict[str, Any]) -> list[str]:
+    """Every tenant of the status' capability parts, those that need it most first: in breach of an SLO, then
+    throttled, then by requests per second (each capability's Capability.attention), then by name."""
+    seen: dict[str, Attention] = {}
+    for cls in capabilities.CAPABILITIES:
+        part = status.get(cls.name)
+        if not isinstance(part, dict):
+            continue
+        for row in part.get("tenants") or []:
+            seen.setdefault(row["tenant"], Attention())
+        for tenant, a in cls.attention(part).items():
+            seen[tenant] = seen.get(tenant, Attention()) | a
+    return sorted(seen, key=lambda t: (not seen[t].breaching, not seen[t].throttled, -seen[t].rps, t))
+
+
+def select(status: dict[str, Any], tenants: list[str]) -> dict[str, Any]:
+    """The status with each capability's tenant rows cut to `tenants`, in their order."""
+    order = {t: i for i, t in enumerate(tenants)}
+    out = dict(status)
+    for cls in capabilities.CAPABILITIES:
+        part = status.get(cls.name)
+        if isinstance(part, dict) and part.get("tenants"):
+            rows = sorted((r for r in part["tenants"] if r["tenant"] in order), key=lambda r: order[r["tenant"]])
+            out[cls.name] = {**part, "tenants": rows}
+    return out
+
+
+def render(status: dict[str, Any], top: int = 0, tenant: str | None = None) -> str:
+    """The human view: agent line, capabilities, the services', each capability's own table, recent decisions.
+    Tenants most in need first, at most `top` of them (0: all), or only `tenant`, with a line saying how many were
+    left out."""
+    everyone = ranked(status)
+    shown = [tenant] if tenant is not None else everyone[:top] if top > 0 else everyone
+    left_out = len(everyone) - len([t for t in shown if t in everyone])
+    status = select(status, shown)
     age = time.time() - float(status.get("time", 0))
     lines = [
         f"qosagent {status.get('version')}  config {status.get('config')}  tick {status.get('seq')} "
@@ -120,6 +154,9 @@ def render(status: dict[str, Any]) -> str:
         part = status.get(svc.name)
         if part:
             lines.append("\n" + svc.render(part))
+    if left_out:
+        lines.append(f"\nTENANTS: {len(everyone) - left_out} of {len(everyone)} shown (SLO breach, then throttled, "
+                     f"then busiest first); {left_out} left out: --top N, --tenant NAME, --json for all")
     for cls in capabilities.CAPABILITIES:
         part = status.get(cls.name)
         if part:

@@ -15,7 +15,7 @@ from qosagent.admission import export, policy
 from qosagent.admission.inputs import baseline, tick_input
 from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
-from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict
+from qosagent.capability import UNCHANGED, Attention, Capability, Change, State, Verdict
 from qosagent.retention import EVERYONE
 from qosagent.snapshot import Decision, Snapshot
 from qosagent.tenants import LIMITS_SERVICE, LimitsWriter, TenantLimit
@@ -203,3 +203,7 @@ class Admission(Capability):
     @staticmethod
     def render(status: dict[str, Any]) -> str:
         return export.render(status)
+
+    @staticmethod
+    def attention(status: dict[str, Any]) -> dict[str, Attention]:
+        return export.attention(status)

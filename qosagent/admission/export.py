@@ -10,6 +10,7 @@ from prometheus_client.core import Metric
 
 from qosagent.admission.model import AdmissionPart
 from qosagent.admission.policy import BY_CONFIG
+from qosagent.capability import Attention
 from qosagent.exposition import Family, families, one
 from qosagent.retention import EVERYONE
 from qosagent.tenants import TenantLimit
@@ -92,6 +93,12 @@ def status(part: AdmissionPart) -> dict[str, Any]:
                     for t in part.tenants],
         "pre_cleanup": dict(part.pre_cleanup_last),
     }
+
+
+def attention(st: dict[str, Any]) -> dict[str, Attention]:
+    """Per tenant: throttled while admission holds it below its configured limit (or would, in dry-run)."""
+    return {t["tenant"]: Attention(throttled=t.get("signal", BY_CONFIG) != BY_CONFIG or bool(t.get("shed")))
+            for t in st.get("tenants", [])}
 
 
 def render(status: dict[str, Any]) -> str:

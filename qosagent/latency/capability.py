@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
 from qosagent import netns
-from qosagent.capability import UNCHANGED, Capability, CapabilityError, Change, Verdict, rewrite
+from qosagent.capability import UNCHANGED, Attention, Capability, CapabilityError, Change, Verdict, rewrite
 from qosagent.latency import export, hooks, planning, reading, runq
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.datapath import Datapath
@@ -197,4 +197,8 @@ class Latency(Capability):
     @staticmethod
     def render(status: dict[str, Any]) -> str:
         return export.render(status)
+
+    @staticmethod
+    def attention(status: dict[str, Any]) -> dict[str, Attention]:
+        return export.attention(status)
 

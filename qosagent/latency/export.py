@@ -14,6 +14,7 @@ from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
 from qosagent import exposition
+from qosagent.capability import Attention
 from qosagent.config import UNMATCHED
 from qosagent.exposition import Family, NativeHistogramMetricFamily, Series, one
 from qosagent.hist import Histogram, export_bounds_ns
@@ -309,6 +310,12 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
         out["learning"] = h.learning
         out["cgroup_errors"] = h.cgroup_errors
     return out
+
+
+def attention(st: dict[str, Any]) -> dict[str, Attention]:
+    """Per tenant: in breach of its SLO as admission judges it, and its completed requests per second."""
+    return {t["tenant"]: Attention(breaching=t.get("slo") == "breach", rps=t.get("rate_rps") or 0.0)
+            for t in st.get("tenants", [])}
 
 
 def _ms(v: float | None) -> str:

@@ -8,7 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
-from qosagent.capability import UNCHANGED, AgentContext, Capability, CapabilityError, Change, Verdict, rewrite
+from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, Verdict,
+                                 rewrite)
 from qosagent.config import Config
 from qosagent import netns
 from qosagent.pods.service import Pods
@@ -208,3 +209,7 @@ class Quota(Capability):
     @staticmethod
     def render(status: dict[str, Any]) -> str:
         return export.render(status)
+
+    @staticmethod
+    def attention(status: dict[str, Any]) -> dict[str, Attention]:
+        return export.attention(status)

@@ -7,6 +7,7 @@ from typing import Any, Callable, Container, Iterable
 
 from prometheus_client.core import Metric
 
+from qosagent.capability import Attention
 from qosagent.config import UNMATCHED
 from qosagent.exposition import Family, Series, families
 from qosagent.quota.model import QuotaPart, TenantQuota
@@ -91,6 +92,13 @@ def status(part: QuotaPart) -> dict[str, Any]:
             "bucket_tokens": t.bucket_tokens,
         } for t in part.tenants.values()],
     }
+
+
+def attention(st: dict[str, Any]) -> dict[str, Attention]:
+    """Per tenant: throttled while its requests are dropped, and its request starts per second."""
+    return {t["tenant"]: Attention(throttled=t.get("dropped_rps", 0) > 0,
+                                   rps=t.get("admitted_rps", 0) + t.get("dropped_rps", 0))
+            for t in st.get("tenants", [])}
 
 
 def render(status: dict[str, Any]) -> str:
