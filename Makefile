@@ -41,6 +41,7 @@ bench: setup-test
 	$(PY) bench/map_access.py
 	$(PY) bench/fleet_bench.py
 	$(PY) bench/metrics_aliases.py
+	$(PY) bench/scale_scrape.py
 	$(PY) -m bench.admission_decide
 
 # The agent at work on this host alone: a namespace, a streaming server, two tenants, a quota (about 30 s).
