@@ -19,8 +19,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import httpx
-
 
 class EtcdError(Exception):
     """etcd could not be reached on any endpoint, or refused the request: the message says which and why."""
@@ -66,6 +64,10 @@ class Leadership:
 
 class Etcd:
     def __init__(self, endpoints: Iterable[str], timeout: float = 1.0):
+        # Imported here, as pyroute2 and pynvml are where they are used: an agent without fleet never loads it.
+        import httpx
+
+        self._http_error = httpx.HTTPError
         self.endpoints = list(endpoints)
         self._at = 0  # the endpoint that answered last: tried first
         self.client = httpx.Client(timeout=timeout)
@@ -82,7 +84,7 @@ class Etcd:
             url = self.endpoints[at] + path
             try:
                 r = self.client.post(url, json=body)
-            except httpx.HTTPError as e:
+            except self._http_error as e:
                 errors.append(f"{url}: {type(e).__name__} {e}")
                 continue
             try:

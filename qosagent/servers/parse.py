@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from qosagent.servers import kinds
 from qosagent.servers.kinds import KV
 
@@ -50,6 +48,9 @@ def _wanted(kind_name: str) -> tuple[str, ...]:
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    # Imported on the first reading: an agent that reads no server's metrics never loads the parser.
+    from prometheus_client.parser import text_string_to_metric_families
+
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for fam in text_string_to_metric_families(text):
