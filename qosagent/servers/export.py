@@ -50,8 +50,8 @@ FAMILIES: tuple[Family[Source], ...] = (
            _known(lambda s: s.requests_running)),
     Family("qosagent_server_preemptions", "counter", "The server's own count of preempted (vLLM) or retracted "
            "(SGLang) requests", LABELS, _known(lambda s: s.preemptions)),
-    Family("qosagent_server_generated_tokens_per_second", "gauge", "Tokens the server generated per second between "
-           "the agent's last two reads (its own counter's rate)", LABELS,
+    Family("qosagent_server_generated_tokens_per_second", "gauge", "Tokens the server generated per second: its own "
+           "counter's rate between the agent's last two reads, or over the kind's window (llamacpp: 10 s)", LABELS,
            _known(lambda s: s.generated_tokens_per_second)),
     Family("qosagent_server_reading_age_seconds", "gauge", "Since the server's last good read", LABELS,
            lambda src: ((_lv(s), s.age_s) for s in src.part.servers if s.age_s is not None)),
@@ -85,7 +85,8 @@ def status(part: ServersPart | None, gpu: GpuState | None, discovered: bool) -> 
             "preallocates": s.preallocates, "known": s.known, "reason": s.reason,
             "age_s": s.age_s, "kv_cache_usage": s.kv_cache_usage, "requests_waiting": s.requests_waiting,
             "requests_running": s.requests_running, "preemptions": s.preemptions,
-            "generated_tokens_per_second": s.generated_tokens_per_second, "missing": dict(s.missing),
+            "generated_tokens_per_second": s.generated_tokens_per_second,
+            "generated_tokens_window_s": s.generated_tokens_window_s, "missing": dict(s.missing),
             "reads": dict(s.scrapes), "restarts": s.restarts, "counter_resets": s.counter_resets,
         } for s in part.servers],
         "shared_gpus": shared,

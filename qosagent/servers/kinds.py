@@ -18,8 +18,10 @@ Names from each project's metrics reference (checked 2026-12):
   KV-cache usage: each of its `total_slots` (`/props`, the `-np` it started with) owns its share of the context, and a
   request finding every slot busy is deferred, so busy slots over total slots is its pressure reading in the KV
   field. Its `predicted_tokens_seconds` gauge is not used: it is averaged between two scrapes and reset by each, so
-  any other scraper moves it; the counter's rate is not. The counter grows when a request ends (by all its
-  tokens), so over a read interval shorter than its requests the rate is lumpy.
+  any other scraper moves it; the counter's rate is not. The counter grows when a request ends, by all its tokens
+  (server-context.cpp: metrics_on_prediction, called from the slot's reset), so its rate is taken over 10 s of
+  reads, not one interval. It prints every number with the C++ stream's default precision, 6 significant digits
+  (server-task.cpp: to_metrics): past 999,999 the counter moves in steps of 10, then 100, ...
 - Generated tokens, counters: vLLM `vllm:generation_tokens_total`, SGLang `sglang:generation_tokens_total` (same
   pages as above); the agent shows their rate between two reads.
 """
@@ -61,6 +63,12 @@ class Kind:
     # What an HTTP status from its metrics endpoint means for this kind, said with the reason (llama-server answers
     # 501 when it was started without --metrics).
     http_hints: Mapping[int, str] = field(default_factory=dict)
+    # The generated-tokens counter's rate is taken over at least this long (s); 0: between the last two reads. A
+    # counter that grows only when a request ends needs a window over several requests, or its rate comes in lumps.
+    rate_window: float = 0.0
+    # Significant digits the server prints its numbers with; None: exact. A counter printed to d digits is known to
+    # half a step of its last digit, so its rate is known only over a span where that is small (scraper.RATE_ERROR).
+    digits: int | None = None
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -96,7 +104,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
         RUNNING: (Source("llamacpp:requests_processing"),),
         GENERATED: (Source("llamacpp:tokens_predicted_total"),),
     }, preallocates=True, prefix="llamacpp:", kv_capacity=("/props", "total_slots"),
-        http_hints={501: "llama-server serves /metrics only when started with --metrics"}),
+        http_hints={501: "llama-server serves /metrics only when started with --metrics"}, rate_window=10.0,
+        digits=6),
 )}
 # A server of no known kind: nothing is read but whether it answers, and its memory use is load.
 GENERIC = Kind("generic", {}, preallocates=False)

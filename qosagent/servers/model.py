@@ -26,7 +26,10 @@ class ServerReading:
     requests_waiting: float | None = None
     requests_running: float | None = None
     preemptions: float | None = None  # the server's own counter
-    generated_tokens_per_second: float | None = None  # its generated-tokens counter's rate between two reads
+    # Its generated-tokens counter's rate over the last generated_tokens_window_s seconds of reads (the kind's
+    # rate_window, or between the last two reads).
+    generated_tokens_per_second: float | None = None
+    generated_tokens_window_s: float | None = None
     missing: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> why unknown
     scrapes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # result -> count
     restarts: int = 0

@@ -11,6 +11,7 @@ import collections
 import http.client
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -37,6 +38,8 @@ NOT_A_SERVER = ("not read: its command line names no vllm, sglang, tgi, triton o
 
 # Read results: the values of the metric label `result` (docs/servers.md).
 OK, DOWN, TIMEOUT, HTTP_ERROR, GARBAGE, TOO_LARGE = "ok", "down", "timeout", "http_error", "garbage", "too_large"
+# Nothing listens on the server's port: the process is gone (crashed, stopped), so nothing it last reported holds.
+REFUSED = "connection refused"
 
 
 class FetchError(Exception):
@@ -74,6 +77,10 @@ def fetch(url: str, timeout: float) -> str:
             sock.settimeout(left())
             chunk = resp.read1(65536)
             if not chunk:
+                if resp.length:
+                    # Closed before the Content-Length it announced (a server that died mid-answer): the last
+                    # line may end inside a number, so none of it is read (a chunked answer raises the same).
+                    raise http.client.IncompleteRead(bytes(body), resp.length)
                 break
             body += chunk
             if len(body) > MAX_BODY:
@@ -83,7 +90,7 @@ def fetch(url: str, timeout: float) -> str:
     except (socket.timeout, TimeoutError):
         raise FetchError(TIMEOUT, f"no complete answer within {timeout:g}s") from None
     except ConnectionRefusedError:
-        raise FetchError(DOWN, "connection refused") from None
+        raise FetchError(DOWN, REFUSED) from None
     except http.client.HTTPException as e:
         raise FetchError(HTTP_ERROR, f"bad HTTP answer: {type(e).__name__} {e}".strip()) from None
     except OSError as e:
@@ -101,6 +108,41 @@ def capacity(metrics_url: str, where: tuple[str, str], timeout: float) -> float 
     except (FetchError, ValueError, KeyError, TypeError):
         return None
     return value if value > 0 else None
+
+
+# A generated-tokens rate whose counter's rounding (a kind's `digits`) could be off by more than this share of the
+# tokens counted over its window is unknown: a number that may be 10 % wrong is not shown as the server's rate.
+RATE_ERROR = 0.10
+
+
+def resolution(value: float, digits: int | None) -> float:
+    """The step of the last digit a number is printed with to `digits` significant digits (0: exact; counts below
+    10**digits print whole)."""
+    if digits is None or value < 10 ** digits:
+        return 0.0
+    return float(10 ** (math.floor(math.log10(value)) - digits + 1))
+
+
+def tokens_rate(reads: collections.deque[tuple[float, float]], kind: kinds.Kind) -> tuple[float | None, float | None,
+                                                                                              str]:
+    """(tokens per second, the window in seconds it spans, why unknown) from a counter's reads, oldest first: from
+    the newest read back to the newest one at least the kind's rate_window before it (or the oldest kept). Reads
+    older than that are dropped."""
+    if not reads:
+        return None, None, ""
+    now = reads[-1][0]
+    while len(reads) > 2 and reads[1][0] <= now - kind.rate_window:
+        reads.popleft()
+    (t0, v0), (t1, v1) = reads[0], reads[-1]
+    if t1 <= t0:
+        return None, None, "one read since the counter started or reset: a rate needs two"
+    counted = v1 - v0
+    # Each printed value is within half a step of the true count.
+    err = (resolution(v0, kind.digits) + resolution(v1, kind.digits)) / 2
+    if err > RATE_ERROR * counted:
+        return None, None, (f"the counter is printed to {kind.digits} significant digits: ±{err:g} tokens over "
+                            f"{t1 - t0:.1f}s, more than {RATE_ERROR:.0%} of the {counted:g} counted")
+    return counted / (t1 - t0), t1 - t0, ""
 
 
 @dataclass
@@ -122,7 +164,11 @@ class Target:
     start_time: float | None = None
     kv_capacity: float | None = None  # TGI: its KV pool in tokens, from /info; llama-server: its slots, from /props
     counters: dict[str, tuple[float, float]] = field(default_factory=dict)  # counter field -> (value, read at)
-    tokens_per_second: float | None = None  # generated tokens, between the last two good reads
+    # The generated-tokens counter's reads (read at, value) back to the first at least the kind's rate_window old.
+    generated: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    tokens_per_second: float | None = None  # generated tokens over tokens_window seconds of reads
+    tokens_window: float | None = None
+    tokens_why: str = ""  # why tokens_per_second is unknown while the counter is read
     scrapes: collections.Counter[str] = field(default_factory=collections.Counter)
     restarts: int = 0
     counter_resets: int = 0
@@ -132,8 +178,9 @@ class Target:
         # What was read from the old process says nothing about the new one.
         self.restarts += 1
         self.good, self.good_at = None, None
-        self.start_time = self.kv_capacity = self.tokens_per_second = None
+        self.start_time = self.kv_capacity = self.tokens_per_second = self.tokens_window = None
         self.counters = {}
+        self.generated.clear()
         self.error = why
         log.info("server on port %d restarted (%s)", self.cfg.port, why)
 
@@ -246,6 +293,10 @@ class Scraper:
             t.scrapes[result] += 1
             if parsed is None:
                 t.error = why
+                if why == REFUSED:
+                    # Unlike a slow or garbled answer, this one says the server holds no requests any more: its
+                    # last reading is dropped now, not when it is stale_after old.
+                    t.good = None
                 return
             if t.kind in ("auto", "generic") and parsed.kind != "generic":
                 t.kind = parsed.kind
@@ -258,20 +309,22 @@ class Scraper:
 
     @staticmethod
     def _counters(t: Target, parsed: Parsed, now: float) -> None:
-        """Counter resets, and the generated tokens' rate since the previous good read (None across a reset)."""
+        """Counter resets, and the generated tokens' rate over the kind's window (None across a reset)."""
         for fld in kinds.COUNTERS:
             v = parsed.values.get(fld)
             prev = t.counters.pop(fld, None)
             if v is None:
                 if fld == GENERATED:
-                    t.tokens_per_second = None
+                    t.generated.clear()
                 continue
             t.counters[fld] = (v, now)
             if prev is not None and v < prev[0]:
                 t.counter_resets += 1
-                prev = None
+                if fld == GENERATED:
+                    t.generated.clear()
             if fld == GENERATED:
-                t.tokens_per_second = (v - prev[0]) / (now - prev[1]) if prev is not None and now > prev[1] else None
+                t.generated.append((now, v))
+        t.tokens_per_second, t.tokens_window, t.tokens_why = tokens_rate(t.generated, kinds.kind(t.kind))
 
     def rediscover(self) -> None:
         """Owners of the ports (pid changes are restarts), new servers on watched ports, pre-allocating pids."""
@@ -352,7 +405,11 @@ class Scraper:
             return ServerReading(known=False, reason=why, **base)  # type: ignore[arg-type]
         assert t.good is not None
         v = t.good.values
+        missing = dict(t.good.missing)
+        if t.tokens_why:
+            missing[GENERATED] = t.tokens_why
         return ServerReading(known=True, reason=t.error, kv_cache_usage=v.get(KV), requests_waiting=v.get(WAITING),
                              requests_running=v.get(RUNNING), preemptions=v.get(PREEMPTIONS),
                              generated_tokens_per_second=t.tokens_per_second,
-                             missing=MappingProxyType(dict(t.good.missing)), **base)  # type: ignore[arg-type]
+                             generated_tokens_window_s=t.tokens_window,
+                             missing=MappingProxyType(missing), **base)  # type: ignore[arg-type]

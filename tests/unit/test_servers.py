@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
+import collections
+import contextlib
 import os
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -18,8 +22,17 @@ from qosagent.servers import discovery, kinds
 from qosagent.servers.config import ServerConfig
 from qosagent.servers.model import ServerReading, ServersPart, gpu_holders
 from qosagent.servers.parse import ExpositionError, parse
-from qosagent.servers import scraper as scraper_mod
-from qosagent.servers.scraper import GARBAGE, HTTP_ERROR, OK, FetchError, Scraper
+from qosagent.servers.scraper import (
+    DOWN,
+    GARBAGE,
+    HTTP_ERROR,
+    OK,
+    REFUSED,
+    TIMEOUT,
+    Scraper,
+    resolution,
+    tokens_rate,
+)
 from tests.integration.inference_metrics import LLAMACPP_SLOTS, TGI_KV_TOKENS, exposition
 
 LOAD = {"kv": 0.42, "waiting": 7, "running": 12, "preemptions": 3, "generated": 5000}
@@ -202,54 +215,91 @@ def test_readings_age_out_to_unknown_and_counter_resets_are_counted(tmp_path: Pa
     now[0] += 1
     s.record(t, OK, exposition("vllm", {**LOAD, "preemptions": 2}), "")  # went backwards
     now[0] += 1
-    s.record(t, "down", "", "connection refused")
+    s.record(t, TIMEOUT, "", "no complete answer within 0.5s")
     r = s.part().servers[0]
-    assert r.known and r.kv_cache_usage == 0.42 and r.reason == "connection refused" and r.counter_resets == 1
+    assert r.known and r.kv_cache_usage == 0.42 and r.reason == "no complete answer within 0.5s"
+    assert r.counter_resets == 1
     now[0] += 4.5
     r = s.part().servers[0]
     assert not r.known and r.kv_cache_usage is None and r.requests_waiting is None
-    assert r.reason == "last good read 5.5s ago (stale after 5s): connection refused"
+    assert r.reason == "last good read 5.5s ago (stale after 5s): no complete answer within 0.5s"
     s.record(t, OK, "<html>oops</html>", "")
     r = s.part().servers[0]
-    assert r.scrapes == {OK: 2, "down": 1, GARBAGE: 1} and "not a metrics exposition" in r.reason
+    assert r.scrapes == {OK: 2, TIMEOUT: 1, GARBAGE: 1} and "not a metrics exposition" in r.reason
     # A new process_start_time_seconds is a restart even when no pid was seen.
     s.record(t, OK, exposition("vllm", {**LOAD, "start_time": 1.8e9}), "")
     assert s.part().servers[0].restarts == 1 and s.part().servers[0].known
 
 
-def test_generated_tokens_per_second_is_the_counters_rate_between_two_reads(tmp_path: Path) -> None:
+def test_a_refused_connection_ends_the_reading_at_once(tmp_path: Path) -> None:
+    """Nothing listens: the server is gone (a crash), so its last queue and slots are not held for stale_after."""
     now = [100.0]
     s = Scraper(HostFS(tmp_path), [ServerConfig(port=8080, kind="llamacpp")], [], clock=lambda: now[0])
     t = s.targets[8080]
-    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 1000}), "", LLAMACPP_SLOTS)
-    assert s.part().servers[0].generated_tokens_per_second is None  # one read: no rate yet
-    now[0] += 2
-    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 1600}), "")
-    r = s.part().servers[0]
-    assert r.generated_tokens_per_second == pytest.approx(300) and r.kv_cache_usage == 0.5
+    s.record(t, OK, exposition("llamacpp", LOAD), "", LLAMACPP_SLOTS)
+    assert s.part().servers[0].requests_waiting == 7
     now[0] += 1
-    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 40}), "")  # went backwards: no rate across it
+    s.record(t, DOWN, "", REFUSED)
+    r = s.part().servers[0]
+    assert (r.known, r.requests_waiting, r.requests_running, r.reason) == (False, None, None, REFUSED)
+    assert r.scrapes == {OK: 1, DOWN: 1}
+
+
+def test_generated_tokens_per_second_is_the_counters_rate_between_two_reads(tmp_path: Path) -> None:
+    now = [100.0]
+    s = Scraper(HostFS(tmp_path), [ServerConfig(port=8000, kind="vllm")], [], clock=lambda: now[0])
+    t = s.targets[8000]
+    s.record(t, OK, exposition("vllm", {**LOAD, "generated": 1000}), "")
+    r = s.part().servers[0]
+    assert r.generated_tokens_per_second is None and "a rate needs two" in r.missing["generated_tokens"]
+    now[0] += 2
+    s.record(t, OK, exposition("vllm", {**LOAD, "generated": 1600}), "")
+    r = s.part().servers[0]
+    assert (r.generated_tokens_per_second, r.generated_tokens_window_s) == (pytest.approx(300), 2.0)
+    assert "generated_tokens" not in r.missing
+    now[0] += 1
+    s.record(t, OK, exposition("vllm", {**LOAD, "generated": 40}), "")  # went backwards: no rate across it
     r = s.part().servers[0]
     assert r.generated_tokens_per_second is None and r.counter_resets == 1
     now[0] += 1
-    s.record(t, OK, exposition("llamacpp", {**LOAD, "generated": 440}), "")
+    s.record(t, OK, exposition("vllm", {**LOAD, "generated": 440}), "")
     assert s.part().servers[0].generated_tokens_per_second == pytest.approx(400)
     # The servers' own throughput gauge is not read: each scrape resets it (kinds.py).
     assert all(src.sample != "llamacpp:predicted_tokens_seconds"
                for srcs in kinds.kind("llamacpp").fields.values() for src in srcs)
 
 
-def test_llama_server_without_metrics_says_how_to_turn_them_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fetch(url: str, timeout: float) -> str:
-        raise FetchError(HTTP_ERROR, "HTTP 501 Not Implemented", 501)
+def test_llamacpps_token_rate_spans_ten_seconds_of_reads() -> None:
+    """Its counter grows only when a request ends, by all its tokens: over one read interval the rate would be 0
+    or a request's worth; over 10 s it is the tokens of the requests that ended in that window."""
+    llama = kinds.kind("llamacpp")
+    reads: collections.deque[tuple[float, float]] = collections.deque()
+    got = []
+    for i in range(15):  # a read a second; a 200-token request ends every 2 s
+        reads.append((float(i), 200.0 * (i // 2)))
+        got.append(tokens_rate(reads, llama))
+    assert got[1] == (0.0, 1.0, "") and got[2] == (100.0, 2.0, "")  # the window fills from the first read
+    assert got[14] == (pytest.approx(100.0), 10.0, "") and got[13] == (pytest.approx(100.0), 10.0, "")
+    assert [r[0] for r in reads] == [4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0]
+    # vLLM's counts every step: its rate is between the last two reads.
+    assert tokens_rate(collections.deque([(0.0, 0.0), (1.0, 50.0), (2.0, 150.0)]), kinds.kind("vllm")) == (
+        100.0, 1.0, "")
 
-    monkeypatch.setattr(scraper_mod, "fetch", fetch)
-    t = Scraper._target(ServerConfig(port=8080), False, "llamacpp")
-    result, _, why, _ = Scraper._read(t)
-    assert (result, why) == (HTTP_ERROR, "HTTP 501 Not Implemented: llama-server serves /metrics only when started "
-                                         "with --metrics")
-    t.kind = "vllm"  # a status means what it means for the kind that sent it
-    assert Scraper._read(t)[2] == "HTTP 501 Not Implemented"
+
+def test_a_counter_printed_to_six_digits_gives_a_rate_only_where_its_rounding_is_small() -> None:
+    """llama-server prints 1234567 tokens as 1.23457e+06: each read is within 5 tokens of the count."""
+    llama = kinds.kind("llamacpp")
+    assert resolution(999999, 6) == 0 and resolution(1.23457e6, 6) == 10 and resolution(4.2e8, 6) == 1000
+    assert resolution(4.2e8, None) == 0
+    # 10 s at 700 tokens/s near 1.2 M: ±10 tokens of 7,000.
+    rate, window, why = tokens_rate(collections.deque([(0.0, 1.23457e6), (10.0, 1.24157e6)]), llama)
+    assert (rate, window, why) == (pytest.approx(700.0), 10.0, "")
+    # Near 420 M the same 7,000 tokens are known to ±1,000: more than 10 % of them.
+    rate, window, why = tokens_rate(collections.deque([(0.0, 4.20000e8), (10.0, 4.20007e8)]), llama)
+    assert rate is None and why == ("the counter is printed to 6 significant digits: ±1000 tokens over 10.0s, more "
+                                    "than 10% of the 7000 counted")
+    # Idle past a million: 0 counted of a count known to ±10 is no rate, not "0 tokens/s".
+    assert tokens_rate(collections.deque([(0.0, 2.5e6), (10.0, 2.5e6)]), llama)[0] is None
 
 
 # ---- GPU memory: evidence first (a server's reading speaks for the GPUs it may use) ----
@@ -417,3 +467,72 @@ def test_a_reload_that_adds_tenant_ports_is_seen_by_discovery_at_once(tmp_path: 
     assert {r.port: (r.kind, r.pid) for r in cap.collect().servers} == {8000: ("vllm", 100), 3000: ("tgi", 201)}
     change.undo()
     assert cap.scraper.ports == [8000]
+
+
+# ---- the real llama-server's answers, recorded (tests/fixtures/llamacpp/), replayed over loopback ----
+
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
+
+
+@contextlib.contextmanager
+def replay(answers: dict[str, bytes]) -> Iterator[int]:
+    """A loopback server that answers each path with its recorded bytes (status line, headers, body) and closes:
+    a shorter byte string is a server that died mid-answer. Its port."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.settimeout(0.2)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                path = conn.recv(4096).split(b" ")[1].decode()
+                conn.sendall(answers[path])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield lsock.getsockname()[1]
+    finally:
+        done.set()
+        thread.join(5)
+        lsock.close()
+
+
+def test_a_real_llama_server_answer_is_read_whole_and_a_cut_one_not_at_all(tmp_path: Path) -> None:
+    metrics = (RECORDED / "metrics.http").read_bytes()
+    props = (RECORDED / "props.http").read_bytes()
+    with replay({"/metrics": metrics, "/props": props}) as port:
+        s = Scraper(HostFS(tmp_path), [ServerConfig(port=port, kind="llamacpp")], [])
+        t = s.targets[port]
+        s.record(t, *Scraper._read(t))
+        r = s.part().servers[0]
+        # Recorded with 2 slots busy and 3 requests deferred (the engine under 5 clients).
+        assert (r.known, r.requests_running, r.requests_waiting, r.kv_cache_usage) == (True, 2, 3, 1.0), r
+    # The engine dies while writing /metrics: the answer stops inside `llamacpp:tokens_predicted_total 2400`, at
+    # "24", a well-formed line that would read as a counter gone backwards. Nothing of it is read; the last good
+    # reading stands, with why.
+    cut = metrics[:metrics.index(b"llamacpp:tokens_predicted_total 2400") + len(b"llamacpp:tokens_predicted_total 24")]
+    with replay({"/metrics": cut, "/props": props}) as port:
+        t.url = f"http://127.0.0.1:{port}/metrics"
+        s.record(t, *Scraper._read(t))
+        r = s.part().servers[0]
+        assert r.scrapes == {OK: 1, HTTP_ERROR: 1} and "IncompleteRead" in r.reason, r
+        assert (r.known, r.requests_waiting, r.counter_resets) == (True, 3, 0), r
+
+
+def test_a_real_llama_server_without_metrics_says_how_to_turn_them_on(tmp_path: Path) -> None:
+    with replay({"/metrics": (RECORDED / "metrics-off.http").read_bytes()}) as port:
+        s = Scraper(HostFS(tmp_path), [ServerConfig(port=port, kind="llamacpp")], [])
+        t = s.targets[port]
+        s.record(t, *Scraper._read(t))
+        r = s.part().servers[0]
+        assert r.reason == ("HTTP 501 Not Implemented: llama-server serves /metrics only when started with "
+                            "--metrics")
+        t.kind = "vllm"  # a status means what it means for the kind that sent it
+        assert Scraper._read(t)[2] == "HTTP 501 Not Implemented"
+    assert (r.known, r.requests_waiting, r.kv_cache_usage) == (False, None, None)
+    assert r.scrapes == {HTTP_ERROR: 1}
