@@ -8,16 +8,19 @@ CI=true a failure: tests/conftest.py's require).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
 from testkit import tiny_llama
+from testkit.agent import agent_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "llama-server.sh"
@@ -55,6 +58,35 @@ def chat(content: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
             "stream": stream}
 
 
+def stream_chat(host: str, port: int, body: dict[str, Any], source: str = "", timeout: float = 60.0) -> float:
+    """One streamed chat completion on a connection of its own (llama-server closes it after the stream anyway):
+    the seconds from sending the request to its first token, which comes in the first chunk of the body with the
+    role's event. Reads the stream to its end. Raises OSError or http.client.HTTPException when it fails, and
+    RuntimeError on a status other than 200 or an empty body."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout, source_address=(source, 0) if source else None)
+    try:
+        data = json.dumps(body).encode()
+        t0 = time.monotonic()
+        conn.request("POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read(200)!r}")
+        first = resp.read1(65536)
+        if not first:
+            raise RuntimeError("the stream ended before its first token")
+        ttft = time.monotonic() - t0
+        while resp.read1(65536):
+            pass
+        return ttft
+    finally:
+        conn.close()
+
+
+def get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
 class LlamaServer:
     """One llama-server process: `slots` parallel slots (-np) over a context of 2,048 tokens each, `threads` CPU
     threads, /metrics on unless metrics=False. prefix runs it elsewhere (`ip netns exec NS`).
@@ -77,6 +109,7 @@ class LlamaServer:
             # No prompt states copied to RAM between requests: every prompt is new here, and the memory stays flat.
             "--cache-ram", "0", "--no-webui", "--no-warmup", *(["--metrics"] if metrics else []),
         ]
+        self.prefix = list(prefix)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -100,8 +133,15 @@ class LlamaServer:
         raise RuntimeError(f"llama-server did not answer /health within {timeout:g}s: {self.tail()}")
 
     def get(self, path: str, timeout: float = 5.0) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return r.read().decode()
+        """A GET of the engine's, from where it runs: through the prefix (inside its network namespace) too."""
+        if not self.prefix:
+            return get(self.url + path, timeout)
+        r = subprocess.run([*self.prefix, sys.executable, "-m", "testkit.llamacpp", "get", self.url + path,
+                            str(timeout)], capture_output=True, text=True, timeout=timeout + 30, env=agent_env(),
+                           check=False)
+        if r.returncode != 0:
+            raise OSError(r.stderr.strip()[-300:])
+        return r.stdout
 
     def metrics(self) -> dict[str, float]:
         """The engine's own /metrics, name -> value (its samples carry no labels)."""
@@ -139,3 +179,10 @@ class LlamaServer:
     def __exit__(self, *_: object) -> None:
         self.stop()
 
+
+
+if __name__ == "__main__":
+    # `python -m testkit.llamacpp get URL TIMEOUT`: LlamaServer.get inside the engine's network namespace.
+    if sys.argv[1:2] != ["get"]:
+        sys.exit("usage: python -m testkit.llamacpp get URL TIMEOUT")
+    sys.stdout.write(get(sys.argv[2], float(sys.argv[3])))

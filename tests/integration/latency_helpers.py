@@ -9,6 +9,13 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from qosagent.capability import AgentContext, State
+from qosagent.config import parse
+from qosagent.features import ensure_mounted, probe
+from qosagent.gpu.backend import NoGpu
+from qosagent.hostfs import HostFS
+from qosagent.latency.capability import Latency
+
 
 def until(what: Callable[[], Any], done: Callable[[Any], bool] = bool, timeout: float = 10.0) -> Any:
     """what() once done() says so of it, polled; at the timeout its last value, for the assertion's message."""
@@ -41,3 +48,25 @@ def serving(ports: tuple[int, ...], handler: type[http.server.BaseHTTPRequestHan
         for srv in started:
             srv.shutdown()
             srv.server_close()
+
+
+@contextlib.contextmanager
+def latency_capability(mode: str, port: int, tenants: list[dict[str, Any]]) -> Iterator[Latency]:
+    """The latency capability alone, in the given mode, timing the server on port (run queue off), stopped after."""
+    fs = HostFS("/")
+    ensure_mounted(fs)
+    cfg = parse({"tenants": tenants, "latency": {"mode": mode, "ports": [port], "runqueue": {"enabled": False}}},
+                "test")
+    cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
+    verdict = cap.probe(probe(fs))
+    assert verdict.state is State.ACTIVE and verdict.plan.egress, verdict.reason
+    cap.start(verdict.plan)
+    try:
+        yield cap
+    finally:
+        cap.stop()
+
+
+def close_to(measured: float | None, client: float, rel: float = 0.10, floor: float = 0.005) -> bool:
+    """Within rel of the client's value or floor seconds, whichever is larger (the latency tests' tolerance)."""
+    return measured is not None and abs(measured - client) <= max(rel * client, floor)

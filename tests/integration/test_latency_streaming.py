@@ -16,14 +16,9 @@ from typing import Iterator
 
 import pytest
 
-from qosagent.capability import AgentContext, State
-from qosagent.config import parse
-from qosagent.features import ensure_mounted, probe
-from qosagent.gpu.backend import NoGpu
-from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
 from qosagent.latency.model import TenantLatency
-from tests.integration.latency_helpers import free_port, until
+from tests.integration.latency_helpers import close_to, free_port, latency_capability, until
 from testkit.sse_client import (
     aiohttp_requests,
     RawClient,
@@ -45,27 +40,12 @@ N = 40  # streamed requests per run
 def agent(request: pytest.FixtureRequest, bpf: None) -> Iterator[tuple[Latency, int]]:
     """The latency capability in the given mode, watching a free port that the test's server will serve."""
     port = free_port()
-    fs = HostFS("/")
-    ensure_mounted(fs)
-    cfg = parse({"tenants": [{"name": "chat", "tier": "gold", "match": {"ports": [port]}}],
-                 "latency": {"mode": request.param, "ports": [port], "runqueue": {"enabled": False}}}, "test")
-    cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
-    verdict = cap.probe(probe(fs))
-    assert verdict.state is State.ACTIVE and verdict.plan.egress, verdict.reason
-    cap.start(verdict.plan)
-    try:
+    with latency_capability(request.param, port, [{"name": "chat", "tier": "gold", "match": {"ports": [port]}}]) as cap:
         yield cap, port
-    finally:
-        cap.stop()
 
 
 def tenant(cap: Latency) -> TenantLatency:
     return cap.collect().tenants["chat"]
-
-
-def close_to(measured: float | None, client: float, rel: float = 0.10, floor: float = 0.005) -> bool:
-    """Within rel of the client's value or floor seconds, whichever is larger (the issue's tolerance)."""
-    return measured is not None and abs(measured - client) <= max(rel * client, floor)
 
 
 def prefills(n: int, seed: int) -> list[float]:

@@ -19,15 +19,10 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from qosagent.capability import AgentContext, State
-from qosagent.config import parse
-from qosagent.features import ensure_mounted, probe
-from qosagent.gpu.backend import NoGpu
-from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
 from qosagent.latency.model import TenantLatency
-from tests.conftest import require
-from tests.integration.latency_helpers import free_port
+from tests.integration import llamacpp_helpers
+from tests.integration.latency_helpers import close_to, latency_capability
 from tests.kernel_modes import latency_modes
 from testkit import llamacpp
 from testkit.sse_client import Timing, percentile
@@ -47,37 +42,17 @@ AFTER = 0.02
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[llamacpp.LlamaServer]:
-    built = llamacpp.engine()
-    require(built is not None, llamacpp.NOT_BUILT)
-    assert built is not None
-    tmp = tmp_path_factory.mktemp("llamacpp")
-    with llamacpp.LlamaServer(built, llamacpp.model(built, tmp), free_port(), tmp / "server.log",
-                              slots=SLOTS) as srv:
+    with llamacpp_helpers.engine(tmp_path_factory.mktemp("llamacpp"), slots=SLOTS) as srv:
         yield srv
 
 
 @pytest.fixture(params=latency_modes())
 def agent(request: pytest.FixtureRequest, bpf: None, engine: llamacpp.LlamaServer) -> Iterator[Latency]:
-    fs = HostFS("/")
-    ensure_mounted(fs)
     port = engine.port
-    cfg = parse({"tenants": [{"name": "chat", "tier": "gold", "match": {"cidrs": [f"{CHAT}/32"], "ports": [port]}},
-                             {"name": "batch", "tier": "bronze", "match": {"cidrs": [f"{BATCH}/32"],
-                                                                            "ports": [port]}}],
-                 "latency": {"mode": request.param, "ports": [port], "runqueue": {"enabled": False}}}, "test")
-    cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("test")))
-    verdict = cap.probe(probe(fs))
-    assert verdict.state is State.ACTIVE and verdict.plan.egress, verdict.reason
-    cap.start(verdict.plan)
-    try:
+    with latency_capability(request.param, port, [
+            {"name": "chat", "tier": "gold", "match": {"cidrs": [f"{CHAT}/32"], "ports": [port]}},
+            {"name": "batch", "tier": "bronze", "match": {"cidrs": [f"{BATCH}/32"], "ports": [port]}}]) as cap:
         yield cap
-    finally:
-        cap.stop()
-
-
-def close_to(measured: float | None, client: float, rel: float = 0.10, floor: float = 0.005) -> bool:
-    """Within rel of the client's value or floor seconds, whichever is larger (the issue's tolerance)."""
-    return measured is not None and abs(measured - client) <= max(rel * client, floor)
 
 
 def lengths(seed: int) -> list[int]:
