@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# qosagent on this host alone: a streaming inference-like server in a private network namespace, two tenants with
-# load, the latency the agent measures in the kernel beside what the clients saw, a quota at work, and
-# `qosagent status`. Everything lives in the namespace (its own lo, its own mounts) and is removed on exit.
+# qosagent on this host alone: llama.cpp's llama-server on CPU with a tiny generated model where make setup-test
+# built it (else a streaming inference-like stand-in) in a private network namespace, two tenants with load, the
+# latency the agent measures in the kernel beside what the clients saw, a quota at work, and `qosagent status`.
+# Everything lives in the namespace (its own lo, its own mounts) and is removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,11 +33,33 @@ trap cleanup EXIT INT TERM
 in_ns() { ip netns exec "$ns" "$@"; }
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-step "a network namespace ($ns) with a streaming server: acme on :18001, hobby on :18002"
+get() { in_ns "$PY" -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }
 ip netns add "$ns"
 in_ns ip link set lo up
-ip netns exec "$ns" "$PY" scripts/demo_traffic.py serve 18001 18002 > "$work/server.log" 2>&1 &
-server_pid=$!
+# The real engine where make setup-test has built it (scripts/llama-server.sh): llama.cpp's llama-server with the
+# tiny generated model (testkit/tiny_llama.py), both tenants on it, told apart by their address; else the stand-in.
+engine=$(scripts/llama-server.sh path 2>/dev/null || true)
+if [ -n "$engine" ]; then
+  step "a network namespace ($ns) with llama.cpp's llama-server (a tiny generated Llama, 2 slots) on :18001: acme from 127.0.0.2, hobby from 127.0.0.3"
+  "$PY" -m testkit.tiny_llama "$work/tiny-llama.gguf" --gguf-py "$engine/src/gguf-py" >/dev/null
+  ip netns exec "$ns" "$engine/bin/llama-server" -m "$work/tiny-llama.gguf" --host 127.0.0.1 --port 18001 -np 2 \
+    -c 4096 -t 1 --metrics --no-webui > "$work/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 120); do
+    get http://127.0.0.1:18001/health >/dev/null 2>&1 && break
+    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log" >&2; exit 1; }
+    sleep 0.5
+  done
+  acme=(--port 18001 --source 127.0.0.2 --chat) hobby=(--port 18001 --source 127.0.0.3 --chat)
+  # Matched by address too, not by the port alone: the agent reads the engine's /metrics on that port.
+  match_acme="{cidrs: [127.0.0.2/32], ports: [18001]}" match_hobby="{cidrs: [127.0.0.3/32], ports: [18001]}"
+else
+  step "a network namespace ($ns) with a streaming stand-in server (llama-server is not built): acme on :18001, hobby on :18002"
+  ip netns exec "$ns" "$PY" scripts/demo_traffic.py serve 18001 18002 > "$work/server.log" 2>&1 &
+  server_pid=$!
+  acme=(--port 18001) hobby=(--port 18002)
+  match_acme="{ports: [18001]}" match_hobby="{ports: [18002]}"
+fi
 
 cat > "$work/config.yaml" <<YAML
 interval: 100ms
@@ -47,8 +70,8 @@ tiers:
   gold:   {slo_p99: 150ms, weight: 10}
   bronze: {slo_p99: 1200ms, weight: 1}
 tenants:
-  - {name: acme,  tier: gold,   match: {ports: [18001]}}
-  - {name: hobby, tier: bronze, match: {ports: [18002]}, quota: {rps: 10, burst: 5}}
+  - {name: acme,  tier: gold,   match: $match_acme}
+  - {name: hobby, tier: bronze, match: $match_hobby, quota: {rps: 10, burst: 5}}
 latency: {enabled: true, window: 10s}
 quota: {enabled: true, interfaces: [lo]}
 YAML
@@ -57,7 +80,7 @@ sed 's/^/    /' "$work/config.yaml"
 # Inside the namespace the agent mounts its own tracefs and bpffs (ip netns exec gives it a private /sys).
 ip netns exec "$ns" "$PY" -m qosagent run --detach-on-exit --config "$work/config.yaml" > "$work/agent.log" 2>&1 &
 agent_pid=$!
-metrics() { in_ns "$PY" -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen("http://127.0.0.1:9464" + sys.argv[1], timeout=5).read().decode())' "$1"; }
+metrics() { get "http://127.0.0.1:9464$1"; }
 for _ in $(seq 1 120); do
   metrics /readyz >/dev/null 2>&1 && break
   kill -0 "$agent_pid" 2>/dev/null || { cat "$work/agent.log" >&2; exit 1; }
@@ -67,9 +90,9 @@ metrics /readyz >/dev/null || { echo "demo: the agent did not become ready" >&2;
 "$PY" -m qosagent status --socket "$work/status.sock" | sed -n '1,12p'
 
 step "load for ${SECONDS_OF_LOAD}s: acme 15 req/s (within its SLO), hobby 30 req/s against a quota of 10/s"
-ip netns exec "$ns" "$PY" scripts/demo_traffic.py load --name acme --port 18001 --rps 15 --duration "$SECONDS_OF_LOAD" &
+ip netns exec "$ns" "$PY" scripts/demo_traffic.py load --name acme "${acme[@]}" --rps 15 --duration "$SECONDS_OF_LOAD" &
 acme_pid=$!
-in_ns "$PY" scripts/demo_traffic.py load --name hobby --port 18002 --rps 30 --duration "$SECONDS_OF_LOAD"
+in_ns "$PY" scripts/demo_traffic.py load --name hobby "${hobby[@]}" --rps 30 --duration "$SECONDS_OF_LOAD"
 wait "$acme_pid"
 
 step "qosagent status: what the agent measured in the kernel and what it enforced"

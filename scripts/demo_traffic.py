@@ -3,13 +3,15 @@
 serve: every GET holds a "prefill" delay, then streams tokens as server-sent events with a delay per token, so
 time to first byte and full response time differ the way they do for an LLM server.
 load: opens a new connection per request at a fixed rate for a fixed time (both bounded) and prints what the
-client saw, to set beside what the agent measured in the kernel.
+client saw, to set beside what the agent measured in the kernel; with --chat each request is a streamed chat
+completion, for llama-server (the real engine the demo runs where it is built).
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import statistics
 import sys
 import threading
@@ -55,11 +57,19 @@ def serve(ports: list[int]) -> None:
     threading.Event().wait()
 
 
-def one_request(port: int, source: str, timeout: float) -> tuple[float, float] | str:
+# A streamed chat completion of 16 tokens, for llama-server (the demo runs it when it is built, scripts/demo.sh).
+CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16,
+                   "stream": True}).encode()
+
+
+def one_request(port: int, source: str, timeout: float, chat: bool = False) -> tuple[float, float] | str:
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
     try:
-        conn.request("GET", "/v1/completions")
+        if chat:
+            conn.request("POST", "/v1/chat/completions", body=CHAT, headers={"Content-Type": "application/json"})
+        else:
+            conn.request("GET", "/v1/completions")
         r = conn.getresponse()
         r.read(1)
         ttfb = time.monotonic() - t0
@@ -71,13 +81,13 @@ def one_request(port: int, source: str, timeout: float) -> tuple[float, float] |
         conn.close()
 
 
-def load(name: str, port: int, source: str, rps: float, duration: float, timeout: float) -> None:
+def load(name: str, port: int, source: str, rps: float, duration: float, timeout: float, chat: bool) -> None:
     results: list[tuple[float, float] | str] = []
     lock = threading.Lock()
     threads = []
 
     def run() -> None:
-        r = one_request(port, source, timeout)
+        r = one_request(port, source, timeout, chat)
         with lock:
             results.append(r)
 
@@ -119,13 +129,14 @@ def main() -> None:
     lo.add_argument("--rps", type=float, required=True)
     lo.add_argument("--duration", type=float, default=10.0)
     lo.add_argument("--timeout", type=float, default=3.0)
+    lo.add_argument("--chat", action="store_true", help="POST streamed chat completions (to llama-server)")
     a = p.parse_args()
     if a.cmd == "serve":
         serve(a.ports)
     else:
         if not (0 < a.rps <= 500 and 0 < a.duration <= 120):
             sys.exit("load: expected 0 < rps <= 500 and 0 < duration <= 120 s")
-        load(a.name, a.port, a.source, a.rps, a.duration, a.timeout)
+        load(a.name, a.port, a.source, a.rps, a.duration, a.timeout, a.chat)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 #   scripts/llama-server.sh path    print the cache directory (bin/llama-server, src/gguf-py); exit 1 if not built
 #
 # Called by scripts/setup.sh with QOSAGENT_SETUP_TEST=1. QOSAGENT_LLAMA_CACHE picks another cache root.
-# A cold build (download included) took 791 s (13 min) on 2 shared, busy CPUs at -j2; the warm check is instant.
+# A cold build (download included) took 791 s (13 min) on 2 shared, busy CPUs at -j2, and 1,102 s (18 min) with
+# eight other sessions' builds and tests beside it; the warm check is instant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
