@@ -78,6 +78,7 @@ class Resources(Capability):
 
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)
+        self.config: "Config" = ctx.config  # the config in force here (a reload's commit sets it)
         self.store = applier.Store(ctx.config.state_dir)
         self.counters: dict[str, collections.Counter[str]] = {
             k: collections.Counter() for k in ("actions", "writes", "moves", "threads", "errors", "rewritten")}
@@ -99,7 +100,7 @@ class Resources(Capability):
 
     @property
     def cfg(self) -> Any:
-        return self.ctx.config.resources
+        return self.config.resources
 
     @property
     def enforce(self) -> bool:
@@ -107,7 +108,7 @@ class Resources(Capability):
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
-        cfg = self.ctx.config
+        cfg = self.config
         layout = discovery.Layout.probe(self.ctx.hostfs)
         slices = sched.probe_slice(round(self.cfg.latency_slice * 1e9))
         plan = Plan(layout, slices)
@@ -127,7 +128,7 @@ class Resources(Capability):
 
     def start(self, plan: Plan | None = None) -> None:
         self.plan = plan if plan is not None else self.probe(None)  # type: ignore[arg-type]
-        for line in node_problems(self.ctx.config, online_cpus(self.ctx), mem_total(self.ctx)):
+        for line in node_problems(self.config, online_cpus(self.ctx), mem_total(self.ctx)):
             self.log.warning("%s", line)
         try:
             self.store.load()
@@ -163,11 +164,11 @@ class Resources(Capability):
         return applier.restore_all(ctx.hostfs, store) if not store.empty() else []
 
     def prepare(self, config: "Config") -> Change:
-        old = self.ctx.config
+        old = self.config
 
         def commit() -> None:
             was_enforcing = self.enforce
-            self.ctx.config = config
+            self.config = config
             self._reconcile.period = self.cfg.reconcile_interval
             if was_enforcing and not self.enforce:
                 self._undo()  # a dry run must not leave earlier writes behind as if still decided
@@ -175,7 +176,7 @@ class Resources(Capability):
             self._reconcile.again()
 
         def undo() -> None:
-            self.ctx.config = old
+            self.config = old
             self._reconcile.period = self.cfg.reconcile_interval
             self.decided = {}
             self._reconcile.again()
@@ -195,7 +196,7 @@ class Resources(Capability):
         serving: tuple[Any, ...] = ()
         rewritten: dict[str, tuple[str, ...]] = {}
         if self._reconciling:
-            cfg = self.ctx.config
+            cfg = self.config
             rules = netns.ns_rules(cfg.tenants)
             pods = self.ctx.service(Pods)
             pods.current(any(r.by_pod for r in rules), cfg.pods)
@@ -249,7 +250,7 @@ class Resources(Capability):
         return out
 
     def _step(self, snapshot: Snapshot, part: ResourcesPart) -> list[Decision]:
-        cfg = self.ctx.config
+        cfg = self.config
         lat = snapshot.part(LATENCY)
         if lat is None:
             return []
@@ -309,7 +310,7 @@ class Resources(Capability):
 
     def _files(self, groups: list[Group]) -> list[Decision]:
         out = []
-        cfg = self.ctx.config
+        cfg = self.config
         for g in sorted(groups, key=lambda g: g.key):
             if not g.tier or g.key in self.backed_off:
                 continue
@@ -330,7 +331,7 @@ class Resources(Capability):
         return out
 
     def _hint_of(self, tier: str) -> Hint | None:
-        t = self.ctx.config.tiers.get(tier)
+        t = self.config.tiers.get(tier)
         if t is None or t.resources is None:
             return None
         if t.resources.sched != "normal":
@@ -436,7 +437,7 @@ class Resources(Capability):
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def _report(self, part: ResourcesPart) -> ResourcesPart:
-        cfg = self.ctx.config
+        cfg = self.config
         groups = []
         for key, g in sorted(self.groups.items()):
             r = self.reports.get(key, GroupReport(g))

@@ -9,6 +9,7 @@ import pytest
 
 from qosagent import config as config_mod
 from qosagent.capability import AgentContext, CapabilityError
+from qosagent.cgroups import HostCgroups
 from qosagent.config import ConfigError
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
@@ -17,7 +18,8 @@ from qosagent.resources.applier import Moved, Store, Thread
 from qosagent.resources.capability import Resources, node_problems
 from qosagent.resources.config import SuppressConfig
 from qosagent.resources.sched import Attr
-from qosagent.resources.discovery import is_shared
+from qosagent.resources.discovery import Layout, groups, is_shared
+from qosagent.resources.model import Serving
 from qosagent.slo import tier
 from qosagent.statefile import StateFileError
 from qosagent.units import parse_size
@@ -202,3 +204,33 @@ def test_originals_round_trip_and_an_empty_store_leaves_no_file(tmp_path) -> Non
     again.files, again.moved, again.created, again.threads = {}, {}, [], {}
     again.save()
     assert not (tmp_path / "state" / Store.FILE).exists()
+
+
+def test_groups_and_their_states_on_a_hybrid_tree(tmp_path) -> None:
+    """cpu and memory as v1 hierarchies: each serving process's cgroup per controller, and what may be set."""
+    cgroups = {1: "/", 10: "/system.slice/vllm.service", 11: "/kubepods.slice/pod-a/cri-1.scope",
+               12: "/mixed", 13: "/mixed", 14: "/user.slice/user-1000.slice/session-2.scope"}
+    for pid, path in cgroups.items():
+        (tmp_path / f"proc/{pid}").mkdir(parents=True)
+        (tmp_path / f"proc/{pid}/cgroup").write_text(f"5:memory:{path}\n4:cpu,cpuacct:{path}\n0::/\n")
+        for c in ("cpu", "memory"):
+            d = tmp_path / f"sys/fs/cgroup/{c}{path}"
+            d.mkdir(parents=True, exist_ok=True)
+            procs = d / "cgroup.procs"
+            procs.write_text((procs.read_text() if procs.exists() else "") + f"{pid}\n")
+    fs = HostFS(tmp_path)
+    layout = Layout.probe(fs)
+    assert layout.versions == {"cpu": "v1", "memory": "v1"}
+    serving = [Serving(10, 1, "vllm", "acme", "gold"), Serving(11, 1, "tgi", "pod", "silver"),
+               Serving(12, 1, "a", "acme", "gold"), Serving(13, 1, "b", "hobby", "bronze"),
+               Serving(14, 1, "dev", "hobby", "bronze")]
+    found = {(g.controller, g.path): g for g in groups(fs, HostCgroups(fs, pid=1), layout, serving, True, own_pid=1)}
+    assert len(found) == 8
+    states = {path: g.state for (c, path), g in found.items() if c == "cpu"}
+    assert states == {"/system.slice/vllm.service": "ok", "/kubepods.slice/pod-a/cri-1.scope": "kubelet",
+                      "/mixed": "conflict", "/user.slice/user-1000.slice/session-2.scope": "shared"}
+    assert found[("cpu", "/mixed")].tiers == ("bronze", "gold") and found[("cpu", "/mixed")].tier == ""
+    assert found[("memory", "/system.slice/vllm.service")].directory == \
+        "/sys/fs/cgroup/memory/system.slice/vllm.service"
+    again = groups(fs, HostCgroups(fs, pid=1), layout, serving, False, own_pid=1)
+    assert {g.path: g.state for g in again if g.controller == "cpu"}["/kubepods.slice/pod-a/cri-1.scope"] == "ok"
