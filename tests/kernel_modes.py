@@ -9,6 +9,7 @@ would not silently shrink the tests.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import re
 from typing import Any
@@ -38,12 +39,26 @@ def verdict(mode: str) -> Any:
     return cap.probe(features())
 
 
+# "auto": the tests parametrized over modes run only the mode `latency.mode: auto` picks on this kernel (the kernel
+# matrix's added kernels, where every further mode would cost minutes of emulation; tests/vm/test_kernel_matrix.py).
+ONLY = "QOSAGENT_TEST_LATENCY_MODES"
+
+
 @functools.cache
-def latency_modes(*among: str) -> list[str]:
+def offered_modes(*among: str) -> list[str]:
     """The modes (of `among`, default all) the kernel offers: the probe does not say unavailable."""
     from qosagent.capability import State
 
     return [m for m in (among or ALL) if verdict(m).state is not State.UNAVAILABLE]
+
+
+def latency_modes(*among: str) -> list[str]:
+    """The modes of `among` (default all) the tests run here: those the kernel offers, or where ONLY is "auto", only
+    the one the agent picks by default."""
+    offered = offered_modes(*among)
+    if os.environ.get(ONLY) == "auto":
+        return [m for m in offered if m == verdict("auto").plan.mode]
+    return offered
 
 
 def kernel_version() -> tuple[int, int]:
