@@ -319,8 +319,8 @@ class Resources(Capability):
                 continue
             has_idle = self.ctx.hostfs.exists(f"{g.directory}/cpu.idle")
             values = planner.values(g.controller, g.version, tier, self.loop.quota.get(g.tier), has_idle)
-            if values == self.decided.get(g.key):
-                continue
+            if values == self.decided.get(g.key, ()):
+                continue  # unchanged, or nothing to set and nothing set before
             cut = self.loop.quota.get(g.tier)
             reason = (f"{g.tier}: suppressed to {cut:g} CPUs" if cut is not None and g.controller == "cpu"
                       else f"{g.tier}: tiers.{g.tier}.resources")
