@@ -145,17 +145,17 @@ class Toggled:
         if lat.mode not in ("sockops", "tracepoint"):
             raise RuntimeError(f"the bench toggles sockops links or tracepoints; the probes run in {lat.mode} mode")
         self.lat = lat
-        self.bpf = lat.dp.bpf
+        self.prog = lat.dp.prog
+        self.fs = HostFS("/")
         if lat.mode == "sockops" and serving_cgroup:
             # nginx listened before the agent started: its cgroup would be learned at its first response. Linked
             # now, so that no window starts before it is (and so that empty programs, which learn nothing, work).
             lat.hooks.watch._ingress.attach(serving_cgroup)
             lat.hooks.watch.stop_learning()  # the root-wide learner would time the first windows' arrivals twice over
-        if not arrival and b"sk_data_ready" in self.bpf.raw_tracepoint_fds:
+        if not arrival:
             # Without the arrival hook no request is ever stamped on arrival: each is timed from its first read.
-            self.bpf.detach_raw_tracepoint(b"sk_data_ready")
-        self.raw = list(self.bpf.raw_tracepoint_fds)
-        self.tps = list(self.bpf.tracepoint_fds)
+            self.prog.detach("raw_tracepoint__sk_data_ready")
+        self.traced = list(self.prog.attached)
         self.ingress_paths: list[str] = []
         self.interval = cfg.interval
         self.tick = tick
@@ -173,10 +173,7 @@ class Toggled:
                 self.ticks += 1
 
     def attach(self) -> None:
-        for tp in self.raw:  # BCC names RAW_TRACEPOINT_PROBE(x) raw_tracepoint__x, TRACEPOINT_PROBE(c, e) ...__c__e
-            self.bpf.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
-        for tp in self.tps:
-            self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+        self.prog.attach(self.fs, self.traced)
         if self.lat.mode == "sockops":
             # The capability's own links, closed and made again: what an agent start and stop do to the hooks.
             # The sockets keep the callbacks they were given, so with the links back they are timed again.
@@ -184,7 +181,7 @@ class Toggled:
             from qosagent.latency.links import link_root
 
             watch = self.lat.hooks.watch
-            watch._sockops_link = link_root(watch.fs, watch.root, self.bpf.funcs[b"lat_sockops"].fd,
+            watch._sockops_link = link_root(watch.fs, watch.root, self.prog.fd("lat_sockops"),
                                             ATTACH_CGROUP_SOCK_OPS)
             for path in self.ingress_paths:
                 self.lat.hooks.watch._ingress.attach(path)
@@ -194,10 +191,8 @@ class Toggled:
     def detach(self) -> None:
         self.on.clear()
         self.lat.hooks.adopter.close()  # tracepoint mode's adopter, linked while a connection awaits adoption
-        for tp in self.raw:
-            self.bpf.detach_raw_tracepoint(tp)
-        for tp in self.tps:
-            self.bpf.detach_tracepoint(tp)
+        for name in self.traced:
+            self.prog.detach(name)
         if self.lat.mode == "sockops":
             os.close(self.lat.hooks.watch._sockops_link)
             self.ingress_paths = self.lat.hooks.watch.cgroups()

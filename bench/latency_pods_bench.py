@@ -53,15 +53,14 @@ cfg = parse({"tenants": [{"name": "net2", "tier": "gold", "match": {"cidrs": ["1
 cap = Latency(AgentContext(config=cfg, hostfs=fs, gpu=NoGpu("bench")))
 cap.probe(probe(fs))
 cap.start()
-if b"lat_netns" in cap.dp.bpf.tables:
+if cap.dp.prog.has_map("lat_netns"):
     # A pod's address in the map, not the bench's: every connection looks it up and misses (the longest path).
-    from qosagent.ebpf.maps import Map
-    m, conf = Map.of(cap.dp.bpf, "lat_netns"), Map.of(cap.dp.bpf, "lat_netns_conf")
+    m, conf = cap.dp.prog.map("lat_netns"), cap.dp.prog.map("lat_netns_conf")
     m.update(bytes(10) + b"\xff\xff" + bytes([198, 18, 1, 1]) + port.to_bytes(2, sys.byteorder) + bytes(2),
              m.value(tenant=1))
     conf.update(0, conf.value(entries=1))
-name = b"lat_sockops" if mode == "sockops" else b"tracepoint__sock__inet_sock_set_state"
-fd = cap.dp.bpf.funcs[name].fd
+name = "lat_sockops" if mode == "sockops" else "tracepoint__sock__inet_sock_set_state"
+fd = cap.dp.prog.fd(name)
 stats = libbpf.enable_stats()
 i0 = libbpf._ProgInfo(); libbpf._info(fd, i0)
 for _ in range(conns):

@@ -80,26 +80,26 @@ def prog_costs() -> dict[str, float]:
         d.write_config(cfg, baseline_buckets(cfg))
         shim = BPF(text=FRONT_MISS_SHIM.encode(), cflags=[f"-I{REPO / 'bpf' / 'include'}",
                                                           f'-DPIN="{dp.pin_dir(cfg)}/quota_config"'])
-        shim[b"bench_progs"][ctypes.c_int(0)] = ctypes.c_int(d.prog.fd)
+        shim[b"bench_progs"][ctypes.c_int(0)] = ctypes.c_int(d.prog)
         shim_fd = shim.load_func(b"front_miss", BPF.SCHED_CLS).fd
         headers = {"User-Agent": "bench/1.0", "Accept": "*/*", "Content-Type": "application/json",
                    "X-Tenant-ID": "other"}
         frames = {
             "empty program (baseline)": (empty_fd, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, ACK))),
             "established flow, mid-request segment": (
-                d.prog.fd, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, payload=b"{\"prompt\": \"" + b"x" * 200))),
-            "established flow, pure ACK": (d.prog.fd, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, ACK))),
+                d.prog, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, payload=b"{\"prompt\": \"" + b"x" * 200))),
+            "established flow, pure ACK": (d.prog, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, ACK))),
             BY_PORT: (
-                d.prog.fd, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, payload=request("/v1/completions",
+                d.prog, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, payload=request("/v1/completions",
                                                                                          headers)))),
             BY_FLOW: (
-                d.prog.fd, ipv4("10.0.1.2", "10.0.0.1", tcp(40002, 8000, payload=request("/v1/completions",
+                d.prog, ipv4("10.0.1.2", "10.0.0.1", tcp(40002, 8000, payload=request("/v1/completions",
                                                                                          headers)))),
             FRONT_MISS: (
                 shim_fd, ipv4("10.0.1.2", "10.0.0.1", tcp(40002, 8000, payload=request("/v1/completions",
                                                                                       headers)))),
             "request start, header scan (no match: whole header)": (
-                d.prog.fd, ipv4("10.0.0.3", "10.0.0.1", tcp(40001, 8000, payload=request("/v1/completions",
+                d.prog, ipv4("10.0.0.3", "10.0.0.1", tcp(40001, 8000, payload=request("/v1/completions",
                                                                                          headers)))),
         }
         for fd, frame in frames.values():  # warm: the CIDR tenant's flow gets cached

@@ -14,7 +14,41 @@
 #define LAT_AF_INET 2
 #define LAT_AF_INET6 10
 
-BPF_SK_STORAGE(lat_sk, struct lat_sock);
+/* A socket's state with the agent run it was made in. The agent's next run may reuse this program and its maps
+ * (qosagent/ebpf/pinned.py keeps the build), but socket storage cannot be listed to be emptied, and the state an
+ * earlier run left on a socket missed whatever happened while no agent ran: it is never read as this run's. */
+struct lat_sk_state {
+    struct lat_sock s;
+    __u32 run;
+    __u32 pad;
+};
+
+struct lat_run_cfg {
+    __u32 run; /* moved on by the agent at each start */
+    __u32 pad;
+};
+
+BPF_SK_STORAGE(lat_sk, struct lat_sk_state);
+BPF_ARRAY(lat_run, struct lat_run_cfg, 1);
+
+/* The socket's state of this run, or 0; with `create`, made (or taken over from an earlier run) for the caller to
+ * initialise. */
+static __always_inline struct lat_sock *lat_sk_get(struct bpf_sock *sk, int create)
+{
+    __u32 zero = 0;
+    struct lat_run_cfg *run = lat_run.lookup(&zero);
+    if (!run)
+        return 0;
+    struct lat_sk_state *st = lat_sk.sk_storage_get(sk, 0, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+    if (!st)
+        return 0;
+    if (st->run != run->run) {
+        if (!create)
+            return 0;
+        st->run = run->run;
+    }
+    return &st->s;
+}
 
 struct lat_cgroup_key {
     __u64 id;
@@ -92,7 +126,7 @@ static __always_inline void lat_ops_established(struct bpf_sock_ops *skops)
         lat_count_conn(&init, 1); /* counted, never timed: no per-socket hooks, no state */
         return;
     }
-    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    struct lat_sock *s = lat_sk_get(sk, 1);
     if (!s) {
         lat_count_conn(&init, 0);
         return;
@@ -118,7 +152,7 @@ static __always_inline void lat_ops_sendmsg(struct bpf_sock_ops *skops)
     struct bpf_sock *sk = skops->sk;
     if (!sk)
         return;
-    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, 0);
+    struct lat_sock *s = lat_sk_get(sk, 0);
     if (!s)
         return;
     /* A request's response is timed by the egress program, linked wherever the ingress program is; writes with no
@@ -138,7 +172,7 @@ static __always_inline void lat_ops_state(struct bpf_sock_ops *skops)
     struct bpf_sock *sk = skops->sk;
     if (skops->args[1] != BPF_TCP_CLOSE || !sk)
         return;
-    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, 0);
+    struct lat_sock *s = lat_sk_get(sk, 0);
     if (!s)
         return;
     lat_closed(s);
@@ -178,7 +212,7 @@ static __always_inline struct lat_sock *lat_segment(struct __sk_buff *skb, struc
     *sk = skb->sk;
     if (!*th || !*sk || (!*len && !((*th)->flags & ends)))
         return 0;
-    return lat_sk.sk_storage_get(*sk, 0, 0);
+    return lat_sk_get(*sk, 0);
 }
 
 /* The first request segment of a connection the agent found open (lat_adopt): its state, created here, as the
@@ -198,7 +232,7 @@ static __always_inline struct lat_sock *lat_adopt_sock(struct __sk_buff *skb, co
         lat_count_adopted(&init, 1); /* counted, never timed: no state, as at establishment */
         return 0;
     }
-    struct lat_sock *s = lat_sk.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    struct lat_sock *s = lat_sk_get(sk, 1);
     lat_count_adopted(&init, s != 0);
     if (!s)
         return 0;
@@ -305,7 +339,7 @@ int lat_egress_framing(struct __sk_buff *skb)
     __u32 zero = 0;
     struct lat_scan *buf = lat_scan_buf.lookup(&zero);
     struct bpf_sock *sk = skb->sk;
-    struct lat_sock *s = sk ? lat_sk.sk_storage_get(sk, 0, 0) : 0;
+    struct lat_sock *s = sk ? lat_sk_get(sk, 0) : 0;
     if (buf && s)
         lat_framing_and_body(skb, buf, s);
     return 1;

@@ -43,13 +43,16 @@ BPF_TABLE_PINNED("hash", struct qos_netns_key, struct qos_tenant_val, quota_netn
  * on one CPU (RSS, RPS), so a request start of a CIDR or header tenant usually finds its flow here and skips the
  * LRU. tenant_flows stays the cache of record (the latency probes read it); an entry here is a copy of a resolved
  * tenant, valid while its gen equals quota_config.rules_gen, which the agent bumps after it emptied tenant_flows on
- * a rule change. "Unmatched" is never held, so a header claiming a flow later is never hidden. Unpinned: every
- * agent start loads a new program and starts with an empty one. Written only from TC (softirq, which does not nest
+ * a rule change. "Unmatched" is never held, so a header claiming a flow later is never hidden. Not pinned by name:
+ * it lives in the build (qosagent/ebpf/pinned.py), and an agent that reuses the build finds its entries valid
+ * exactly as long as the adopted tenant_flows' (the same rules_gen). Written only from TC (softirq, which does not nest
  * on one CPU), so an entry is never torn. A hit does not touch the LRU entry's reference bit: under LRU pressure a
  * flow hot here can be evicted there, and is then resolved again on its next miss here. */
 #define QOS_FLOW_WORDS 9
 _Static_assert(sizeof(struct qos_flow_key) == QOS_FLOW_WORDS * 4, "the flow front reads a flow key as words");
+#ifndef QOS_FLOW_L1_BITS /* from the loader: entries per CPU, sized from quota.flow_entries and the CPU count */
 #define QOS_FLOW_L1_BITS 12
+#endif
 struct flow_l1 {
     __u32 flow_w[QOS_FLOW_WORDS]; /* a struct qos_flow_key */
     __u32 tenant; /* QOS_UNMATCHED: empty */

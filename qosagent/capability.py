@@ -19,6 +19,7 @@ from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
 if TYPE_CHECKING:
+    from qosagent.ebpf.mapsize import MapSize
     from prometheus_client.core import Metric
 
     from qosagent.config import Config
@@ -206,7 +207,12 @@ class Capability:
 
     def stop(self) -> None:
         """Undo everything start() and apply() did, in reverse; safe to call twice. Quota alone leaves its
-        datapath for the next agent unless ctx.detach_on_exit."""
+        datapath for the next agent unless ctx.detach_on_exit (latency leaves its build pinned, attached
+        nowhere, for the next agent to reuse)."""
+
+    def kernel_maps(self, plan: Any) -> list["MapSize"]:
+        """The BPF maps start would make for probe's plan, as `qosagent check` counts their kernel memory."""
+        return []
 
     @classmethod
     def detach(cls, ctx: AgentContext) -> list[str]:

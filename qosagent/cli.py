@@ -155,6 +155,7 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
     from qosagent import capabilities
     from qosagent.capability import AgentContext, State, Verdict
     from qosagent.daemon import gpu_backend
+    from qosagent.ebpf import mapsize
     from qosagent.features import probe
     from qosagent import sandbox
 
@@ -177,6 +178,9 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
         else:
             ctx.record(cls, cls(ctx).probe(feats))
     gpu.close()
+    cpus = mapsize.possible_cpus(fs)
+    maps = {cls.name: m for cls in enabled if verdicts[cls.name].state in (State.ACTIVE, State.DEGRADED)
+            and (m := cls(ctx).kernel_maps(verdicts[cls.name].plan))}
     failed = [n for n, v in verdicts.items() if v.state is State.UNAVAILABLE]
     reports = matchreport.tenant_reports(cfg)
     if as_json:
@@ -186,6 +190,7 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
             "host": feats.as_dict(),
             "capabilities": {n: v.as_dict() for n, v in verdicts.items()},
             "tenants": [r.as_dict() for r in reports],
+            "bpf_maps": {"possible_cpus": cpus, "bytes": {n: mapsize.total(m, cpus) for n, m in maps.items()}},
         }, indent=2))
     else:
         click.echo(f"config: {config_path or config_mod.DEFAULT_SOURCE}: valid")
@@ -193,6 +198,10 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
         click.echo("\nCAPABILITY   STATE        REASON")
         for n, v in verdicts.items():
             click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
+        if maps:
+            click.echo(f"\nBPF MAPS     kernel memory made at start ({cpus} possible CPUs; docs/configuration.md)")
+            for n, m in maps.items():
+                click.echo(mapsize.render(n, m, cpus))
         click.echo("\n" + matchreport.render(reports))
     if strict and failed:
         sys.exit(1)

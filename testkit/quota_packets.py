@@ -94,7 +94,7 @@ def loaded(cfg: Config) -> Iterator[dp.Datapath]:
 
 
 def run(d: dp.Datapath, frame: bytes) -> int:
-    return test_run(d.prog.fd, frame).retval
+    return test_run(d.prog, frame).retval
 
 
 def counts(d: dp.Datapath, name: str) -> tuple[int, int, int, int]:

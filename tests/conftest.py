@@ -33,7 +33,9 @@ def root() -> None:
 
 
 @pytest.fixture
-def bpf(root: None) -> None:
+def bpf(root: None) -> Iterator[None]:
+    from qosagent.config import parse
+    from qosagent.ebpf import pinned
     from qosagent.ebpf.loader import headers_present
 
     try:
@@ -41,6 +43,10 @@ def bpf(root: None) -> None:
     except ImportError:
         require(False, "bcc not importable")
     require(headers_present(), "no kernel headers (run make setup)")
+    yield
+    # A stopped agent keeps its latency build pinned for the next one (qosagent/ebpf/pinned.py): what the test's
+    # agents left on the default pin root goes with the test, as `qosagent detach` would remove it.
+    pinned.remove_builds(parse({}, "default").bpf.pin_root, "latency")
 
 
 @pytest.fixture

@@ -45,6 +45,10 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "bpf_prog_test_run_opts": (_c_int, _c_void_p),
     "libbpf_num_possible_cpus": (),
     "bpf_enable_stats": (_c_int,),
+    "bpf_raw_tracepoint_open": (_c_char_p, _c_int),
+    "bpf_map_create": (_c_int, _c_char_p, _u32, _u32, _u32, _c_void_p),
+    "ring_buffer__poll": (_c_void_p, _c_int),
+    "bpf_map_update_batch": (_c_int, _c_void_p, _c_void_p, ctypes.POINTER(_u32), _c_void_p),
 }
 
 
@@ -64,6 +68,10 @@ def lib() -> Any:
                 f = getattr(so, fn, None)
                 if f is not None:  # an older libbpf's missing extras are refused by call(), by name
                     f.argtypes, f.restype = list(args), ctypes.c_int
+            if hasattr(so, "ring_buffer__new"):
+                so.ring_buffer__new.argtypes = [_c_int, _c_void_p, _c_void_p, _c_void_p]
+                so.ring_buffer__new.restype = _c_void_p
+                so.ring_buffer__free.argtypes, so.ring_buffer__free.restype = [_c_void_p], None
             return so
         tried.append(f"{name}: no libbpf API in it")
     raise LibbpfMissing(f"libbpf (1.x) not found, needed to reach BPF maps: install libbpf1 ({'; '.join(tried)})")
@@ -153,6 +161,52 @@ def prog_id(fd: int) -> int:
     i = _ProgInfo()
     _info(fd, i)
     return int(i.id)
+
+
+def prog_type(fd: int) -> int:
+    """The program's type (enum bpf_prog_type); OSError when fd is no program."""
+    i = _ProgInfo()
+    _info(fd, i)
+    return int(i.type)
+
+
+def raw_tracepoint_open(name: str, prog_fd: int) -> int:
+    """The program on the raw tracepoint `name`, attached while the returned fd is open."""
+    return call("bpf_raw_tracepoint_open", name.encode(), prog_fd)
+
+
+def map_create(map_type: int, name: str, key_size: int, value_size: int, max_entries: int) -> int:
+    return call("bpf_map_create", map_type, name.encode(), key_size, value_size, max_entries, None)
+
+
+# The ring buffer's sample callback: int (*)(void *ctx, void *data, size_t size)
+RING_SAMPLE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+class RingBuffer:
+    """libbpf's consumer of one BPF ring buffer map: poll() calls `on_sample(data pointer, size)` per record."""
+
+    def __init__(self, map_fd: int, on_sample: Any):
+        def sample(_ctx: Any, data: Any, size: int) -> int:
+            on_sample(data, size)
+            return 0
+
+        self._cb = RING_SAMPLE(sample)  # held: libbpf keeps the pointer
+        ptr = lib().ring_buffer__new(map_fd, ctypes.cast(self._cb, ctypes.c_void_p), None, None)
+        if not ptr:
+            err = ctypes.get_errno()
+            raise OSError(err, f"ring_buffer__new: {os.strerror(err)}")
+        self._rb: int | None = ptr
+
+    def poll(self, timeout_ms: int) -> int:
+        if self._rb is None:
+            return 0
+        return call("ring_buffer__poll", self._rb, timeout_ms)
+
+    def close(self) -> None:
+        if self._rb is not None:
+            lib().ring_buffer__free(self._rb)
+            self._rb = None
 
 
 def prog_run_count(fd: int) -> int:

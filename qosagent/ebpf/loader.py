@@ -1,4 +1,6 @@
-"""Compiling and loading the BPF C in bpf/ through BCC, with errors an operator can act on."""
+"""Compiling and loading the BPF C in bpf/ through BCC, with errors an operator can act on. Only the compile child
+(qosagent/ebpf/compile.py) and tests call compile_program: the agent opens what the child pinned
+(qosagent/ebpf/pinned.py)."""
 
 from __future__ import annotations
 
@@ -84,15 +86,4 @@ def compile_program(sources: str | Sequence[str], defines: dict[str, Any] | None
         b = BPF(text=program_text(names).encode(), cflags=cflags)
     except Exception as e:  # bcc raises plain Exception for compile and load failures
         raise BpfError(f"loading {' + '.join(f'{n}.c' for n in names)} failed: {e}") from e
-    _return_compiler_heap()
     return b
-
-
-def _return_compiler_heap() -> None:
-    """Clang runs inside the agent; its freed heap (~35 MB per compile) stays mapped until glibc is asked to trim."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass

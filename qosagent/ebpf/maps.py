@@ -127,6 +127,15 @@ class Map:
         for k in self.keys():
             self.delete(k)
 
+    def zero_all(self, entries: int, chunk: int = 4096) -> None:
+        """Every entry of an array (of `entries`) back to zeroes, `chunk` per BPF_MAP_UPDATE_BATCH."""
+        size = ct.sizeof(self.value)
+        for first in range(0, entries, chunk):
+            n = min(chunk, entries - first)
+            keys = (ct.c_uint32 * n)(*range(first, first + n))
+            count = ct.c_uint32(n)
+            call("bpf_map_update_batch", self.fd, keys, ct.create_string_buffer(size * n), ct.byref(count), None)
+
 
 def sync(m: Map, want: Iterable[tuple[Any, Any]]) -> bool:
     """Make a hash-like map (hash, LRU, LPM trie) hold exactly `want`, in place: entries not wanted deleted, new or

@@ -14,13 +14,13 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_INGRESS
-from qosagent.ebpf.maps import Map
 from qosagent.latency import links
 
 if TYPE_CHECKING:
+    from qosagent.ebpf.pinned import Program
     from qosagent.hostfs import HostFS
     from qosagent.latency.cgroupwatch import CgroupWatch
 
@@ -190,18 +190,18 @@ class Adoption:
         return out
 
 
-def set_listing(bpf: Any, on: bool) -> None:
+def set_listing(prog: "Program", on: bool) -> None:
     """While on, the kernel notes connections established on watched ports in lat_fresh: those are hooked
     already, whatever the listing that runs meanwhile finds. On before the hooks or the ports change."""
     try:
-        conf = Map.of(bpf, "lat_adopt_conf")
+        conf = prog.map("lat_adopt_conf")
     except KeyError:  # built without cgroup_skb programs (no cgroup v2): nothing adopts connections
         return
     cur = conf.lookup(0)
     cur.listing = int(on)
     conf.update(0, cur)
     if not on:
-        Map.of(bpf, "lat_fresh").clear()
+        prog.map("lat_fresh").clear()
 
 
 class Adopter:
@@ -212,9 +212,9 @@ class Adopter:
     `elsewhere(ports)`: a process in each other network namespace where one of ports listens (pods), whose
     connections are listed too."""
 
-    def __init__(self, bpf: Any, fs: "HostFS", clock: Callable[[], float], watch: "CgroupWatch | None",
+    def __init__(self, prog: "Program", fs: "HostFS", clock: Callable[[], float], watch: "CgroupWatch | None",
                  root: str | None, elsewhere: Callable[[set[int]], list[int]] = lambda ports: []):
-        self.bpf = bpf
+        self.prog = prog
         self.fs = fs
         self.clock = clock
         self.elsewhere = elsewhere
@@ -228,7 +228,7 @@ class Adopter:
         if self.watch is None and self.root is None:
             # No cgroup_skb program to see a request arrive: nothing can adopt a connection.
             return Adoption(None, lambda k: False, lambda k: None)
-        tbl = Map.of(self.bpf, "lat_adopt")
+        tbl = self.prog.map("lat_adopt")
 
         def write(k: bytes) -> bool:
             try:
@@ -254,9 +254,9 @@ class Adopter:
         request (bpf/include/lat_packet.h, lat_adopt)."""
         # Sockops mode links each connection's cgroup, which only sock_diag names.
         conns = established(self.fs, ports, cgroups=self.watch is not None, elsewhere=self.elsewhere(ports))
-        fresh = ({bytes(k) for k in Map.of(self.bpf, "lat_fresh").keys()} if self.adoption.write is not None
+        fresh = ({bytes(k) for k in self.prog.map("lat_fresh").keys()} if self.adoption.write is not None
                  else set())
-        set_listing(self.bpf, False)
+        set_listing(self.prog, False)
         # Everything that adopts in place first: a connection is observed from the first request after its entry.
         if self.watch is not None:
             linked = self.watch.linked()
@@ -277,7 +277,7 @@ class Adopter:
         if self.adoption.write is None:
             return
         pending = self.adoption.pending if pending is None else pending
-        conf = Map.of(self.bpf, "lat_adopt_conf")
+        conf = self.prog.map("lat_adopt_conf")
         cur = conf.lookup(0)
         if bool(cur.adopting) != pending:
             cur.adopting = int(pending)
@@ -285,11 +285,9 @@ class Adopter:
         if self.watch is not None:
             return
         if pending and self._link is None:
-            from bcc import BPF
-
             assert self.root is not None
-            prog = self.bpf.load_func(b"lat_adopt_ingress", BPF.CGROUP_SKB)
-            self._link = links.link_root(self.fs, self.root, prog.fd, ATTACH_CGROUP_INET_INGRESS)
+            self._link = links.link_root(self.fs, self.root, self.prog.fd("lat_adopt_ingress"),
+                                         ATTACH_CGROUP_INET_INGRESS)
         elif not pending:
             self.close()
 

@@ -9,8 +9,10 @@ import logging
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
 from qosagent import netns
-from qosagent.capability import UNCHANGED, Attention, Capability, CapabilityError, Change, Verdict, rewrite
-from qosagent.latency import export, hooks, planning, reading, runq
+from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, Verdict,
+                                 rewrite)
+from qosagent.ebpf import pinned
+from qosagent.latency import datapath, export, hooks, planning, reading, runq
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.datapath import Datapath
 from qosagent.latency.model import LATENCY, LatencyPart, Plan
@@ -63,7 +65,7 @@ class Latency(Capability):
 
     def start(self, plan: Plan) -> None:
         self.mode, self.arrival, self.runq = plan.mode, plan.arrival, plan.runq
-        self.dp = dp = Datapath.load(self.ctx.config, plan)
+        self.dp = dp = Datapath.load(self.ctx.config, plan, self.ctx.hostfs)
         self._pods = PodTenants(self.ctx.services, self.ctx.hostfs, dp.map("lat_netns"), dp.map("lat_netns_conf"),
                                 self.ctx.clock)
         self._maps = None
@@ -171,11 +173,24 @@ class Latency(Capability):
                            hooks=self.hooks.view(self.attached(), self.programs), slo=slos,
                            namespaces=self._pods.followed if self._pods is not None else (), verdict=verdict)
 
+    def kernel_maps(self, plan: Plan) -> list[Any]:
+        return datapath.map_sizes(self.ctx.config, plan)
+
     def stop(self) -> None:
+        """Everything attached goes with the agent; the build stays pinned for the next agent to reuse, unless
+        ctx.detach_on_exit."""
         if self.dp is None:
             return
         self._release()
         log.info("latency probes detached")
+        if self.ctx.detach_on_exit:
+            for line in self.detach(self.ctx):
+                log.info("%s", line)
+
+    @classmethod
+    def detach(cls, ctx: AgentContext) -> list[str]:
+        """The builds a stopped agent kept (nothing of latency stays attached without an agent)."""
+        return pinned.remove_builds(ctx.config.bpf.pin_root, "latency")
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: "Snapshot", shown: Container[str] = EVERYONE) -> Iterable["Metric"]:

@@ -15,11 +15,13 @@ from qosagent.capability import CapabilityError
 from qosagent import listeners
 from qosagent.cgroups import CgroupIndex, cgroup_id, cgroup_paths
 from qosagent.ebpf.cgrouplinks import CgroupLinks
+from qosagent.ebpf.loader import BpfError
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS, ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS
-from qosagent.ebpf.maps import Map
 from qosagent.latency import links
 
 if TYPE_CHECKING:
+    from qosagent.ebpf.libbpf import RingBuffer
+    from qosagent.ebpf.pinned import Program
     from qosagent.hostfs import HostFS
 
 log = logging.getLogger("qosagent.latency")
@@ -40,8 +42,8 @@ class CgroupWatch:
     """The links sockops mode makes on cgroups, and the thread that makes those of serving cgroups as the kernel
     reports them. The lock orders that thread's linking against pruning, the learners' end and close."""
 
-    def __init__(self, bpf: Any, fs: "HostFS", root: str, clock: Callable[[], float]):
-        self.bpf = bpf
+    def __init__(self, prog: "Program", fs: "HostFS", root: str, clock: Callable[[], float]):
+        self.prog = prog
         self.fs = fs
         self.root = root
         self.clock = clock
@@ -54,6 +56,7 @@ class CgroupWatch:
         self._ingress: Any = None
         self._egress: Any = None  # lat_egress on the serving cgroups, beside lat_ingress
         self._index: Any = None
+        self._events: "RingBuffer | None" = None
         self._ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -62,24 +65,20 @@ class CgroupWatch:
         """Link the learners, then the sock_ops program, on the root; start the thread; link the cgroups of the
         servers listening on `ports`, and of `pods` (every process of the serving network namespaces). Raises
         CapabilityError; close() undoes what was done."""
-        from bcc import BPF
-
         try:
-            sockops = self.bpf.load_func(b"lat_sockops", BPF.SOCK_OPS)
-            ingress = self.bpf.load_func(b"lat_ingress", BPF.CGROUP_SKB)
-            learn = self.bpf.load_func(b"lat_ingress_learn", BPF.CGROUP_SKB)
-            egress = links.load_egress(self.bpf)
-            egress_learn = self.bpf.load_func(b"lat_egress_learn", BPF.CGROUP_SKB)
-            self._ingress = CgroupLinks(ingress.fd, ATTACH_CGROUP_INET_INGRESS, self.fs)
-            self._egress = CgroupLinks(egress.fd, ATTACH_CGROUP_INET_EGRESS, self.fs)
+            sockops = self.prog.fd("lat_sockops")
+            learn = self.prog.fd("lat_ingress_learn")
+            egress_learn = self.prog.fd("lat_egress_learn")
+            self._ingress = CgroupLinks(self.prog.fd("lat_ingress"), ATTACH_CGROUP_INET_INGRESS, self.fs)
+            self._egress = CgroupLinks(links.load_egress(self.prog), ATTACH_CGROUP_INET_EGRESS, self.fs)
             self._index = CgroupIndex(self.fs, self.root)
-            self.bpf[b"lat_cgroup_events"].open_ring_buffer(self._on_event)
+            self._events = self.prog.ring_buffer("lat_cgroup_events", self._on_event)
             # The learners first: no socket the sock_ops program tracks may have bytes nobody sees.
-            self._learn_link = links.link_root(self.fs, self.root, learn.fd, ATTACH_CGROUP_INET_INGRESS)
-            self._learn_egress_link = links.link_root(self.fs, self.root, egress_learn.fd, ATTACH_CGROUP_INET_EGRESS)
+            self._learn_link = links.link_root(self.fs, self.root, learn, ATTACH_CGROUP_INET_INGRESS)
+            self._learn_egress_link = links.link_root(self.fs, self.root, egress_learn, ATTACH_CGROUP_INET_EGRESS)
             self._learn_until = self.clock() + LEARN_S
-            self._sockops_link = links.link_root(self.fs, self.root, sockops.fd, ATTACH_CGROUP_SOCK_OPS)
-        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
+            self._sockops_link = links.link_root(self.fs, self.root, sockops, ATTACH_CGROUP_SOCK_OPS)
+        except (BpfError, OSError, KeyError) as e:
             raise CapabilityError(f"attaching the sock_ops latency hooks at {self.root} failed: {e}") from None
         # From here on the kernel reports serving cgroups on the ring buffer; this thread links each as it comes.
         self._stopping.clear()
@@ -110,13 +109,14 @@ class CgroupWatch:
     def _watch(self) -> None:
         while not self._stopping.is_set():
             try:
-                self.bpf.ring_buffer_poll(CGROUP_EVENT_POLL_MS)
+                assert self._events is not None
+                self._events.poll(CGROUP_EVENT_POLL_MS)
             except Exception as e:  # noqa: BLE001 - a failed poll must not end the watcher silently
                 self.errors += 1
                 log.warning("polling the cgroup events failed: %s", e)
                 self._stopping.wait(1.0)
 
-    def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
+    def _on_event(self, data: Any, _size: int) -> None:
         ev = ctypes.cast(data, ctypes.POINTER(CgroupEvent)).contents
         self.link(int(ev.id), int(ev.tgid))
 
@@ -163,7 +163,7 @@ class CgroupWatch:
                 self._egress.detach(path)
                 del self._ids[cgid]
                 # Room in the kernel's set for new cgroups (ids are never reused).
-                Map.of(self.bpf, "lat_cgroups").delete(cgid)
+                self.prog.map("lat_cgroups").delete(cgid)
 
     def stop_learning(self) -> None:
         """Unlink the learners from the cgroup2 root: from now on only the serving cgroups' programs see requests."""

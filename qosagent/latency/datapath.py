@@ -11,10 +11,11 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 from qosagent.capability import CapabilityError
-from qosagent.ebpf.loader import BpfError, compile_program
+from qosagent.ebpf import mapsize, pinned
+from qosagent.ebpf.loader import BpfError
 from qosagent.ebpf.maps import ArrayRange, Map, sync
 from qosagent.ebpf.pins import tenant_flows
-from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
+from qosagent.ebpf.tenant_ports import PORTS, TenantPorts, sync_cidrs
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import slots
 from qosagent.latency.model import Plan
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from qosagent.config import Config
     from qosagent.hostfs import HostFS
 
+RUN = "lat_run"  # sockops mode: the agent run that socket storage belongs to (bpf/latency_sockops.c)
 # The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency_trace.c says why no kretprobes).
 KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
 # The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the
@@ -34,14 +36,14 @@ KPROBE_ARRIVAL = ("sock_def_readable", "kp_data_ready")
 class Datapath:
     """One loaded program: what its tenant maps say (`slots`: tenant id -> row) and how a tick reads its rows."""
 
-    def __init__(self, bpf: Any, nslots: int, runq: bool):
-        self.bpf = bpf
+    def __init__(self, prog: pinned.Program, nslots: int, runq: bool):
+        self.prog = prog
         self.nslots = nslots  # LAT_SLOTS of the loaded program
         self.runq = runq
         self.slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
         self._rows = bm.RowParser()
-        self._ports = TenantPorts(Map.of(bpf, "tenant_ports").fd)  # a fresh map: all zero
-        hist, counters = Map.of(bpf, "lat_hist"), Map.of(bpf, "lat_counters")
+        self._ports = TenantPorts(prog.map("tenant_ports").fd)  # a fresh map: all zero
+        hist, counters = prog.map("lat_hist"), prog.map("lat_counters")
         self._hist_fd, self._counters_fd = hist.fd, counters.fd
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
@@ -50,9 +52,9 @@ class Datapath:
         self._reads: tuple[Any, Any, Any] | None = None
 
     @classmethod
-    def load(cls, cfg: "Config", plan: Plan) -> "Datapath":
-        """Compile the program for plan, sized for cfg's tenants, and attach its kprobes (kprobe mode); the
-        tracepoints bcc attaches itself. CapabilityError, with nothing left loaded, where that fails."""
+    def load(cls, cfg: "Config", plan: Plan, fs: "HostFS") -> "Datapath":
+        """Build the program for plan, sized for cfg's tenants, in a compile child, and attach its tracepoints (and
+        kprobes, kprobe mode). CapabilityError, with nothing left loaded, where that fails."""
         defines: dict[str, object] = {}
         if plan.mode != "sockops":
             if plan.mode == "kprobe":
@@ -65,24 +67,28 @@ class Datapath:
         nslots = bm.slots_for(len(cfg.tenants))
         defines["LAT_SLOTS"] = nslots
         defines.update(_flows_defines(cfg))
-        bpf = None
+        build = spec(plan, defines, _flows_pin(cfg))
         try:
-            bpf = compile_program(sources(plan), defines)
-            if plan.mode == "kprobe":
-                for fn, prog in KPROBES:
-                    bpf.attach_kprobe(event=fn.encode(), fn_name=prog.encode())
-                if plan.arrival:
-                    bpf.attach_kprobe(event=KPROBE_ARRIVAL[0].encode(), fn_name=KPROBE_ARRIVAL[1].encode())
+            prog = pinned.load(build, cfg.bpf.pin_root)
         except BpfError as e:
             raise CapabilityError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when attaching
-            if bpf is not None:
-                bpf.cleanup()
+        try:
+            if prog.reused:
+                # An earlier agent's maps hold its sockets, rows and settings: emptied, the build is as new.
+                prog.reset(keep=(RUN, *build.shared))
+            if prog.has_map(RUN):
+                run = prog.map(RUN)
+                cur = run.lookup(0)
+                cur.run = (cur.run + 1) & 0xFFFFFFFF
+                run.update(0, cur)
+            prog.attach(fs)
+        except (BpfError, OSError) as e:
+            prog.close()
             raise CapabilityError(f"attaching the latency probes failed: {e}") from None
-        return cls(bpf, nslots, plan.runq)
+        return cls(prog, nslots, plan.runq)
 
     def map(self, name: str) -> "Map":
-        return Map.of(self.bpf, name)
+        return self.prog.map(name)
 
     # ---- the tenant and port maps ------------------------------------------------------------------------
     def plan(self, cfg: "Config") -> MapsPlan:
@@ -127,30 +133,70 @@ class Datapath:
     # ---- its programs ------------------------------------------------------------------------------------
     def attached(self) -> int:
         """Tracepoints and kprobes attached (the cgroup hooks are counted by their owners)."""
-        return len(self.bpf.tracepoint_fds) + len(self.bpf.raw_tracepoint_fds) + len(self.bpf.kprobe_fds)
+        return len(self.prog.attached)
 
     def traced(self) -> list[str]:
         """The programs on every socket's path that attach by tracepoint or kprobe; the run-queue probes are left
         out: a wakeup of a new task needs a fork, which one connection does not make."""
-        return [k.decode() for k in self.bpf.funcs if k.startswith((b"tracepoint__", b"raw_tracepoint__", b"kp_"))
-                and not k.startswith(b"tracepoint__sched__")]
+        return [k for k in self.prog.attached if not k.startswith("tracepoint__sched__")]
 
     def fds(self, names: list[str]) -> dict[str, int]:
-        return {n: self.bpf.funcs[n.encode()].fd for n in names}
+        return {n: self.prog.fd(n) for n in names}
 
     def program_ids(self, fs: "HostFS") -> list[dict[str, Any]]:
         """Kernel ids of the loaded programs (what `bpftool prog show id N` finds), for status and the stop test."""
         out = []
-        for name, fn in sorted(self.bpf.funcs.items()):
-            info = fs.try_read(f"/proc/self/fdinfo/{fn.fd}") or ""
+        for name in self.prog.programs:
+            info = fs.try_read(f"/proc/self/fdinfo/{self.prog.fd(name)}") or ""
             for line in info.splitlines():
                 if line.startswith("prog_id:"):
-                    out.append({"name": name.decode() if isinstance(name, bytes) else name,
-                                "id": int(line.split()[1])})
+                    out.append({"name": name, "id": int(line.split()[1])})
         return out
 
     def close(self) -> None:
-        self.bpf.cleanup()
+        self.prog.close()
+
+
+LAT_SOCK = 72  # sizeof(struct lat_sock), bpf/include/lat_state.h; 112 with the flow key of QOS_FLOWS_PIN
+
+
+def map_sizes(cfg: "Config", plan: Plan) -> list[mapsize.MapSize]:
+    """The program's preallocated maps as `qosagent check` counts them (qosagent/ebpf/mapsize.py); the maps that
+    grow per entry (LPM trie, those made BPF_F_NO_PREALLOC, socket storage) are what traffic puts in them."""
+    M = mapsize.MapSize
+    nslots = bm.slots_for(len(cfg.tenants))
+    out = [M("tenant_ports", mapsize.ARRAY, PORTS, 4, 8),
+           M("lat_hist", mapsize.ARRAY, bm.KINDS * nslots + 1, 4, bm.ROW_SIZE),
+           M("lat_counters", mapsize.PERCPU_ARRAY, nslots, 4, 8 * bm.NCOUNTERS),
+           M("lat_slots", mapsize.HASH, nslots, 4, 4),
+           M("lat_netns", mapsize.HASH, 4096, 20, 4),
+           M("tracked_ports", mapsize.HASH, 1024, 4, 4), M("lat_mux_ports", mapsize.HASH, 1024, 4, 4),
+           M("runq_tgids", mapsize.HASH, 1024, 4, 8),
+           M("runq_pids", mapsize.HASH, 65536, 4, 8) if plan.runq else None]
+    if plan.mode != "sockops":
+        socks = cfg.latency.socket_slots
+        out += [M("lat_socks", mapsize.ARRAY, socks, 4, LAT_SOCK + (40 if _flows_pin(cfg) else 0)),
+                M("lat_sock_tags", mapsize.ARRAY, socks // 4, 4, 32)]
+    return [m for m in out if m is not None]
+
+
+def spec(plan: Plan, defines: dict[str, object], flows_pin: str | None = None) -> pinned.Spec:
+    """The build of plan's program: its sources, and the programs its mode links (the tracepoint functions BCC
+    finds itself); kept for the next agent, and reused only while quota's flow map it reads (flows_pin) is still
+    the one pinned there."""
+    cgroup_skb = {"sockops": ("lat_ingress", "lat_ingress_learn", "lat_egress", "lat_egress_framing",
+                              "lat_egress_learn")}.get(plan.mode, ("lat_egress", "lat_egress_framing",
+                                                                   "lat_adopt_ingress") if plan.egress else ())
+    programs = dict.fromkeys(cgroup_skb, pinned.CGROUP_SKB)
+    kprobes: dict[str, str] = {}
+    if plan.mode == "sockops":
+        programs["lat_sockops"] = pinned.SOCK_OPS
+    elif plan.mode == "kprobe":
+        for fn, prog in KPROBES + ((KPROBE_ARRIVAL,) if plan.arrival else ()):
+            programs[prog] = pinned.KPROBE
+            kprobes[prog] = fn
+    shared = {"tenant_flows": flows_pin} if flows_pin else {}
+    return pinned.Spec("latency", tuple(sources(plan)), defines, programs, kprobes, shared)
 
 
 def sources(plan: Plan) -> list[str]:
@@ -163,8 +209,13 @@ def sources(plan: Plan) -> list[str]:
     return out + (["latency_runq"] if plan.runq else [])
 
 
-def _flows_defines(cfg: "Config") -> dict[str, object]:
-    """Attribute header-matched tenants through the quota classifier's pinned flow map (quota starts first)."""
+def _flows_pin(cfg: "Config") -> str | None:
+    """quota's flow map, where header-matched tenants are attributed through it (quota starts first)."""
     if not (cfg.quota.enabled and any(t.match.header for t in cfg.tenants)):
-        return {}
-    return {"QOS_FLOWS_PIN": f'"{tenant_flows(cfg.bpf.pin_root)}"', "QOS_FLOWS": cfg.quota.flow_entries}
+        return None
+    return tenant_flows(cfg.bpf.pin_root)
+
+
+def _flows_defines(cfg: "Config") -> dict[str, object]:
+    pin = _flows_pin(cfg)
+    return {"QOS_FLOWS_PIN": f'"{pin}"', "QOS_FLOWS": cfg.quota.flow_entries} if pin else {}

@@ -55,15 +55,15 @@ class Upkeep:
         """write() the maps, then link the hooks and adopt the connections already open on tracked. Maps first,
         hooks last: a connection established before the tenant maps were written would be resolved against empty
         ones. On a CapabilityError, close() undoes what was linked."""
-        adopt.set_listing(self.dp.bpf, True)
+        adopt.set_listing(self.dp.prog, True)
         write()
         root = None
         if self.mode == "sockops":
-            self.watch = CgroupWatch(self.dp.bpf, self.fs, links.cgroup_root(self.fs), self.clock)
+            self.watch = CgroupWatch(self.dp.prog, self.fs, links.cgroup_root(self.fs), self.clock)
             self.watch.start(tracked, [p for ns in self.serving(tracked) for p in ns.pids])
         elif self.egress:
             root = self._attach_egress_root()
-        self.adopter = adopt.Adopter(self.dp.bpf, self.fs, self.clock, self.watch, root, elsewhere=self._serving_pids)
+        self.adopter = adopt.Adopter(self.dp.prog, self.fs, self.clock, self.watch, root, elsewhere=self._serving_pids)
         self.adopter.open(tracked)
 
     def _serving_pids(self, ports: set[int]) -> list[int]:
@@ -77,7 +77,7 @@ class Upkeep:
         headers and responses: TTFT and inter-token latency are unavailable, with the reason, and nothing else."""
         try:
             root = links.cgroup_root(self.fs)
-            self._root_link = links.link_root(self.fs, root, links.load_egress(self.dp.bpf).fd,
+            self._root_link = links.link_root(self.fs, root, links.load_egress(self.dp.prog),
                                               ATTACH_CGROUP_INET_EGRESS)
         except Exception as e:  # noqa: BLE001 - bcc raises plain Exception when loading
             self.egress = False
@@ -139,12 +139,12 @@ class Upkeep:
         for one open before."""
         assert self.adopter is not None
         try:
-            adopt.set_listing(self.dp.bpf, bool(added))
+            adopt.set_listing(self.dp.prog, bool(added))
             write()
             if added:
                 self.adopter.open(added)
         finally:
-            adopt.set_listing(self.dp.bpf, False)
+            adopt.set_listing(self.dp.prog, False)
 
     def maintain(self, tracked: set[int]) -> None:
         """Connections awaiting adoption followed; sockops mode's links of cgroups gone pruned, its learners ended."""

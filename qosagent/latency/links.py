@@ -5,14 +5,14 @@ watcher's sock_ops and learners (sockops mode), lat_egress (tracepoint and kprob
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from qosagent.capability import CapabilityError
 from qosagent.cgroups import cgroup2_mount
 from qosagent.ebpf.libbpf import link_create
-from qosagent.ebpf.maps import Map
 
 if TYPE_CHECKING:
+    from qosagent.ebpf.pinned import Program
     from qosagent.hostfs import HostFS
 
 
@@ -33,14 +33,11 @@ def link_root(fs: "HostFS", root: str, prog_fd: int, attach_type: int) -> int:
         os.close(fd)
 
 
-def load_egress(bpf: Any) -> Any:
-    """lat_egress, with lat_egress_framing in its tail-call slot: the framing reader is verified as a program of
-    its own (bpf/include/lat_http.h, lat_response_segment)."""
-    from bcc import BPF
-
-    egress = bpf.load_func(b"lat_egress", BPF.CGROUP_SKB)
-    framing = bpf.load_func(b"lat_egress_framing", BPF.CGROUP_SKB)
-    Map.of(bpf, "lat_tail").update(0, framing.fd)
+def load_egress(prog: "Program") -> int:
+    """lat_egress (its fd), with lat_egress_framing in its tail-call slot: the framing reader is verified as a
+    program of its own (bpf/include/lat_http.h, lat_response_segment)."""
+    egress = prog.fd("lat_egress")
+    prog.map("lat_tail").update(0, prog.fd("lat_egress_framing"))
     return egress
 
 

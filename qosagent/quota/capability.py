@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, Verdict,
                                  rewrite)
 from qosagent.config import Config
+from qosagent.ebpf import mapsize
 from qosagent import netns
 from qosagent.pods.service import Pods
 from qosagent.quota import datapath as dp
@@ -86,7 +87,7 @@ class Quota(Capability):
         self.others = list(plan)
         self.specs, self.table = self._derive(cfg)
         try:
-            self.datapath = dp.Datapath(cfg)
+            self.datapath = dp.Datapath(cfg, self.ctx.hostfs)
             self.datapath.write_config(cfg, baseline_buckets(cfg))
             self.attached = interfaces(cfg, self.ctx.hostfs)
             for line in self.datapath.attach(self.attached):
@@ -181,6 +182,9 @@ class Quota(Capability):
             return
         for line in dp.remove_attachments(path, q.tc_prio, q.tc_handle, self.attached) + dp.remove_pins(path):
             log.info("%s", line)
+
+    def kernel_maps(self, plan: Any) -> list[Any]:
+        return dp.map_sizes(self.ctx.config, mapsize.possible_cpus(self.ctx.hostfs))
 
     @classmethod
     def detach(cls, ctx: AgentContext) -> list[str]:

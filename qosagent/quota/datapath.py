@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from qosagent.config import Config
-from qosagent.ebpf import pins
+from qosagent.hostfs import HostFS
+from qosagent.ebpf import mapsize, pinned, pins
 from qosagent.ebpf.libbpf import obj_pin, pinned_map_info
-from qosagent.ebpf.loader import compile_program
 from qosagent.ebpf.maps import Map, sync
 from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.quota import layout, tc
@@ -119,6 +119,40 @@ def remove_pins(path: str) -> list[str]:
     return out
 
 
+FLOW_L1_ENTRY = 48  # sizeof(struct flow_l1), bpf/quota.c
+FLOW_L1_BITS = (6, 12)  # the flow front's entries per CPU: 64 to 4096
+
+
+def flow_l1_bits(flow_entries: int, cpus: int) -> int:
+    """log2 of the flow front's entries per CPU: room for each CPU's share of the flow cache (flows spread over
+    CPUs by RSS), so that the front's memory follows quota.flow_entries rather than the CPU count."""
+    lo, hi = FLOW_L1_BITS
+    return max(lo, min(hi, (max(flow_entries // cpus, 1) - 1).bit_length()))
+
+
+def map_sizes(cfg: Config, cpus: int) -> list[mapsize.MapSize]:
+    """The classifier's maps as `qosagent check` counts them (qosagent/ebpf/mapsize.py)."""
+    kinds = {layout.ARRAY: mapsize.ARRAY, layout.PERCPU_ARRAY: mapsize.PERCPU_ARRAY, layout.HASH: mapsize.HASH,
+             layout.LRU_HASH: mapsize.HASH}
+    out = [mapsize.MapSize(name, kinds[spec.type], n, spec.key_size, spec.value_size)
+           for name, (spec, n) in layout.map_specs(cfg.quota.flow_entries).items() if spec.type in kinds]
+    scan = 4 * 9 + 4 * 6 + 8 + cfg.quota.header_scan_bytes  # struct scan_buf
+    return out + [mapsize.MapSize("quota_flow_l1", mapsize.PERCPU_ARRAY,
+                                  1 << flow_l1_bits(cfg.quota.flow_entries, cpus), 4, FLOW_L1_ENTRY),
+                  mapsize.MapSize("quota_scan", mapsize.PERCPU_ARRAY, 1, 4, scan)]
+
+
+def spec(cfg: Config, path: str, cpus: int) -> pinned.Spec:
+    """The classifier's build, kept under path (its maps pinned there by the C, BPF_TABLE_PINNED): the next agent
+    of the same source and settings opens it rather than compiling it again."""
+    defines = {"QOS_PIN_DIR": f'"{path}"', "QOS_FLOWS": cfg.quota.flow_entries,
+               "QOS_HDR_SCAN": cfg.quota.header_scan_bytes,
+               "QOS_FLOW_L1_BITS": flow_l1_bits(cfg.quota.flow_entries, cpus)}
+    shared = {n: os.path.join(path, n) for n in layout.map_specs(cfg.quota.flow_entries)}
+    return pinned.Spec("quota", ("quota",), defines, dict.fromkeys((PROG_PIN, HEADER_PROG_PIN), pinned.SCHED_CLS),
+                       shared=shared)
+
+
 @dataclass(frozen=True)
 class Reading:
     """One read of the maps."""
@@ -134,9 +168,7 @@ class Reading:
 class Datapath:
     """Loaded program + maps for one config; attach() puts it on the hook, close() only drops our fds."""
 
-    def __init__(self, cfg: Config):
-        from bcc import BPF
-
+    def __init__(self, cfg: Config, fs: HostFS | None = None):
         self.cfg = cfg
         self.path = pin_dir(cfg)
         problems = incompatible_pins(self.path, cfg.quota.flow_entries)
@@ -160,15 +192,13 @@ class Datapath:
                             old, e)
         os.makedirs(self.path, exist_ok=True)
         try:
-            self.bpf = compile_program("quota", {"QOS_PIN_DIR": f'"{self.path}"',
-                                                 "QOS_FLOWS": cfg.quota.flow_entries,
-                                                 "QOS_HDR_SCAN": cfg.quota.header_scan_bytes})
-            self.prog = self.bpf.load_func(b"quota_classify", BPF.SCHED_CLS)
-            self.header_prog = self.bpf.load_func(b"quota_header", BPF.SCHED_CLS)
-            self.maps = {n: Map.of(self.bpf, n) for n in layout.map_specs(cfg.quota.flow_entries)}
-            self.maps["quota_progs"].update(0, self.header_prog.fd)
-            self._pin_prog(PROG_PIN, self.prog.fd)
-            self._pin_prog(HEADER_PROG_PIN, self.header_prog.fd)
+            self.program = pinned.load(spec(cfg, self.path, mapsize.possible_cpus(fs or HostFS("/"))), self.path)
+            self.prog = self.program.fd(PROG_PIN)
+            self.header_prog = self.program.fd(HEADER_PROG_PIN)
+            self.maps = {n: self.program.map(n) for n in layout.map_specs(cfg.quota.flow_entries)}
+            self.maps["quota_progs"].update(0, self.header_prog)
+            self._pin_prog(PROG_PIN, self.prog)
+            self._pin_prog(HEADER_PROG_PIN, self.header_prog)
         except Exception:
             # Pins created for a program that never ran go; adopted ones stay with the program still enforcing.
             if not self.adopted:
@@ -369,7 +399,7 @@ class Datapath:
                 if created or old is None:
                     val = AttachVal(created_clsact=int(created or (old is not None and old.created_clsact)))
                     rec.update(bytes(AttachKey(idx, here)), bytes(val))
-                tc.attach(ipr, idx, self.prog.fd, q.tc_prio, q.tc_handle, parent)
+                tc.attach(ipr, idx, self.prog, q.tc_prio, q.tc_handle, parent)
                 self.hooked.add((idx, parent))
                 done.append(f"{name}: attached{' on egress' if parent == tc.EGRESS else ''}"
                             f"{' (created clsact)' if created else ''}")
@@ -420,5 +450,5 @@ class Datapath:
 
     def close(self) -> None:
         """Drop our references; what is pinned and attached stays (fail-static)."""
-        self.bpf.cleanup()
+        self.program.close()
 

@@ -238,7 +238,7 @@ def test_status_json_agrees_with_metrics_and_promtool_is_clean(agent: AgentProc,
 
 
 @pytest.mark.privileged
-def test_stop_detaches_every_program(bpf: None, tmp_path: Path) -> None:
+def test_stop_leaves_no_program_attached_and_detach_unloads_them(bpf: None, tmp_path: Path) -> None:
     require(shutil.which("bpftool") is not None, "bpftool not installed")
     a = AgentProc(tmp_path, EXAMPLE)
     try:
@@ -250,6 +250,15 @@ def test_stop_detaches_every_program(bpf: None, tmp_path: Path) -> None:
     finally:
         rc = a.stop()
     assert rc == 0, a.output()
+    # Kept for the next agent (its build stays pinned), attached nowhere: no link and no perf event holds them.
+    ids = {p["id"] for p in programs}
+    links = json.loads(subprocess.run(["bpftool", "-j", "link", "show"], capture_output=True, text=True,
+                                      check=True).stdout or "[]")
+    perf = json.loads(subprocess.run(["bpftool", "-j", "perf", "show"], capture_output=True, text=True,
+                                     check=True).stdout or "[]")
+    assert not [x for x in links + perf if x.get("prog_id") in ids], (links, perf)
+    subprocess.run(agent_argv("detach", "--config", a.config), env=agent_env(), check=True, timeout=60,
+                   capture_output=True)
     for p in programs:
         gone = subprocess.run(["bpftool", "prog", "show", "id", str(p["id"])], capture_output=True, text=True)
-        assert gone.returncode != 0, f"program {p} still loaded after stop: {gone.stdout}"
+        assert gone.returncode != 0, f"program {p} still loaded after qosagent detach: {gone.stdout}"

@@ -9,7 +9,6 @@ import os
 import pytest
 
 from qosagent.config import parse
-from qosagent.ebpf.maps import Map
 from qosagent.quota import datapath as dp
 from qosagent.quota.rules import baseline_buckets
 from qosagent.quota.layout import TC_ACT_SHOT, TC_ACT_UNSPEC, FlowKey, QuotaConf
@@ -62,7 +61,7 @@ def rules_gen(d) -> int:
 def front(d, cpu: int) -> dict[tuple[int, int], tuple[int, int]]:
     """(client port, local port) -> (tenant, gen) of the live entries in one CPU's front."""
     out = {}
-    for _k, v in Map.of(d.bpf, "quota_flow_l1").items():
+    for _k, v in d.program.map("quota_flow_l1").items():
         e = v[cpu]
         if e.tenant:
             k = FlowKey.from_buffer_copy(bytes(e.flow_w))

@@ -1,0 +1,202 @@
+"""The agent's own footprint with latency, quota and admission (dry-run) on: resident memory when steady, the peak
+during start (the agent and its compile children together), time to ready on a cold start (no pins) and on a
+restart with nothing changed (warm), idle CPU, and the pages of LLVM, clang and BCC mapped into the agent; for two
+checkouts in interleaved rounds on the same machine.
+
+Run as root: `python bench/lean_agent.py BEFORE_CHECKOUT AFTER_CHECKOUT [--rounds 3] [--idle 10]`, e.g. a
+`git worktree` of the commit before and this checkout. Each round starts, per checkout, `qosagent run` of that
+checkout (`python -P -m qosagent` with it on PYTHONPATH, the working directory kept off the path) in a network
+namespace of its own (quota's filter on that namespace's lo, pins under a bpffs directory of its own), once with no
+pins (cold), stops it (a clean stop keeps what a restart may reuse), starts it again (warm) and stops it with
+--detach-on-exit. Ready is the status socket's
+first answer with a tick done, timed from the process's launch. No traffic. Prints a Markdown table for
+docs/PERFORMANCE.md: the median over rounds of each measure, and after/before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from testkit.agent import AgentProcess  # noqa: E402
+
+COMPILER = ("libLLVM", "libclang", "libbcc")
+TICK_S = os.sysconf("SC_CLK_TCK")
+
+
+def tree(pid: int) -> list[int]:
+    """pid and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def compiler_kb(pid: int) -> int:
+    """Resident kB of the agent's mappings of LLVM, clang and BCC."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and "-" in parts[0] and len(parts) >= 5:
+                counting = len(parts) >= 6 and any(c in parts[5] for c in COMPILER)
+            elif counting and parts[0] == "Rss:":
+                total += int(parts[1])
+    return total
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK_S  # utime, stime
+
+
+class Peak(threading.Thread):
+    """The largest resident total of the agent and its children, and the largest of any child alone, sampled every
+    20 ms until stopped."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.kb, self.child_kb, self.done = pid, 0, 0, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            procs = tree(self.pid)
+            sizes = [rss_kb(p) for p in procs]
+            self.kb = max(self.kb, sum(sizes))
+            self.child_kb = max([self.child_kb, *sizes[1:]])
+            self.done.wait(0.02)
+
+
+def start(checkout: str, ns: str, tmp: Path, extra: tuple[str, ...], idle: float) -> dict[str, float]:
+    cfg = tmp / "qosagent.yaml"
+    sock = str(tmp / "status.sock")
+    env = dict(os.environ, PYTHONPATH=checkout, PYTHONUNBUFFERED="1")
+    agent = AgentProcess(cfg, sock, tmp / "agent.log", prefix=["nsenter", f"--net=/run/netns/{ns}"],
+                         argv=[sys.executable, "-P", "-m", "qosagent", "run", "--config", str(cfg), *extra], env=env)
+    agent.launch()
+    assert agent.proc is not None
+    peak = Peak(agent.proc.pid)
+    try:
+        st = agent.wait_ready()
+        peak.done.set()
+        states = {k: v.get("state") for k, v in st["capabilities"].items()}
+        if states.get("quota") != "active" or states.get("latency") not in ("active", "degraded"):
+            raise RuntimeError(f"{checkout}: {states}\n{agent.output()[-3000:]}")
+        pid = agent.proc.pid
+        time.sleep(2.0)  # past start's last work (the first ticks, the adopter's listing)
+        c0, t0 = cpu_s(pid), time.monotonic()
+        time.sleep(idle)
+        idle_pct = 100 * (cpu_s(pid) - c0) / (time.monotonic() - t0)
+        out = {"ready_s": agent.ready_s, "rss_mb": rss_kb(pid) / 1024, "peak_mb": peak.kb / 1024,
+               "child_peak_mb": peak.child_kb / 1024,
+               "compiler_mb": compiler_kb(pid) / 1024, "idle_cpu_pct": idle_pct}
+    finally:
+        peak.done.set()
+        rc = agent.stop()
+        agent.kill()
+    if rc != 0:
+        raise RuntimeError(f"{checkout}: exit {rc}\n{agent.output()[-3000:]}")
+    return out
+
+
+def import_floor(checkout: str) -> float:
+    """Seconds to start the interpreter and import what `qosagent run` imports before it does anything: the floor
+    under any ready time."""
+    env = dict(os.environ, PYTHONPATH=checkout)
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-P", "-c", "import qosagent.cli, qosagent.daemon"], env=env, check=True)
+    return time.monotonic() - t0
+
+
+def one(checkout: str, idle: float) -> dict[str, dict[str, float]]:
+    ns = f"qosbench-{uuid.uuid4().hex[:8]}"
+    pins = f"/sys/fs/bpf/{ns}"
+    tmp = Path(tempfile.mkdtemp(prefix="qosbench-", dir="/run"))
+    (tmp / "qosagent.yaml").write_text(yaml.safe_dump({
+        "interval": "100ms", "state_dir": str(tmp), "status": {"socket": str(tmp / "status.sock")},
+        "metrics": {"enabled": False}, "bpf": {"pin_root": pins},
+        "latency": {"ports": [8000]}, "quota": {"enabled": True, "interfaces": ["lo"]},
+        "admission": {"enabled": True, "mode": "dry-run"},
+        "tenants": [{"name": "gold", "tier": "gold", "match": {"ports": [8000]}, "quota": {"rps": 100, "burst": 10}}],
+    }))
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        cold = start(checkout, ns, tmp, (), idle)
+        warm = start(checkout, ns, tmp, ("--detach-on-exit",), idle)
+        warm["import_s"] = import_floor(checkout)
+        return {"cold": cold, "warm": warm}
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(pins, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+ROWS = (("steady RSS (MB)", "warm", "rss_mb"), ("LLVM/clang/BCC pages (MB)", "warm", "compiler_mb"),
+        ("peak RSS during a cold start, agent + children (MB)", "cold", "peak_mb"),
+        ("peak RSS of a child alone (the compile child; MB)", "cold", "child_peak_mb"),
+        ("cold ready (s)", "cold", "ready_s"), ("warm ready (s)", "warm", "ready_s"),
+        ("of which interpreter and imports (s)", "warm", "import_s"),
+        ("idle CPU (% of a core)", "warm", "idle_cpu_pct"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured per start")
+    a = ap.parse_args()
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
+    for r in range(a.rounds):
+        for label, checkout in (("before", a.before), ("after", a.after))[:: 1 if r % 2 == 0 else -1]:
+            res = one(os.path.abspath(checkout), a.idle)
+            runs[label].append(res)
+            print(f"round {r} {label}: " + ", ".join(f"{k} " + " ".join(f"{m}={v:.2f}" for m, v in d.items())
+                                                     for k, d in res.items()), file=sys.stderr)
+    print("| measure | before | after | after/before |")
+    print("|---|---|---|---|")
+    for title, which, key in ROWS:
+        b = statistics.median(r[which][key] for r in runs["before"])
+        f = statistics.median(r[which][key] for r in runs["after"])
+        print(f"| {title} | {b:.2f} | {f:.2f} | {f / b:.3f} |" if b else f"| {title} | {b:.2f} | {f:.2f} | – |")
+    print("\nper round, before / after:")
+    for title, which, key in ROWS:
+        print(f"  {title}: " + ", ".join(f"{x[which][key]:.2f}/{y[which][key]:.2f}"
+                                         for x, y in zip(runs["before"], runs["after"])))
+
+
+if __name__ == "__main__":
+    main()
