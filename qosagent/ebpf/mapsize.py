@@ -4,8 +4,9 @@ maps multiply by.
 The kernel allocates arrays and (unless BPF_F_NO_PREALLOC) hash maps whole when the map is made; a per-CPU value
 is one copy per possible CPU. Per entry, as 6.18 reports it in a map fd's `memlock` (measured here):
 array r8(V); per-CPU array 8 + C·r8(V); hash and LRU hash 64 + r8(K) + r8(V); per-CPU hash 72 + r8(K) + C·r8(V),
-where r8 rounds up to 8 bytes and C is the possible CPUs. An LPM trie allocates per entry inserted: its size is
-what the config puts in it, not counted here.
+where r8 rounds up to 8 bytes and C is the possible CPUs; a hash map made BPF_F_NO_PREALLOC 16 for its bucket, its
+entries as they are inserted. An LPM trie allocates per entry inserted: its size is what the config puts in it, not
+counted here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
 
 ARRAY, PERCPU_ARRAY, HASH, PERCPU_HASH = "array", "percpu_array", "hash", "percpu_hash"
+BUCKETS = "buckets"  # a hash map made BPF_F_NO_PREALLOC: its bucket array is made whole, its entries as inserted
 
 
 def possible_cpus(fs: "HostFS") -> int:
@@ -47,7 +49,7 @@ class MapSize:
     def bytes(self, cpus: int) -> int:
         per = {ARRAY: _r8(self.value), PERCPU_ARRAY: 8 + cpus * _r8(self.value),
                HASH: 64 + _r8(self.key) + _r8(self.value),
-               PERCPU_HASH: 72 + _r8(self.key) + cpus * _r8(self.value)}[self.kind]
+               PERCPU_HASH: 72 + _r8(self.key) + cpus * _r8(self.value), BUCKETS: 16}[self.kind]
         return self.entries * per
 
 

@@ -161,8 +161,8 @@ LAT_SOCK = 72  # sizeof(struct lat_sock), bpf/include/lat_state.h; 112 with the 
 
 
 def map_sizes(cfg: "Config", plan: Plan) -> list[mapsize.MapSize]:
-    """The program's preallocated maps as `qosagent check` counts them (qosagent/ebpf/mapsize.py); the maps that
-    grow per entry (LPM trie, those made BPF_F_NO_PREALLOC, socket storage) are what traffic puts in them."""
+    """The program's maps as `qosagent check` counts them (qosagent/ebpf/mapsize.py); what grows per entry (the
+    LPM trie, the entries of maps made BPF_F_NO_PREALLOC, socket storage) is what traffic puts in them."""
     M = mapsize.MapSize
     nslots = bm.slots_for(len(cfg.tenants))
     out = [M("tenant_ports", mapsize.ARRAY, PORTS, 4, 8),
@@ -172,11 +172,15 @@ def map_sizes(cfg: "Config", plan: Plan) -> list[mapsize.MapSize]:
            M("lat_netns", mapsize.HASH, 4096, 20, 4),
            M("tracked_ports", mapsize.HASH, 1024, 4, 4), M("lat_mux_ports", mapsize.HASH, 1024, 4, 4),
            M("runq_tgids", mapsize.HASH, 1024, 4, 8),
-           M("runq_pids", mapsize.HASH, 65536, 4, 8) if plan.runq else None]
+           M("runq_pids", mapsize.HASH, 65536, 4, 8) if plan.runq else None,
+           M("lat_adopt", mapsize.BUCKETS, 65536, 36, 1), M("lat_fresh", mapsize.BUCKETS, 8192, 36, 1),
+           M("lat_cgroups", mapsize.HASH, 1024, 8, 1) if plan.mode == "sockops" else None]
     if plan.mode != "sockops":
         socks = cfg.latency.socket_slots
         out += [M("lat_socks", mapsize.ARRAY, socks, 4, LAT_SOCK + (40 if _flows_pin(cfg) else 0)),
                 M("lat_sock_tags", mapsize.ARRAY, socks // 4, 4, 32)]
+        if plan.egress:  # the responses' flows back to their sockets (bpf/include/lat_socktable.h)
+            out.append(M("lat_flows", mapsize.BUCKETS, socks, 36, 8))
     return [m for m in out if m is not None]
 
 
