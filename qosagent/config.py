@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from qosagent.admission.config import AdmissionConfig
-from qosagent.configbase import RESTART, Duration, Port, Regex, Section, duration_between
+from qosagent.configbase import RESTART, REVALIDATE, Duration, Port, Regex, Section, duration_between
 from qosagent.dvfs.config import DvfsConfig
 from qosagent.fleet.config import FleetConfig
 from qosagent.gpu.config import GpuConfig
@@ -266,7 +266,7 @@ def with_metrics(cfg: Config, overrides: dict[str, str | None]) -> Config:
     given = {k: v for k, v in overrides.items() if v is not None}
     if not given:
         return cfg
-    metrics = MetricsConfig.model_validate({**cfg.metrics.model_dump(), **given})
+    metrics = MetricsConfig.model_validate({**cfg.metrics.model_dump(), **given}, context=REVALIDATE)
     return cfg.model_copy(update={"metrics": metrics})
 
 

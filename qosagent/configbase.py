@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import re
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 from qosagent.units import parse_duration
 
@@ -26,7 +26,18 @@ def _regex(v: str) -> str:
 
 
 Regex = Annotated[str, AfterValidator(_regex)]
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(description="duration such as 100ms or 10s")]
+# Re-validating a section that was validated already (config.with_metrics merges command-line keys into the file's)
+# hands its durations back as seconds; only that context may pass a bare number, which a file never may.
+REVALIDATE = {"seconds": True}
+
+
+def _duration(value: object, info: ValidationInfo) -> float:
+    if isinstance(value, float) and info.context == REVALIDATE:
+        return value
+    return parse_duration(value)
+
+
+Duration = Annotated[float, BeforeValidator(_duration), Field(description="duration such as 100ms or 10s")]
 
 
 def duration_between(lo: float, hi: float, say: str) -> object:

@@ -99,3 +99,18 @@ def test_pods_tenants_need_quota_namespaces_only_while_quota_is_on() -> None:
         problems(text("{enabled: true, interfaces: [lo], namespaces: false}"))
     # Latency learns the pods itself (the agent's one listing): a pods tenant with quota off is valid.
     assert parse_text(text("{enabled: false}"), "x").tenants[0].match.pods is not None
+
+
+def test_command_line_metrics_keys_merge_into_a_file_with_durations() -> None:
+    # `qosagent run --metrics-listen` (the DaemonSet's) and `qosagent allocator --web-config-file` re-validate the
+    # file's metrics section with the keys given; its durations come back as seconds and must stay accepted.
+    cfg = parse_text("metrics: {retention: 15m}\n", "test")
+    merged = config.with_metrics(cfg, {"listen": "127.0.0.1:9999", "health_listen": None})
+    assert merged.metrics.listen == "127.0.0.1:9999"
+    assert merged.metrics.retention == 900.0
+    assert merged.metrics.model_dump(exclude={"listen"}) == cfg.metrics.model_dump(exclude={"listen"})
+
+
+def test_a_bare_number_is_still_no_duration_in_a_file() -> None:
+    with pytest.raises(ConfigError, match="expected a duration"):
+        parse_text("metrics: {retention: 600}\n", "test")
