@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import click
@@ -153,10 +154,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
 def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, systemd_dropin: bool) -> None:
     """Validate the config and report what the host offers and what the agent will use. Changes nothing."""
     from qosagent import capabilities
-    from qosagent.capability import AgentContext, State, Verdict
-    from qosagent.daemon import gpu_backend
-    from qosagent.ebpf import mapsize
-    from qosagent.features import probe
+    from qosagent.capability import State
     from qosagent import sandbox
 
     cfg = load_config(config_path)
@@ -165,6 +163,42 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
                    nl=False)
         return
     fs = HostFS(host_root)
+    found = _probe_all(cfg, fs)
+    failed = [n for n, v in found.verdicts.items() if v.state is State.UNAVAILABLE]
+    reports = matchreport.tenant_reports(cfg)
+    source = config_path or config_mod.DEFAULT_SOURCE
+    click.echo(_check_json(source, found, reports) if as_json else _check_text(source, found, reports))
+    if strict and failed:
+        sys.exit(1)
+    for svc in capabilities.services(found.enabled):
+        # What the config asks of a service (tenants that match pods need a runtime to learn them from) is an
+        # error here, whichever capability would use it.
+        problem = svc.problem(cfg, fs)
+        if problem is not None:
+            click.echo(f"{source}: {problem}", err=True)
+            sys.exit(1)
+
+
+@dataclass(frozen=True)
+class _Probed:
+    """What `check` found: the host's features, each capability's verdict, and the BPF maps the usable ones make."""
+
+    features: Any
+    enabled: Any
+    verdicts: dict[str, Any]
+    cpus: int  # possible CPUs, what per-CPU maps are sized by
+    maps: dict[str, Any]
+
+
+def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
+    """Every capability probed as the agent's start would (disabled and sandbox-refused ones say so instead)."""
+    from qosagent import capabilities
+    from qosagent.capability import AgentContext, State, Verdict
+    from qosagent.daemon import gpu_backend
+    from qosagent.ebpf import mapsize
+    from qosagent.features import probe
+    from qosagent import sandbox
+
     gpu = gpu_backend(cfg)
     feats = probe(fs, f"{gpu.name}: " + (getattr(gpu, "reason", "") or f"{len(gpu.devices())} GPU(s)"))
     ctx = AgentContext(config=cfg, hostfs=fs, gpu=gpu)
@@ -181,37 +215,33 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
     cpus = mapsize.possible_cpus(fs)
     maps = {cls.name: m for cls in enabled if verdicts[cls.name].state in (State.ACTIVE, State.DEGRADED)
             and (m := cls(ctx).kernel_maps(verdicts[cls.name].plan))}
-    failed = [n for n, v in verdicts.items() if v.state is State.UNAVAILABLE]
-    reports = matchreport.tenant_reports(cfg)
-    if as_json:
-        click.echo(json.dumps({
-            "config": config_path or config_mod.DEFAULT_SOURCE,
-            "config_valid": True,
-            "host": feats.as_dict(),
-            "capabilities": {n: v.as_dict() for n, v in verdicts.items()},
-            "tenants": [r.as_dict() for r in reports],
-            "bpf_maps": {"possible_cpus": cpus, "bytes": {n: mapsize.total(m, cpus) for n, m in maps.items()}},
-        }, indent=2))
-    else:
-        click.echo(f"config: {config_path or config_mod.DEFAULT_SOURCE}: valid")
-        click.echo(_render_features(feats))
-        click.echo("\nCAPABILITY   STATE        REASON")
-        for n, v in verdicts.items():
-            click.echo(f"{n:<12} {v.state.value:<12} {v.reason}")
-        if maps:
-            click.echo(f"\nBPF MAPS     kernel memory made at start ({cpus} possible CPUs; docs/configuration.md)")
-            for n, m in maps.items():
-                click.echo(mapsize.render(n, m, cpus))
-        click.echo("\n" + matchreport.render(reports))
-    if strict and failed:
-        sys.exit(1)
-    for svc in capabilities.services(enabled):
-        # What the config asks of a service (tenants that match pods need a runtime to learn them from) is an
-        # error here, whichever capability would use it.
-        problem = svc.problem(cfg, fs)
-        if problem is not None:
-            click.echo(f"{config_path or config_mod.DEFAULT_SOURCE}: {problem}", err=True)
-            sys.exit(1)
+    return _Probed(feats, enabled, verdicts, cpus, maps)
+
+
+def _check_json(source: str, found: _Probed, reports: Any) -> str:
+    from qosagent.ebpf import mapsize
+
+    return json.dumps({
+        "config": source,
+        "config_valid": True,
+        "host": found.features.as_dict(),
+        "capabilities": {n: v.as_dict() for n, v in found.verdicts.items()},
+        "tenants": [r.as_dict() for r in reports],
+        "bpf_maps": {"possible_cpus": found.cpus,
+                     "bytes": {n: mapsize.total(m, found.cpus) for n, m in found.maps.items()}},
+    }, indent=2)
+
+
+def _check_text(source: str, found: _Probed, reports: Any) -> str:
+    from qosagent.ebpf import mapsize
+
+    lines = [f"config: {source}: valid", _render_features(found.features), "\nCAPABILITY   STATE        REASON"]
+    lines += [f"{n:<12} {v.state.value:<12} {v.reason}" for n, v in found.verdicts.items()]
+    if found.maps:
+        lines.append(f"\nBPF MAPS     kernel memory made at start ({found.cpus} possible CPUs; docs/configuration.md)")
+        lines += [mapsize.render(n, m, found.cpus) for n, m in found.maps.items()]
+    lines.append("\n" + matchreport.render(reports))
+    return "\n".join(lines)
 
 
 def _render_features(f: Any) -> str:

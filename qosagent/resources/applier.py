@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from qosagent import statefile
+from qosagent.cgroups import cgroup_dir
 from qosagent.hostfs import HostFS
 from qosagent.listeners import proc_start
-from qosagent.resources import sched
-from qosagent.resources.model import Files, Group, Hint
+from qosagent.resources import discovery, sched
+from qosagent.resources.model import BackOff, Files, Group, GroupReport, Hint, Memory, Move, Release, Sched
 
 log = logging.getLogger("qosagent.resources")
 
@@ -323,3 +324,69 @@ class Applier:
                         continue
             del self.store.threads[tid]
         self.save()
+
+
+# ---- a decision's command, carried out -------------------------------------------------------------------------
+def carry_out(a: Applier, mem: Memory, enforce: bool, c: Any) -> None:
+    """One decision's command: what resources remembers of it, and in enforce its writes."""
+    if isinstance(c, Files):
+        _apply_files(a, mem, enforce, c)
+    elif isinstance(c, Release):
+        mem.decided.pop(c.group.key, None)
+        mem.reports.pop(c.group.key, None)
+        if enforce:
+            a.release(c.group.directory)
+    elif isinstance(c, Move):
+        _apply_move(a, mem, enforce, c)
+    elif isinstance(c, BackOff):
+        mem.backed_off.add(c.group.key)
+        a.counters["rewritten"][c.group.controller] += 1
+        log.warning("%s: %s rewritten by another owner (the kubelet, systemd): left to it", c.group.key,
+                    ", ".join(os.path.basename(p) for p in c.paths))
+        a.let_go(c.paths)
+    elif isinstance(c, Sched):
+        _apply_sched(a, mem, enforce, c)
+
+
+def _apply_files(a: Applier, mem: Memory, enforce: bool, c: Files) -> None:
+    g = c.group
+    mem.decided[g.key] = c.values
+    if not enforce:
+        mem.reports[g.key] = GroupReport(g, dict(c.values), applied=False)
+        return
+    try:
+        a.files(c)
+        mem.reports[g.key] = GroupReport(g, dict(c.values), applied=True)
+    except Refused as e:
+        mem.reports[g.key] = GroupReport(g, dict(c.values), applied=False, error=str(e))
+        # Tried again at the next reconcile, not every tick: a refusal is the kernel's answer for a while.
+        mem.decided.pop(g.key, None)
+        log.warning("%s: not set, what was written of it is back: %s", g.key, e)
+
+
+def _apply_move(a: Applier, mem: Memory, enforce: bool, c: Move) -> None:
+    g = c.group
+    if not enforce:
+        return
+    try:
+        for tier, pids in c.by_tier:
+            into = cgroup_dir(a.fs, g.version, g.controller, discovery.own_cgroup(tier))
+            if into is None:
+                raise OSError(2, f"the {g.controller} hierarchy is not mounted")
+            a.move(g, pids, into)
+    except (Refused, OSError) as e:
+        mem.states.pop(g.key, None)  # tried again at the next reconcile
+        log.warning("%s: moving its serving processes failed: %s", g.key, e)
+
+
+def _apply_sched(a: Applier, mem: Memory, enforce: bool, c: Sched) -> None:
+    if c.hint is None:
+        for pid in c.pids:
+            mem.hinted.pop(pid, None)
+        if enforce:
+            a.unhint(c.pids)
+        return
+    for pid in c.pids:
+        mem.hinted[pid] = (c.tier, c.hint)
+    if enforce:
+        a.hint(c.pids, c.hint)

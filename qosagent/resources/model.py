@@ -156,4 +156,17 @@ class ResourcesPart:
     counters: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
+@dataclass
+class Memory:
+    """What resources remembers between reconciles: the decisions (policy) read it, their apply (applier) and the
+    report (reading) write and read it."""
+
+    groups: dict[str, Group] = field(default_factory=dict)  # the groups as last found
+    decided: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # group key -> the values decided
+    reports: dict[str, GroupReport] = field(default_factory=dict)
+    states: dict[str, str] = field(default_factory=dict)  # group key -> the state last reported
+    backed_off: set[str] = field(default_factory=set)
+    hinted: dict[int, tuple[str, Hint]] = field(default_factory=dict)  # pid -> (tier, hint) given
+
+
 RESOURCES = PartKey("resources", ResourcesPart)

@@ -15,7 +15,8 @@ from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.resources import planner, policy
 from qosagent.resources.applier import Moved, Store, Thread
-from qosagent.resources.capability import Resources, node_problems
+from qosagent.resources.capability import Resources
+from qosagent.resources.reading import node_problems
 from qosagent.resources.config import SuppressConfig
 from qosagent.resources.sched import Attr
 from qosagent.resources.discovery import Layout, groups, is_shared
