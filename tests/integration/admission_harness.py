@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -60,9 +60,11 @@ class Procs:
                           stdout=subprocess.DEVNULL)
 
     def client(self, port: int, src: str, threads: int, pause_ms: float, seconds: float, out: Path,
-               timeout: float = 5.0) -> subprocess.Popen[bytes]:
-        return self.start([sys.executable, LOAD, "client", "127.0.0.1", str(port), src, str(threads),
-                           str(pause_ms), str(seconds), str(timeout), str(out)])
+               timeout: float = 5.0, chat: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
+        """chat: (words, max_tokens) makes each request a streamed chat completion timed to its first token."""
+        return self.start([sys.executable, LOAD, "chat" if chat else "client", "127.0.0.1", str(port), src,
+                           str(threads), str(pause_ms), str(seconds), str(timeout), str(out),
+                           *map(str, chat or ())])
 
 
 def results(p: subprocess.Popen[bytes], out: Path) -> list[tuple[float, float, bool]]:
@@ -93,7 +95,7 @@ def wait_for(what: str, fn: Any, timeout: float) -> Any:
 
 
 def config(tmp: Path, port: int, pin_root: str, quota: str, admission: str, gold: str = "", bronze: str = "",
-           extra: str = "") -> Path:
+           extra: str = "", slo_ms: float = SLO_MS) -> Path:
     """Gold and bronze on one server port, told apart by client address; the fake GPU driven by tmp/gpu.json.
     gold and bronze are more keys of those tiers; extra is more top-level config ($PORT: the server's port)."""
     write_json(tmp / "gpu.json", {"preset": "single", "gpus": {"0": {"memory_used_ratio": 0.30}}})
@@ -106,7 +108,7 @@ status: {{socket: {tmp / 'status.sock'}}}
 bpf: {{pin_root: {pin_root}}}
 gpu: {{backend: fake, fake_file: {tmp / 'gpu.json'}}}
 tiers:
-  gold:   {{slo_p99: {SLO_MS:g}ms, weight: 10{", " + gold if gold else ""}}}
+  gold:   {{slo_p99: {slo_ms:g}ms, weight: 10{", " + gold if gold else ""}}}
   bronze: {{slo_p99: 5s, weight: 1, quota: {{rps: 400, burst: 40}}{", " + bronze if bronze else ""}}}
 tenants:
   - {{name: gold-app, tier: gold, match: {{cidrs: [{GOLD}/32], ports: [{port}]}}}}
@@ -187,8 +189,11 @@ class Agent(AgentProcess):
 
 
 @contextlib.contextmanager
-def scenario(tmp: Path, quota: str, admission: str, **tiers_and_extra: str) -> Iterator[tuple[Procs, Agent, int]]:
-    """The server and the agent running in a fresh namespace; everything stopped, detached and removed after."""
+def scenario(tmp: Path, quota: str, admission: str, server: Callable[[Procs, int], Any] | None = None,
+             start: bool = True, **tiers_and_extra: Any) -> Iterator[tuple[Procs, Agent, int]]:
+    """The server and the agent running in a fresh namespace; everything stopped, detached and removed after.
+    server(procs, port) starts another server than the worker pool; start=False leaves the agent for the test to
+    start (a baseline taken without it first)."""
     port = 20000 + secrets.randbelow(20000)
     pin_root = f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}"
     cfg = config(tmp, port, pin_root, quota, admission, **tiers_and_extra)
@@ -196,9 +201,10 @@ def scenario(tmp: Path, quota: str, admission: str, **tiers_and_extra: str) -> I
         procs = Procs(ns)
         agent = None
         try:
-            procs.server(port)
+            (server or Procs.server)(procs, port)
             agent = Agent(ns, cfg, tmp)
-            agent.start()
+            if start:
+                agent.start()
             yield procs, agent, port
         finally:
             if agent is not None:
