@@ -117,8 +117,10 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
     assert any(d["reason"] == "slo_breach" and d["inputs"]["breach_tier"] == "gold" for d in cuts), cuts
     assert all(d["new"] >= GOLD_FLOOR for d in cuts if d["target"] == "gold-app"), cuts
     assert reading["kind"] == "llamacpp" and reading["known"], reading
-    # Bronze keeps its floor: requests it started after the cut are served at about that rate (a refused connection
-    # retries its SYN after 1 s, 3 s, ..., so some of the bucket's tokens go unused: half the floor is the least).
+    # Bronze keeps its floor: the kernel holds its limit there (above), and it is served at about that rate. A dropped
+    # SYN is retried after 1 s, 3 s, 7 s, ..., so a token of the bucket (burst 1) can go unused while every
+    # connection waits out its backoff, and a request served now may have started 30 s ago: counted by the time its
+    # first token came (started after the cut, a run counted 7 in 33 s, 0.21/s).
     span = t_end - (t_floor + 2)
-    served = [t for t, _, ok in flood_reqs if ok and t_floor + 2 < t < t_end]
+    served = [t for t, ms, ok in flood_reqs if ok and t_floor + 2 < t + ms / 1000 < t_end]
     assert len(served) >= math.floor(0.5 * BRONZE_FLOOR * span), (len(served), span)
