@@ -15,6 +15,7 @@ from qosagent.latency.capability import Latency
 from qosagent.placement.capability import Placement
 from qosagent.quota.capability import Quota
 from qosagent.resources.capability import Resources
+from qosagent.sandbox import Need
 from qosagent.servers.capability import Servers
 from qosagent.services import Service
 
@@ -32,3 +33,8 @@ def services(kinds: Iterable[type[Capability]]) -> list[type[Service]]:
 
 def enabled(config: Config, kinds: Iterable[type[Capability]] | None = None) -> list[type[Capability]]:
     return [k for k in (CAPABILITIES if kinds is None else kinds) if k.enabled(config)]
+
+
+def sandbox_needs(config: Config) -> dict[str, list[Need]]:
+    """What each enabled capability needs of the sandbox, by its name, for the drop-in (sandbox.dropin)."""
+    return {k.name: needs for k in enabled(config) if (needs := k.sandbox_needs(config))}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Container, Iterable, 
 from qosagent import services as services_mod
 from qosagent.hostfs import HostFS
 from qosagent.retention import EVERYONE
+from qosagent.sandbox import Need
 from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
@@ -168,6 +169,12 @@ class Capability:
     @classmethod
     def enabled(cls, config: "Config") -> bool:
         return bool(getattr(config, cls.name).enabled)
+
+    @classmethod
+    def sandbox_needs(cls, config: "Config") -> list[Need]:
+        """What this capability, enabled with `config`, needs of the sandbox it runs in (the unit, a container):
+        the drop-in `qosagent check --systemd` prints, and what the daemon checks before it probes."""
+        return []
 
     def probe(self, features: "Features") -> Verdict:
         """Whether this host supports the capability, and its plan for start; changes neither the host nor self."""

@@ -159,8 +159,8 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
 
     cfg = load_config(config_path)
     if systemd_dropin:
-        click.echo(sandbox.dropin(cfg) or "# qosagent: the shipped unit grants everything this config needs.",
-                   nl=False)
+        click.echo(sandbox.dropin(capabilities.sandbox_needs(cfg))
+                   or "# qosagent: the shipped unit grants everything this config needs.", nl=False)
         return
     fs = HostFS(host_root)
     found = _probe_all(cfg, fs)
@@ -207,7 +207,7 @@ def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
     for cls in capabilities.CAPABILITIES:
         if cls not in enabled:
             verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
-        elif (refused := sandbox.refusal(cls.name, cfg)) is not None:
+        elif (refused := sandbox.refusal(cls.sandbox_needs(cfg))) is not None:
             verdicts[cls.name] = Verdict(State.UNAVAILABLE, refused)
         else:
             ctx.record(cls, cls(ctx).probe(feats))

@@ -125,7 +125,7 @@ class Agent:
                 continue
             cap = cls(self.ctx)
             # What the sandbox (the unit, a container) refuses this capability is said before it tries.
-            refused = sandbox.refusal(cls.name, self.config)
+            refused = sandbox.refusal(cls.sandbox_needs(self.config))
             verdict = Verdict(State.UNAVAILABLE, refused) if refused is not None else cap.probe(self.features)
             if verdict.state is State.UNAVAILABLE:
                 log.warning("%s unavailable: %s", cls.name, verdict.reason)

@@ -1,5 +1,6 @@
-"""What each enabled capability needs from the sandbox it runs in (the systemd unit, a container), whether this
-process has it, and the unit drop-in that grants what the shipped unit does not.
+"""Whether this process has what a capability needs from the sandbox it runs in (the systemd unit, a container), and
+the unit drop-in that grants what the shipped unit does not. Each capability says what it needs
+(`Capability.sandbox_needs`); this module knows none of them.
 
 The shipped unit (systemd/qosagent.service) grants what the default config needs: latency, measuring only
 (`BASE`). Every other capability's needs are relaxations of that sandbox, granted per capability by a drop-in that
@@ -36,49 +37,14 @@ BASE: dict[str, frozenset[str]] = {
 CPUFREQ = ("-/sys/devices/system/cpu/cpufreq", "-/sys/devices/system/cpu/intel_pstate")
 
 
-def needs(cfg: "Config") -> dict[str, list[Need]]:
-    """Per enabled capability (in the registry's order), what it needs of the sandbox, the unit's grants included."""
-    out: dict[str, list[Need]] = {}
-    if cfg.latency.enabled:
-        out["latency"] = [
-            Need("CapabilityBoundingSet", "CAP_BPF", "create maps, load programs"),
-            Need("CapabilityBoundingSet", "CAP_PERFMON", "attach tracepoints and kprobes"),
-            Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "attach sock_ops and cgroup_skb programs"),
-            Need("RequiresMountsFor", "/sys/kernel/tracing", "tracefs: the tracepoints' and kprobes' ids"),
-        ]
-    if cfg.quota.enabled:
-        bpffs = _bpffs_of(cfg.bpf.pin_root)
-        out["quota"] = [
-            Need("CapabilityBoundingSet", "CAP_BPF", "create maps, load programs"),
-            Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "the clsact qdisc and its cls_bpf filter"),
-            Need("RequiresMountsFor", bpffs, "bpffs: the pins that outlive a restart (the handover)"),
-            Need("ReadWritePaths", bpffs, f"the pins under bpf.pin_root ({cfg.bpf.pin_root})"),
-        ]
-    if cfg.placement.enabled:
-        p = [Need("CapabilityBoundingSet", "CAP_SYS_PTRACE",
-                  "read other users' processes' numa_maps, and migrate_pages their memory")]
-        if cfg.placement.mode == "enforce":
-            p.append(Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set the CPU affinity of other users' processes"))
-        out["placement"] = p + _state_dir(cfg)
-    if cfg.resources.enabled and cfg.resources.mode == "enforce":
-        out["resources"] = [
-            Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
-            Need("ReadWritePaths", "/sys/fs/cgroup", "write the serving cgroups' cpu and memory files "
-                 "(ProtectControlGroups makes them read-only)"),
-        ] + _state_dir(cfg)
-    if cfg.dvfs.enabled and cfg.dvfs.mode == "enforce":
-        out["dvfs"] = [Need("ReadWritePaths", p, "CPU frequency limits") for p in CPUFREQ] + _state_dir(cfg)
-    return out
-
-
-def _state_dir(cfg: "Config") -> list[Need]:
+def state_dir(cfg: "Config") -> list[Need]:
     """Originals saved for a rollback after a crash; the unit's RuntimeDirectory is writable already."""
     if _under(cfg.state_dir, "/run/qosagent"):
         return []
     return [Need("ReadWritePaths", cfg.state_dir, "originals saved for the rollback (state_dir)")]
 
 
-def _bpffs_of(pin_root: str) -> str:
+def bpffs_of(pin_root: str) -> str:
     return "/sys/fs/bpf" if _under(pin_root, "/sys/fs/bpf") else pin_root
 
 
@@ -89,11 +55,12 @@ def _under(path: str, top: str) -> bool:
 UNIT_SECTION = ("RequiresMountsFor",)  # the rest are [Service] settings
 
 
-def dropin(cfg: "Config") -> str:
-    """The drop-in granting what the enabled capabilities need beyond the shipped unit, each group of lines under
-    the capability that needs it; empty when the shipped unit is enough."""
+def dropin(needs: dict[str, list[Need]]) -> str:
+    """The drop-in granting what the enabled capabilities need (each one's `Capability.sandbox_needs`, by its name)
+    beyond the shipped unit, each group of lines under the capability that needs it; empty when the shipped unit is
+    enough."""
     sections: dict[str, list[str]] = {"Unit": [], "Service": []}
-    for cap, ns in needs(cfg).items():
+    for cap, ns in needs.items():
         by_setting: dict[str, list[Need]] = {}
         for n in ns:
             if not _granted(n):
@@ -140,16 +107,16 @@ def this_process() -> Process:
                    under_systemd="INVOCATION_ID" in os.environ)
 
 
-def refusal(cap: str, cfg: "Config", proc: Process | None = None) -> str | None:
-    """Why the sandbox refuses `cap` what it needs, naming the setting; None when nothing is refused (or when not
-    root: an unprivileged agent is told so by each capability's own probe)."""
+def refusal(needs: list[Need], proc: Process | None = None) -> str | None:
+    """Why the sandbox refuses a capability what it needs (its `sandbox_needs`), naming the setting; None when
+    nothing is refused (or when not root: an unprivileged agent is told so by each capability's own probe)."""
     proc = proc or this_process()
     eff = proc.effective()
     if eff is None:
         return None
     where = "the unit's" if proc.under_systemd else "this process's"
     problems = []
-    for n in needs(cfg).get(cap, []):
+    for n in needs:
         if n.setting == "CapabilityBoundingSet" and n.value not in eff:
             problems.append(f"{where} CapabilityBoundingSet lacks {n.value} ({n.why})")
         elif n.setting == "ReadWritePaths":

@@ -18,6 +18,8 @@ from qosagent import cpufreq
 from qosagent.admission.model import ADMISSION
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict, rewrite
 from qosagent.retention import EVERYONE
+from qosagent import sandbox
+from qosagent.sandbox import Need
 from qosagent.dvfs import export, policy, rollback, sensors
 from qosagent.dvfs.actuator import CpuFreqActuator, KnobIO
 from qosagent.dvfs.config import DvfsConfig, parse_freq
@@ -56,6 +58,13 @@ def _params(cfg: DvfsConfig, p: cpufreq.Policy) -> policy.Params | None:
 
 class Dvfs(Capability):
     name = "dvfs"
+
+    @classmethod
+    def sandbox_needs(cls, config: "Config") -> list[Need]:
+        if config.dvfs.mode != "enforce":
+            return []
+        return ([Need("ReadWritePaths", p, "CPU frequency limits") for p in sandbox.CPUFREQ]
+                + sandbox.state_dir(config))
 
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)

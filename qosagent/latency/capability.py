@@ -21,6 +21,7 @@ from qosagent.latency.slots import MapsPlan
 from qosagent.latency.window import Window
 from qosagent.pods.service import Pods
 from qosagent.retention import EVERYONE
+from qosagent.sandbox import Need
 from qosagent.schedule import Every
 from qosagent.slo import SloVerdict
 from qosagent.tenants import TenantInfo
@@ -41,6 +42,15 @@ class Latency(Capability):
     name = "latency"
     uses = (netns.Follower, Pods)
     loads_bpf = True
+
+    @classmethod
+    def sandbox_needs(cls, config: "Config") -> list[Need]:
+        return [
+            Need("CapabilityBoundingSet", "CAP_BPF", "create maps, load programs"),
+            Need("CapabilityBoundingSet", "CAP_PERFMON", "attach tracepoints and kprobes"),
+            Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "attach sock_ops and cgroup_skb programs"),
+            Need("RequiresMountsFor", "/sys/kernel/tracing", "tracefs: the tracepoints' and kprobes' ids"),
+        ]
 
     def __init__(self, ctx: Any):
         super().__init__(ctx)

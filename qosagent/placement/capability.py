@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.retention import EVERYONE
+from qosagent import sandbox
+from qosagent.sandbox import Need
 from qosagent.placement import applier, export, policy
 from qosagent.placement.config import PlacementConfig
 from qosagent.cpulist import parse_cpulist
@@ -35,6 +37,14 @@ if TYPE_CHECKING:
 
 class Placement(Capability):
     name = "placement"
+
+    @classmethod
+    def sandbox_needs(cls, config: "Config") -> list[Need]:
+        p = [Need("CapabilityBoundingSet", "CAP_SYS_PTRACE",
+                  "read other users' processes' numa_maps, and migrate_pages their memory")]
+        if config.placement.mode == "enforce":
+            p.append(Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set the CPU affinity of other users' processes"))
+        return p + sandbox.state_dir(config)
 
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)

@@ -21,6 +21,8 @@ from qosagent.quota.limits import FleetWriter, LimitsWriter
 from qosagent.quota.model import QUOTA, QuotaPart
 from qosagent.quota.rules import baseline_buckets, bucket
 from qosagent.retention import EVERYONE
+from qosagent import sandbox
+from qosagent.sandbox import Need
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import (
     FLEET_SERVICE,
@@ -56,6 +58,16 @@ class Quota(Capability):
     uses = (netns.Follower, Pods)
     offers = (LIMITS_SERVICE, FLEET_SERVICE)
     loads_bpf = True
+
+    @classmethod
+    def sandbox_needs(cls, config: Config) -> list[Need]:
+        bpffs = sandbox.bpffs_of(config.bpf.pin_root)
+        return [
+            Need("CapabilityBoundingSet", "CAP_BPF", "create maps, load programs"),
+            Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "the clsact qdisc and its cls_bpf filter"),
+            Need("RequiresMountsFor", bpffs, "bpffs: the pins that outlive a restart (the handover)"),
+            Need("ReadWritePaths", bpffs, f"the pins under bpf.pin_root ({config.bpf.pin_root})"),
+        ]
 
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Container, Iterable
 from qosagent import netns
 from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
 from qosagent.retention import EVERYONE
+from qosagent import sandbox
+from qosagent.sandbox import Need
 from qosagent.cgroups import HostCgroups
 from qosagent.latency.model import LATENCY
 from qosagent.pods.service import Pods
@@ -43,6 +45,16 @@ class Plan:
 class Resources(Capability):
     name = "resources"
     uses = (netns.Follower, Pods)
+
+    @classmethod
+    def sandbox_needs(cls, config: "Config") -> list[Need]:
+        if config.resources.mode != "enforce":
+            return []
+        return [
+            Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
+            Need("ReadWritePaths", "/sys/fs/cgroup", "write the serving cgroups' cpu and memory files "
+                 "(ProtectControlGroups makes them read-only)"),
+        ] + sandbox.state_dir(config)
 
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from qosagent import sandbox
+from qosagent import capabilities, sandbox
 from qosagent.config import parse
 from testkit.agent import TIME_SCALE, AgentProcess
 
@@ -65,7 +65,8 @@ def unit_caps(dropin: bool = True) -> list[str]:
     """The unit's bounding set, with (dropin) the capabilities the drop-in for every capability adds."""
     granted = list(sandbox.granted_by(unit_settings(), "CapabilityBoundingSet"))
     if dropin:
-        granted += sandbox.granted_by(sandbox.unit_settings(sandbox.dropin(ALL)), "CapabilityBoundingSet")
+        dropin = sandbox.dropin(capabilities.sandbox_needs(ALL))
+        granted += sandbox.granted_by(sandbox.unit_settings(dropin), "CapabilityBoundingSet")
     return [c.removeprefix("CAP_").lower() for c in granted]
 
 

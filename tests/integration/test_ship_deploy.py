@@ -188,11 +188,11 @@ def test_daemonset_holds_the_units_capabilities_and_no_more(tmp_path: Path) -> N
     """The base grants what the unit's own bounding set does (an agent without placement); components/placement adds
     what the unit's placement drop-in adds (qosagent check --systemd). No service-account token: the agent asks the
     API server nothing."""
-    from qosagent import sandbox
+    from qosagent import capabilities
 
     unit_caps = {c.removeprefix("CAP_") for c in unit_settings()["CapabilityBoundingSet"][0].split()}
     placed_cfg = config_mod.parse({"placement": {"enabled": True, "mode": "enforce"}}, "t")
-    dropin_caps = {n.value.removeprefix("CAP_") for n in sandbox.needs(placed_cfg).get("placement", [])
+    dropin_caps = {n.value.removeprefix("CAP_") for n in capabilities.sandbox_needs(placed_cfg).get("placement", [])
                    if n.setting == "CapabilityBoundingSet"}
     assert dropin_caps == {"SYS_NICE", "SYS_PTRACE"}
     sc = _container()["securityContext"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qosagent import config as config_mod
-from qosagent import sandbox
+from qosagent import capabilities, sandbox
 from tests.conftest import REPO, require
 from testkit.agent import AgentProcess, agent_argv, agent_env
 
@@ -97,7 +97,8 @@ def test_unit_keeps_its_privileges_and_paths_consistent() -> None:
     default = config_mod.load(None)
     # The status socket lives where the unit lets the agent write; the pins where quota's drop-in does.
     assert str(Path(default.status.socket).parent) in rw
-    quota = sandbox.unit_settings(sandbox.dropin(config_mod.parse({"quota": {"enabled": True}}, "test")))
+    quota_cfg = config_mod.parse({"quota": {"enabled": True}}, "test")
+    quota = sandbox.unit_settings(sandbox.dropin(capabilities.sandbox_needs(quota_cfg)))
     assert any(default.bpf.pin_root.startswith(p.lstrip("-")) for p in sandbox.granted_by(quota, "ReadWritePaths"))
     assert f"--socket {default.status.socket}" in s["ExecReload"][0]
 
@@ -149,7 +150,7 @@ def test_the_drop_in_for_every_capability_verifies_clean(staged: Path) -> None:
                            "test")
     d = staged / "etc/systemd/system/qosagent.service.d"
     d.mkdir(parents=True)
-    (d / "capabilities.conf").write_text(sandbox.dropin(cfg))
+    (d / "capabilities.conf").write_text(sandbox.dropin(capabilities.sandbox_needs(cfg)))
     r = verify(staged)
     assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from qosagent import sandbox
-from qosagent.config import parse
+from qosagent import capabilities, sandbox
+from qosagent.config import Config, parse
 from tests.conftest import REPO
 
 UNIT = REPO / "systemd" / "qosagent.service"
@@ -16,6 +16,14 @@ ALL = {
     "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]},
     "dvfs": {"enabled": True, "mode": "enforce"},
 }
+
+
+def dropin(cfg: Config) -> str:
+    return sandbox.dropin(capabilities.sandbox_needs(cfg))
+
+
+def needs(name: str, cfg: Config) -> list[sandbox.Need]:
+    return capabilities.sandbox_needs(cfg).get(name, [])
 
 
 def dropin_settings(text: str) -> dict[str, set[str]]:
@@ -34,13 +42,13 @@ def test_the_shipped_unit_grants_exactly_base() -> None:
 
 def test_the_default_config_needs_no_drop_in() -> None:
     """The shipped unit is made for the shipped config (latency, measuring)."""
-    assert sandbox.dropin(parse({}, "test")) == ""
+    assert dropin(parse({}, "test")) == ""
 
 
 @pytest.mark.parametrize("enabled", [(), ("quota",), ("placement",), ("dvfs",), ("quota", "placement", "dvfs")])
 def test_the_drop_in_grants_what_the_enabled_capabilities_need(enabled: tuple[str, ...]) -> None:
     cfg = parse({k: v for k, v in ALL.items() if k == "latency" or k in enabled}, "test")
-    text = sandbox.dropin(cfg)
+    text = dropin(cfg)
     got = dropin_settings(text)
     caps = got.get("CapabilityBoundingSet", set())
     rw = got.get("ReadWritePaths", set())
@@ -63,7 +71,7 @@ def test_the_drop_in_grants_what_the_enabled_capabilities_need(enabled: tuple[st
 
 def test_observe_and_dry_run_need_less() -> None:
     cfg = parse({"placement": {**ALL["placement"], "mode": "dry-run"}, "dvfs": {"enabled": True}}, "test")
-    got = dropin_settings(sandbox.dropin(cfg))
+    got = dropin_settings(dropin(cfg))
     assert got["CapabilityBoundingSet"] == {"CAP_SYS_PTRACE"}  # reading numa_maps, not pinning
     assert "ReadWritePaths" not in got  # dvfs in dry-run writes nothing
 
@@ -71,7 +79,7 @@ def test_observe_and_dry_run_need_less() -> None:
 def test_a_pin_root_or_state_dir_elsewhere_is_made_writable() -> None:
     cfg = parse({"quota": {"enabled": True}, "bpf": {"pin_root": "/run/bpf/qos"},
                  "placement": ALL["placement"], "state_dir": "/var/lib/qosagent"}, "test")
-    rw = dropin_settings(sandbox.dropin(cfg))["ReadWritePaths"]
+    rw = dropin_settings(dropin(cfg))["ReadWritePaths"]
     assert {"/run/bpf/qos", "/var/lib/qosagent"} <= rw
 
 
@@ -86,28 +94,29 @@ def sandboxed(caps: set[str], readonly: tuple[str, ...] = (), mounts: dict[str, 
 def test_a_unit_that_drops_a_capability_is_named() -> None:
     cfg = parse(ALL, "test")
     proc = sandboxed({"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_PTRACE"})
-    why = sandbox.refusal("placement", cfg, proc)
+    why = sandbox.refusal(needs("placement", cfg), proc)
     assert why is not None and "the unit's CapabilityBoundingSet lacks CAP_SYS_NICE" in why
     assert "qosagent check --systemd" in why
-    assert sandbox.refusal("latency", cfg, proc) is None
+    assert sandbox.refusal(needs("latency", cfg), proc) is None
     bare = sandboxed({"CAP_BPF"}, systemd=False)
-    assert "this process's CapabilityBoundingSet lacks CAP_PERFMON" in (sandbox.refusal("latency", cfg, bare) or "")
+    why_bare = sandbox.refusal(needs("latency", cfg), bare) or ""
+    assert "this process's CapabilityBoundingSet lacks CAP_PERFMON" in why_bare
 
 
 def test_a_read_only_sys_and_a_missing_bpffs_are_named() -> None:
     cfg = parse(ALL, "test")
     caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"}
-    ro = sandbox.refusal("quota", cfg, sandboxed(caps, readonly=("/sys",)))
+    ro = sandbox.refusal(needs("quota", cfg), sandboxed(caps, readonly=("/sys",)))
     assert ro is not None and "ReadOnlyPaths=/sys without ReadWritePaths=/sys/fs/bpf" in ro
-    missing = sandbox.refusal("quota", cfg, sandboxed(caps, mounts={"/sys/kernel/tracing": "tracefs"}))
+    missing = sandbox.refusal(needs("quota", cfg), sandboxed(caps, mounts={"/sys/kernel/tracing": "tracefs"}))
     assert missing is not None and "no bpf mounted at /sys/fs/bpf" in missing and "RequiresMountsFor" in missing
-    assert sandbox.refusal("quota", cfg, sandboxed(caps)) is None
+    assert sandbox.refusal(needs("quota", cfg), sandboxed(caps)) is None
 
 
 def test_not_root_is_left_to_each_capabilitys_probe() -> None:
     proc = sandbox.Process(effective=lambda: None, writable=lambda p: False, mounted=lambda p: None,
                            under_systemd=True)
-    assert sandbox.refusal("quota", parse(ALL, "test"), proc) is None
+    assert sandbox.refusal(needs("quota", parse(ALL, "test")), proc) is None
 
 
 def test_capabilities_and_mounts_read_from_proc() -> None:
@@ -119,6 +128,6 @@ def test_capabilities_and_mounts_read_from_proc() -> None:
 
 def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
     cfg = parse({"resources": {"enabled": True, "mode": "enforce"}}, "test")
-    got = dropin_settings(sandbox.dropin(cfg))
+    got = dropin_settings(dropin(cfg))
     assert got["CapabilityBoundingSet"] == {"CAP_SYS_NICE"} and got["ReadWritePaths"] == {"/sys/fs/cgroup"}
-    assert sandbox.dropin(parse({"resources": {"enabled": True}}, "test")) == "", "dry-run writes nothing"
+    assert dropin(parse({"resources": {"enabled": True}}, "test")) == "", "dry-run writes nothing"
