@@ -167,6 +167,8 @@ class Memory:
     states: dict[str, str] = field(default_factory=dict)  # group key -> the state last reported
     backed_off: set[str] = field(default_factory=set)
     hinted: dict[int, tuple[str, Hint]] = field(default_factory=dict)  # pid -> (tier, hint) given
+    # group key -> the kernel's read-back (cpu.stat, memory events), read on reconcile ticks and shown in between
+    readback: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
 
 
 RESOURCES = PartKey("resources", ResourcesPart)

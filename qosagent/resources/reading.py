@@ -104,13 +104,18 @@ def report(fs: HostFS, rules: policy.Rules, mem: Memory, threads: Iterable["Thre
     """The part as status and metrics show it: each group with what was set and the kernel's read-back, each tier
     with its suppression, hint and threads."""
     groups = []
+    # The read-back follows the reconcile's cadence, not the tick's: these counters only move at the kernel's CFS
+    # period and memory events, and every tick would read each group's files twenty times as often.
+    readback = {key: kernel(fs, g) if part.reconcile or key not in mem.readback else mem.readback[key]
+                for key, g in mem.groups.items()}
+    mem.readback = readback
     for key, g in sorted(mem.groups.items()):
         r = mem.reports.get(key, GroupReport(g))
         state = mem.states.get(key, g.state)
         groups.append(GroupReport(
             Group(g.controller, g.version, g.path, g.directory, g.tiers, g.pids,
                   BACKED_OFF if key in mem.backed_off else state, g.why, g.others),
-            r.set, r.applied, r.error, *kernel(fs, g)))
+            r.set, r.applied, r.error, *readback[key]))
     hinted: collections.Counter[str] = collections.Counter()
     for t in threads:
         given = mem.hinted.get(t.pid)
