@@ -360,6 +360,10 @@ class _Tick:
                                "in_flight": t.in_flight}
         if self.inp.runqueue_p99 is not None:
             out["runqueue_p99_s"] = self.inp.runqueue_p99
+        # A cut made on one signal while the other also pressed says so: a server-pressure cut taken while gold was
+        # in breach answered both, and the breach rule (one cut per window) had no turn of its own.
+        if self.breaching:
+            out["breaching"] = list(self.breaching)
         out.update(extra)
         return out
 

@@ -114,7 +114,11 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
     # On the engine's queue and on gold's TTFT (once bronze is on its floor, a breach cuts gold, down to its floor).
     assert any(d["reason"] == "server_pressure" and d["target"] == "bronze-app" and
                d["inputs"]["rule"].startswith("requests_waiting") for d in cuts), cuts
-    assert any(d["reason"] == "slo_breach" and d["inputs"]["breach_tier"] == "gold" for d in cuts), cuts
+    # Gold's breach, measured in the kernel, drives a cut: by the breach rule, or by a queue cut taken while gold was in
+    # breach (the breach rule waits a whole window after any cut, and the queue cuts once a second: which of the two
+    # takes the cut is a race the decision records, not a property of the loop).
+    assert any((d["reason"] == "slo_breach" and d["inputs"]["breach_tier"] == "gold") or
+               "gold" in d["inputs"].get("breaching", ()) for d in cuts), cuts
     assert all(d["new"] >= GOLD_FLOOR for d in cuts if d["target"] == "gold-app"), cuts
     assert reading["kind"] == "llamacpp" and reading["known"], reading
     # Bronze keeps its floor: the kernel holds its limit there (above), and it is served at about that rate. A dropped

@@ -499,3 +499,5 @@ def test_a_latency_breach_and_server_pressure_on_one_tick_cut_once() -> None:
     assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "slo_breach")]
     out = loop.tick(gold_over(), servers=vllm(0.99, 0))
     assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "server_pressure")]
+    # The server's cut answered gold's breach too, and says so: the breach rule waits a window after any cut.
+    assert out.changes[0].inputs["breaching"] == ["gold"]
