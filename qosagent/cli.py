@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import socket
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from qosagent.hostfs import HostFS
 
 EXIT_CONFIG = 2
 EXIT_NO_AGENT = 3
+EXIT_KERNEL = 4  # the kernel cannot run what the config enables: restarting cannot fix it either
 
 
 def host_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,6 +53,21 @@ def load_config(path: str | None) -> config_mod.Config:
     except config_mod.ConfigError as e:
         click.echo(str(e), err=True)
         sys.exit(EXIT_CONFIG)
+
+
+def _refuse_old_kernel(cfg: config_mod.Config) -> None:
+    """Exit with one line when an enabled capability loads BPF programs and this kernel's verifier lacks the atomic
+    operations they are compiled to (before 5.12): otherwise each program would compile for seconds and end in the
+    verifier's "BPF_STX uses reserved fields". A kernel that will not say (no privilege to ask) is not refused."""
+    from qosagent import capabilities
+    from qosagent.ebpf import atomics
+
+    loaders = [k.name for k in capabilities.enabled(cfg) if k.loads_bpf]
+    if loaders and atomics.supported() == "no":
+        names = " and ".join(loaders)
+        click.echo(f"kernel {platform.release()} has no {atomics.REFUSAL}, which {names} need: run a 5.12 or newer "
+                   f"kernel, or disable {names}", err=True)
+        sys.exit(EXIT_KERNEL)
 
 
 def sd_notify(state: str) -> None:
@@ -100,6 +117,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
     except ValueError as e:
         click.echo(f"command line: {e}", err=True)
         sys.exit(2)
+    _refuse_old_kernel(cfg)
     logs.setup(cfg.log_level)
     log = logging.getLogger("qosagent.cli")
     agent = Agent(cfg, HostFS(host_root), config_path)
@@ -162,6 +180,7 @@ def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, 
         click.echo(sandbox.dropin(capabilities.sandbox_needs(cfg))
                    or "# qosagent: the shipped unit grants everything this config needs.", nl=False)
         return
+    _refuse_old_kernel(cfg)
     fs = HostFS(host_root)
     found = _probe_all(cfg, fs)
     failed = [n for n, v in found.verdicts.items() if v.state is State.UNAVAILABLE]

@@ -2,7 +2,7 @@
 then PERF_EVENT_IOC_SET_BPF. The attachment lasts while the event's fd is open, so a killed agent leaves none.
 
 perf_event_open has no wrapper in libc or libbpf's low-level API (libbpf attaches only programs of its own
-objects), so this is the one place the agent calls a syscall by number: one per architecture it ships for.
+objects), so it is called by number: one per architecture the agent ships for.
 """
 
 from __future__ import annotations
