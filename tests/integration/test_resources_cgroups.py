@@ -6,12 +6,9 @@ agent), and a value someone else rewrites is left to them."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -19,117 +16,17 @@ from qosagent import config as config_mod
 from qosagent.cgroups import V2
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
-from qosagent.hostfs import HostFS
 from qosagent.resources import sched
 from qosagent.resources.capability import Resources
-from qosagent.resources.discovery import Layout
-from tests.conftest import require
+from tests.integration.admission_harness import wait_for
+from tests.integration.resources_lab import HOST, Lab, cgroup_lab, free_port
 from testkit.agent import AgentProcess, agent_argv, agent_env, status_socket
-
-HOST = HostFS("/")
-
-# A stand-in serving process: listens on its port, three idle threads, one more on "spawn"; touches `mib` MiB.
-SERVER = r"""
-import socket, sys, threading
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen()
-stop = threading.Event()
-for _ in range(3):
-    threading.Thread(target=stop.wait, daemon=True).start()
-buf = bytearray(int(sys.argv[2]) << 20)
-for i in range(0, len(buf), 4096):
-    buf[i] = 1
-print("ready", flush=True)
-for line in sys.stdin:
-    threading.Thread(target=stop.wait, daemon=True).start()
-    print("spawned", flush=True)
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Lab:
-    """Cgroups of the test's own (per controller, where this host has each) and servers started in them."""
-
-    def __init__(self) -> None:
-        self.layout = Layout.probe(HOST)
-        self.token = f"qa-resources-{uuid.uuid4().hex[:8]}"
-        self.dirs: list[str] = []
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def dir(self, controller: str, path: str) -> str:
-        version = self.layout.versions[controller]
-        return f"/sys/fs/cgroup{path}" if version == V2 else f"/sys/fs/cgroup/{controller}{path}"
-
-    def cgroup(self, name: str) -> str:
-        """A cgroup /<token>/<name> in every hierarchy of cpu and memory (one on a unified host)."""
-        top, path = f"/{self.token}", f"/{self.token}/{name}"
-        for c in ("cpu", "memory"):
-            for d in (self.dir(c, top), self.dir(c, path)):
-                if not os.path.isdir(d):
-                    os.mkdir(d)
-                    self.dirs.append(d)
-            if self.layout.versions[c] == V2:
-                with open(f"{self.dir(c, top)}/cgroup.subtree_control", "w") as f:
-                    f.write(f"+{c}")
-        return path
-
-    def serve(self, port: int, path: str | None, mib: int = 1) -> subprocess.Popen[str]:
-        procs = [f"{self.dir(c, path)}/cgroup.procs" for c in ("cpu", "memory")] if path else []
-
-        def enter() -> None:
-            for f in dict.fromkeys(procs):
-                with open(f, "w") as out:
-                    out.write(str(os.getpid()))
-
-        p = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(mib), self.token], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, preexec_fn=enter)
-        self.procs.append(p)
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        return p
-
-    def read(self, controller: str, path: str, file: str) -> str:
-        with open(f"{self.dir(controller, path)}/{file}") as f:
-            return f.read().strip()
-
-    def files(self, path: str) -> dict[str, str]:
-        names = {V2: ("cpu.max", "cpu.weight", "memory.min", "memory.high"),
-                 "v1": ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares", "memory.soft_limit_in_bytes",
-                        "memory.limit_in_bytes")}
-        out = {}
-        for c in ("cpu", "memory"):
-            for f in names[self.layout.versions[c] or "v1"]:
-                if f.startswith(c):
-                    out[f] = self.read(c, path, f)
-        return out
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for d in reversed(self.dirs):
-            for _ in range(50):
-                try:
-                    os.rmdir(d)
-                    break
-                except OSError:
-                    time.sleep(0.1)  # a killed child leaves its cgroup a moment after wait()
 
 
 @pytest.fixture
-def lab(root: None):
-    layout = Layout.probe(HOST)
-    require(all(layout.versions.values()), f"cpu and memory controllers mounted (found {dict(layout.versions)})")
-    lab = Lab()
-    yield lab
-    lab.close()
+def lab(root: None) -> Iterator[Lab]:
+    with cgroup_lab() as lab:
+        yield lab
 
 
 def expected(lab: Lab, cpus: float, weight: int, memory: int | None = None, high: int | None = None) -> dict:
@@ -268,16 +165,6 @@ def test_dry_run_writes_nothing_and_says_would(tmp_path, lab) -> None:
         agent.stop()
 
 
-def wait_for(what, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError("timed out")
-
-
 def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
     gp, bp = free_port(), free_port()
     gold = lab.cgroup("gold")
@@ -290,7 +177,7 @@ def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
     for then in ("detach", "restart"):
         agent = AgentProcess(cfg, sock, tmp_path / "agent.log")
         agent.start()
-        wait_for(lambda: lab.files(gold) == want)
+        wait_for("the files set", lambda: lab.files(gold) == want, 30)
         agent.kill()  # SIGKILL: no stop, nothing restored
         assert lab.files(gold) == want and threads(g.pid) != attrs
         if then == "detach":
@@ -300,7 +187,7 @@ def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
             assert "resources:" in out.stdout and "restored" in out.stdout, out.stdout
         else:
             with AgentProcess(cfg, sock, tmp_path / "agent2.log"):
-                wait_for(lambda: lab.files(gold) == want)
+                wait_for("the files set", lambda: lab.files(gold) == want, 30)
         assert lab.files(gold) == before and threads(g.pid) == attrs
         assert not (tmp_path / "state" / "resources-originals.json").exists()
 
