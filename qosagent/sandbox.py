@@ -24,7 +24,7 @@ DROPIN = "/etc/systemd/system/qosagent.service.d/capabilities.conf"
 @dataclass(frozen=True)
 class Need:
     setting: str  # the unit setting that grants it
-    value: str  # a capability (CAP_SYS_NICE), a path (- prefix: only where it exists), a mount point
+    value: str  # a capability (CAP_SYS_NICE), a path (- prefix: only where it exists), a mount point, a switch (no)
     why: str
 
 
@@ -34,6 +34,7 @@ BASE: dict[str, frozenset[str]] = {
     "ReadWritePaths": frozenset({"/run/qosagent"}),
     "RequiresMountsFor": frozenset({"/sys/kernel/tracing"}),
 }
+CGROUP_FS = "/sys/fs/cgroup"
 CPUFREQ = ("-/sys/devices/system/cpu/cpufreq", "-/sys/devices/system/cpu/intel_pstate")
 
 
@@ -125,9 +126,7 @@ def refusal(needs: list[Need], proc: Process | None = None) -> str | None:
             if n.value.startswith("-") and probe != path:
                 continue
             if probe is not None and not proc.writable(probe):
-                problems.append(f"{path} is read-only here ({n.why}): "
-                                + ("the unit's ReadOnlyPaths=/sys without ReadWritePaths=" + path
-                                   if proc.under_systemd else "mounted read-only"))
+                problems.append(f"{path} is read-only here ({n.why}): " + _read_only_by(path, needs, proc))
         elif n.setting == "RequiresMountsFor" and n.value in ("/sys/fs/bpf", "/sys/kernel/tracing"):
             want = "bpf" if n.value == "/sys/fs/bpf" else "tracefs"
             if proc.mounted(n.value) != want:
@@ -137,6 +136,16 @@ def refusal(needs: list[Need], proc: Process | None = None) -> str | None:
         return None
     hint = " (`qosagent check --systemd` prints the drop-in that grants it)" if proc.under_systemd else ""
     return "; ".join(problems) + hint
+
+
+def _read_only_by(path: str, needs: list[Need], proc: Process) -> str:
+    """The settings that make a needed path read-only: those the needs relax, as the unit sets them."""
+    if not proc.under_systemd:
+        return "mounted read-only"
+    why = f"ReadOnlyPaths=/sys without ReadWritePaths={path}"
+    if _under(path, CGROUP_FS) and any(n.setting == "ProtectControlGroups" for n in needs):
+        why = f"ProtectControlGroups=yes (ReadWritePaths= does not override it) or {why}"
+    return "the unit's " + why
 
 
 def _existing(path: str) -> str | None:

@@ -52,8 +52,10 @@ class Resources(Capability):
             return []
         return [
             Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
-            Need("ReadWritePaths", "/sys/fs/cgroup", "write the serving cgroups' cpu and memory files "
-                 "(ProtectControlGroups makes them read-only)"),
+            # Both: ReadOnlyPaths=/sys covers the cgroup tree, and ProtectControlGroups=yes keeps it read-only even
+            # under ReadWritePaths=/sys/fs/cgroup (systemd keeps the stricter of two entries for one path).
+            Need("ReadWritePaths", sandbox.CGROUP_FS, "write the serving cgroups' cpu and memory files"),
+            Need("ProtectControlGroups", "no", "write the serving cgroups' cpu and memory files"),
         ] + sandbox.state_dir(config)
 
     def __init__(self, ctx: AgentContext):

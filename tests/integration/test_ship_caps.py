@@ -58,7 +58,8 @@ PROBE = textwrap.dedent(r'''
 
 
 ALL = parse({"quota": {"enabled": True}, "dvfs": {"enabled": True, "mode": "enforce"},
-              "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]}}, "test")
+              "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]},
+              "resources": {"enabled": True, "mode": "enforce"}}, "test")
 
 
 def unit_caps(dropin: bool = True) -> list[str]:

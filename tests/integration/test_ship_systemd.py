@@ -146,7 +146,8 @@ def test_agent_speaks_the_notify_protocol(tmp_path: Path) -> None:
 def test_the_drop_in_for_every_capability_verifies_clean(staged: Path) -> None:
     """What `qosagent check --systemd` prints is a drop-in systemd accepts: each key in its own section."""
     cfg = config_mod.parse({"quota": {"enabled": True}, "dvfs": {"enabled": True, "mode": "enforce"},
-                            "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]}},
+                            "placement": {"enabled": True, "mode": "enforce", "selectors": [{"name": "vllm"}]},
+                            "resources": {"enabled": True, "mode": "enforce"}},
                            "test")
     d = staged / "etc/systemd/system/qosagent.service.d"
     d.mkdir(parents=True)

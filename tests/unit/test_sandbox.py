@@ -127,7 +127,14 @@ def test_capabilities_and_mounts_read_from_proc() -> None:
 
 
 def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
+    """The shipped unit's ProtectControlGroups=yes keeps /sys/fs/cgroup read-only whatever ReadWritePaths= says
+    (systemd drops the read-write entry for the same path as the weaker one): the drop-in turns it off too."""
     cfg = parse({"resources": {"enabled": True, "mode": "enforce"}}, "test")
     got = dropin_settings(dropin(cfg))
     assert got["CapabilityBoundingSet"] == {"CAP_SYS_NICE"} and got["ReadWritePaths"] == {"/sys/fs/cgroup"}
+    assert got["ProtectControlGroups"] == {"no"}
+    assert sandbox.unit_settings(UNIT.read_text())["ProtectControlGroups"] == ["yes"]
     assert dropin(parse({"resources": {"enabled": True}}, "test")) == "", "dry-run writes nothing"
+    ro = sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"}, readonly=("/sys/fs/cgroup",)))
+    assert ro is not None and "ProtectControlGroups=yes" in ro and "ReadWritePaths=/sys/fs/cgroup" in ro
+    assert sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"})) is None
