@@ -165,6 +165,43 @@ def test_dry_run_writes_nothing_and_says_would(tmp_path, lab) -> None:
         agent.stop()
 
 
+def test_a_reload_to_dry_run_restores_what_enforce_wrote(tmp_path, lab) -> None:
+    """enforce -> dry-run by reload: the files and hints written go back at once (a dry run must not leave them as
+    if still decided) and the dry run says "would"; back to enforce, they are written again."""
+    gp, bp = free_port(), free_port()
+    gold = lab.cgroup("gold")
+    g = lab.serve(gp, gold)
+    before, attrs = lab.files(gold), threads(g.pid)
+    path = tmp_path / "qosagent.yaml"
+    path.write_text(config(tmp_path, gp, bp))
+    agent = Agent(config_mod.load(str(path)), HOST, config_path=str(path), gpu=NoGpu())
+    clock = Clock()
+    agent.ctx.clock = clock
+    agent.start()
+    want = {**before, **expected(lab, 1.5, 1000, 64 << 20, 128 << 20)}
+    originals = tmp_path / "state" / "resources-originals.json"
+    try:
+        agent.tick()
+        assert lab.files(gold) == want and threads(g.pid) != attrs and originals.exists()
+        path.write_text(config(tmp_path, gp, bp, mode="dry-run"))
+        assert agent.reload() == (True, "reloaded")
+        assert lab.files(gold) == before and threads(g.pid) == attrs and not originals.exists()
+        clock.t += 1
+        seen = len(agent.decisions)  # the audit ring: this tick's come after
+        agent.tick()
+        sets = [d for d in list(agent.decisions)[seen:] if d.capability == "resources" and d.action == "set"]
+        assert sets and not any(d.applied for d in sets)
+        assert lab.files(gold) == before and threads(g.pid) == attrs
+        path.write_text(config(tmp_path, gp, bp))
+        assert agent.reload() == (True, "reloaded")
+        clock.t += 1
+        agent.tick()
+        assert lab.files(gold) == want
+    finally:
+        agent.stop()
+    assert lab.files(gold) == before and threads(g.pid) == attrs and not originals.exists()
+
+
 def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
     gp, bp = free_port(), free_port()
     gold = lab.cgroup("gold")
