@@ -21,11 +21,10 @@ nodes that lost their lease in the last report interval, plus those of nodes the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import sub
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
+
+import numpy as np
 
 # The per-node minimum: at least this many request starts per second, or this fraction of an even split.
 MIN_NODE_RPS = 1.0
@@ -69,68 +68,52 @@ def minimum(quota: float, nodes: int) -> float:
     return max(MIN_NODE_RPS, MIN_NODE_FRACTION * quota / max(nodes, 1))
 
 
-def level(total: float, wants: list[float]) -> float:
-    """The water level L with sum(min(w, L)) == total; inf when every want fits."""
-    ws = sorted(wants)
-    left, n = total, len(ws)
-    for i, w in enumerate(ws):
-        share = left / (n - i)
-        if w >= share:
-            return share
-        left -= w
-    return math.inf
+# The split, the staging and the water level work on many tenants at once: columns of a nodes x tenants array
+# (one per tenant, each against its own quota), numpy doing per element what Python did 100,000 times a round.
 
-
-def split(quota: float, demand: list[float]) -> tuple[list[float], bool]:
-    """The target per node (in demand's order), and whether the quota was short of the per-node minimums."""
-    n = len(demand)
+def level(total: np.ndarray, wants: np.ndarray) -> np.ndarray:
+    """Per column, the water level L with sum(min(w, L)) == total; inf where every want fits."""
+    n, k = wants.shape
     if n == 0:
-        return [], False
-    m = minimum(quota, n)
-    if n * m >= quota:
-        return [quota / n] * n, n * m > quota
-    over = [d - m if d > m else 0.0 for d in demand]
-    top = level(quota - n * m, over)
-    out = [m + (o if o < top else top) for o in over]
-    spare = quota - sum(out)
-    if spare > 0:
-        # In proportion to demand (evenly when there is none): a node limited by its grant reports little more
-        # than the grant, so headroom where the demand is lets it show the rest in one round, not many.
-        total = sum(demand)
-        if total > 0:
-            k = spare / total
-            out = [v + k * d for v, d in zip(out, demand)]
-        else:
-            out = [v + spare / n for v in out]
-    return out, False
+        return np.full(k, np.inf)
+    ws = np.sort(wants, axis=0)
+    before = np.zeros_like(ws)
+    np.cumsum(ws[:-1], axis=0, out=before[1:])
+    share = (total - before) / (n - np.arange(n))[:, None]
+    hit = ws >= share  # the first node whose want reaches the even share of what is left sets the level
+    first = hit.argmax(axis=0)
+    return np.where(hit.any(axis=0), share[first, np.arange(k)], np.inf)
 
 
-def stage(quota: float, target: list[float], held: list[float]) -> tuple[list[float], float]:
-    """Grants (in target's order) that move toward target without sum(max(held, granted)) going above the quota
-    (unless held already was: then only decreases go out). Returns the grants and that sum."""
-    free = quota - sum(held)
-    # map() over built-ins rather than generators: this runs per tenant on every node each round.
-    want = sum(map(max, map(sub, target, held), repeat(0.0)))
-    if want <= 0:
-        free = want = 0.0  # decreases only
-    if free >= want:  # every increase fits (or there is none)
-        grants = list(target)
-    else:
-        f = max(free, 0.0) / want
-        grants = [t if t <= h else h + f * (t - h) for t, h in zip(target, held)]
-    committed = sum(map(max, grants, held))
-    return grants, committed
+def split(quota: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The target per node and tenant (demand's shape, nodes x tenants), and per tenant whether its quota was
+    short of the per-node minimums (then split evenly)."""
+    n, k = demand.shape
+    if n == 0:
+        return np.zeros((0, k)), np.zeros(k, dtype=bool)
+    m = np.maximum(MIN_NODE_RPS, MIN_NODE_FRACTION * quota / n)
+    over = np.maximum(demand - m, 0.0)
+    out = m + np.minimum(over, level(quota - n * m, over))
+    spare = np.maximum(quota - out.sum(axis=0), 0.0)
+    # In proportion to demand (evenly when there is none): a node limited by its grant reports little more than
+    # the grant, so headroom where the demand is lets it show the rest in one round, not many.
+    total = demand.sum(axis=0)
+    some = total > 0
+    out += np.where(some, spare / np.where(some, total, 1.0), 0.0) * demand + np.where(some, 0.0, spare / n)
+    even = n * m >= quota
+    return np.where(even, quota / n, out), n * m > quota
 
 
-NUMBERS = (int, float)  # not bool: True is no rate
-
-
-def clean(x: object, cap: float) -> float | None:
-    """A reported rate as a number in [0, cap]; None when it is not a finite non-negative number. (On the
-    allocator's hot path: 100,000 of these a round for 1,000 nodes x 100 tenants.)"""
-    if x.__class__ not in NUMBERS or not 0 <= x < math.inf:  # type: ignore[operator]  # NaN fails both
-        return None
-    return float(x) if x < cap else cap  # type: ignore[operator]
+def stage(quota: np.ndarray, target: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Grants (target's shape) that move toward target without a tenant's sum(max(held, granted)) going above its
+    quota (unless held already was: then only decreases go out). Returns the grants and those sums."""
+    want = np.maximum(target - held, 0.0).sum(axis=0)
+    rise = want > 0  # else decreases only
+    free = np.where(rise, quota - held.sum(axis=0), 0.0)
+    f = np.maximum(free, 0.0) / np.where(rise, want, 1.0)
+    partial = np.where(target <= held, target, held + f * (target - held))
+    grants = np.where(free >= np.where(rise, want, 0.0), target, partial)  # every increase fits (or none)
+    return grants, np.maximum(grants, held).sum(axis=0)
 
 
 def pools(capacity: float, quotas: Mapping[str, float], demand: Mapping[str, float], nodes: int,
@@ -155,7 +138,7 @@ def pools(capacity: float, quotas: Mapping[str, float], demand: Mapping[str, flo
                 return out, False
             members = [t for t in sorted(quotas) if weights.get(t, 1) == w]
             wants = [max(upto[t] - out[t], 0.0) for t in members]
-            top = level(left, wants)
+            top = float(level(np.array([left]), np.array(wants)[:, None])[0])
             for t, want in zip(members, wants):
                 give = want if want < top else top
                 out[t] += give
@@ -163,108 +146,147 @@ def pools(capacity: float, quotas: Mapping[str, float], demand: Mapping[str, flo
     return out, False
 
 
+class Column(Mapping[str, float]):
+    """A tenant's rates by node: a view of one column of the round, built for every re-split tenant each round (a
+    dict of 1,000 nodes each was a tenth of a round). The index is the ledger's, replaced (never changed) when
+    the nodes change; the array is the round's own copy."""
+
+    __slots__ = ("index", "array")
+
+    def __init__(self, index: Mapping[str, int], array: np.ndarray):
+        self.index = index
+        self.array = array
+
+    def __getitem__(self, node: str) -> float:
+        return float(self.array[self.index[node]])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def values(self) -> list[float]:  # type: ignore[override]  # in the nodes' order, as iteration
+        return self.array.tolist()  # type: ignore[no-any-return]
+
+
+Row = tuple[np.ndarray, np.ndarray]  # a node's demand and held, in the ledger's tenants' order
+
+
 class Ledger:
-    """The allocator's state between rounds (pure: no I/O). Per node, its demand and held rates in the tenants'
-    order (rows: a changed report replaces one row, not a hundred cells); per tenant, the columns its split reads,
-    rebuilt from the rows only for the tenants that moved. A round re-splits only the tenants whose column or
-    pool moved, and names the nodes whose grant changed, so a fleet whose demand holds still costs the allocator
-    (and etcd) almost nothing. `allocate` is one round of a new Ledger: the incremental path and the pure one are
-    the same code."""
+    """The allocator's state between rounds (pure: no I/O): the reports as two nodes x tenants arrays (demand
+    and held, a changed report replacing one row) and the last round's grants beside them. A round re-splits
+    only the tenants whose column or pool moved, all of them at once, and names the nodes whose grant changed,
+    so a fleet whose demand holds still costs the allocator (and etcd) almost nothing. `allocate` is one round
+    of a new Ledger: the incremental path and the pure one are the same code."""
 
     def __init__(self, quotas: Mapping[str, float], capacity: float | None = None,
                  weights: Mapping[str, int] | None = None):
         self.quotas = dict(quotas)
-        self.names = sorted(quotas)  # the tenants' order in rows (reports list them sorted too)
+        self.names = sorted(quotas)  # the tenants' order in rows and columns (reports list them sorted too)
+        self.quota = np.array([quotas[t] for t in self.names], dtype=float)
         self.capacity = capacity
         self.weights = dict(weights or {})
         self.nodes: list[str] = []
         self.index: dict[str, int] = {}
-        self.rows: dict[str, tuple[list[float], list[float]]] = {}  # node -> (demand row, held row)
-        self.demand: dict[str, list[float]] = {}  # tenant -> column, in the nodes' order
-        self.held: dict[str, list[float]] = {}
+        self.rows: dict[str, Row] = {}
+        k = len(self.names)
+        self.demand = np.zeros((0, k))  # nodes x tenants, in self.nodes' order
+        self.held = np.zeros((0, k))
+        self.grants = np.zeros((0, k))
         self.out: dict[str, TenantRound] = {}
         self.capacity_short = False
 
-    def _row(self, r: Mapping[str, tuple[float, float]]) -> tuple[list[float], list[float]]:
-        if list(r) == self.names:  # the usual report: every tenant, sorted
-            pairs = list(r.values())
-            return [p[0] for p in pairs], [p[1] for p in pairs]
+    def row(self, r: Row | Mapping[str, tuple[float, float]]) -> Row:
+        """A report as the ledger keeps it: a decoded one already is; a mapping tenant -> (demand, held) (the
+        pure allocate()'s input) is laid out in the tenants' order, 0 for a tenant it does not name."""
+        if isinstance(r, tuple):
+            return r
         zero = (0.0, 0.0)
-        return [r.get(t, zero)[0] for t in self.names], [r.get(t, zero)[1] for t in self.names]
+        return (np.array([r.get(t, zero)[0] for t in self.names], dtype=float),
+                np.array([r.get(t, zero)[1] for t in self.names], dtype=float))
 
-    def _columns(self, tenants: Iterable[str]) -> None:
-        rows = [self.rows[n] for n in self.nodes]
-        for t in tenants:
-            j = self.names.index(t)
-            self.demand[t] = [r[0][j] for r in rows]
-            self.held[t] = [r[1][j] for r in rows]
-
-    def round(self, nodes: list[str], changed: Mapping[str, Mapping[str, tuple[float, float]]]
+    def round(self, nodes: list[str], changed: Mapping[str, Row | Mapping[str, tuple[float, float]]]
               ) -> tuple[Round, set[str], set[str]]:
-        """nodes: every reporting node, in a stable order; changed: the reports (tenant -> (demand, held), each in
-        [0, quota]) of the nodes new or changed since the last round. A tenant a node does not mention has demand
-        0 and held 0 there. Returns the round, the nodes whose grant changed and the tenants re-split."""
-        everyone = set(self.quotas)
-        dirty: set[str] = set()
-        for node, r in changed.items():
-            row, old = self._row(r), self.rows.get(node)
-            self.rows[node] = row
-            if old is None or len(dirty) == len(everyone):
-                continue
-            for a, b in ((old[0], row[0]), (old[1], row[1])):
-                if a != b:
-                    dirty.update(t for t, x, y in zip(self.names, a, b) if x != y)
-        if nodes != self.nodes or len(self.rows) != len(nodes) or not self.out:
+        """nodes: every reporting node, in a stable order; changed: the reports (each value in [0, quota]) of the
+        nodes new or changed since the last round. Returns the round, the nodes whose grant changed and the
+        tenants re-split."""
+        k = len(self.names)
+        dirty = np.zeros(k, dtype=bool)
+        rows = {node: self.row(r) for node, r in changed.items()}
+        if nodes != self.nodes or not self.out or any(n not in self.index for n in rows):
             keep = set(nodes)
-            self.rows = {n: r for n, r in self.rows.items() if n in keep}
+            self.rows = {n: r for n, r in (self.rows | rows).items() if n in keep}
+            old_index, old_grants = self.index, self.grants
             self.nodes = list(nodes)
             self.index = {node: i for i, node in enumerate(self.nodes)}
-            dirty = everyone
-        self._columns(dirty)
-        pool = dict(self.quotas)
+            empty = np.zeros((0, k))
+            self.demand = np.array([self.rows[n][0] for n in self.nodes]).reshape(-1, k) if nodes else empty
+            self.held = np.array([self.rows[n][1] for n in self.nodes]).reshape(-1, k) if nodes else empty
+            # Each node's grants of the last round in the new order (none for a new node: it always moves).
+            self.grants = np.full((len(nodes), k), np.nan)
+            kept = [(i, old_index[n]) for i, n in enumerate(self.nodes) if n in old_index]
+            if kept:
+                self.grants[[i for i, _ in kept]] = old_grants[[j for _, j in kept]]
+            dirty[:] = True
+        elif rows:
+            self.rows.update(rows)
+            at = [self.index[n] for n in rows]
+            d = np.array([r[0] for r in rows.values()])
+            h = np.array([r[1] for r in rows.values()])
+            dirty |= (self.demand[at] != d).any(axis=0) | (self.held[at] != h).any(axis=0)
+            self.demand[at], self.held[at] = d, h
+        pool = self.quota
         if self.capacity is not None:
-            pool, self.capacity_short = pools(self.capacity, self.quotas, {
-                t: sum(c) for t, c in self.demand.items()}, len(self.nodes), self.weights)
-            dirty |= {t for t, p in pool.items() if t not in self.out or self.out[t].pool != p}
-        new: dict[str, tuple[list[float], list[float], bool, float]] = {}
-        for tenant in sorted(dirty):
-            target, short = split(pool[tenant], self.demand[tenant])
-            grants, committed = stage(pool[tenant], target, self.held[tenant])
-            new[tenant] = grants, target, short, committed
+            sums = self.demand.sum(axis=0)
+            parts, self.capacity_short = pools(self.capacity, self.quotas, dict(zip(self.names, sums.tolist())),
+                                               len(self.nodes), self.weights)
+            pool = np.array([parts[t] for t in self.names])
+            dirty |= np.array([t not in self.out or self.out[t].pool != p for t, p in zip(self.names, pool)])
+        cols = np.flatnonzero(dirty)
+        target, short = split(pool[cols], self.demand[:, cols])
+        grants, committed = stage(pool[cols], target, self.held[:, cols])
         if self.capacity is not None:
-            self._fit(pool, new, dirty)
-        moved: set[str] = set()
-        for tenant, (grants, target, short, committed) in new.items():
-            old = self.out.get(tenant)
-            g = dict(zip(self.nodes, grants))
-            if old is None or old.grants.keys() != g.keys():
-                moved.update(n for n, v in g.items() if old is None or old.grants.get(n) != v)
-            elif list(old.grants.values()) != grants:
-                moved.update(n for n, a, b in zip(self.nodes, grants, old.grants.values()) if a != b)
-            self.out[tenant] = TenantRound(g, dict(zip(self.nodes, target)), sum(self.demand[tenant]), short,
-                                           committed, pool[tenant])
-        return Round(dict(self.out), self.capacity_short), moved, dirty
+            cols, target, short, grants, committed = self._fit(pool, cols, target, short, grants, committed)
+        moved_rows = np.flatnonzero((self.grants[:, cols] != grants).any(axis=1))
+        self.grants[:, cols] = grants
+        sums = self.demand[:, cols].sum(axis=0)
+        for c, j in enumerate(cols.tolist()):
+            self.out[self.names[j]] = TenantRound(
+                Column(self.index, grants[:, c].copy()), Column(self.index, target[:, c].copy()),
+                float(sums[c]), bool(short[c]), float(committed[c]), float(pool[j]))
+        return (Round(dict(self.out), self.capacity_short), {self.nodes[i] for i in moved_rows.tolist()},
+                {self.names[j] for j in cols.tolist()})
 
-    def _fit(self, pool: dict[str, float], new: dict[str, tuple[list[float], list[float], bool, float]],
-             dirty: set[str]) -> None:
+    def _fit(self, pool: np.ndarray, cols: np.ndarray, target: np.ndarray, short: np.ndarray, grants: np.ndarray,
+             committed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Staging across tenants: a tenant whose pool grew may take only what the others' held rates leave of the
         capacity (their decreases go out at once, their increases wait until the givers report them), so the sum
         over tenants of their committed rates stays within fleet.capacity_rps as each tenant's stays within its
-        pool. The growing tenants share what is free in proportion to what they would have taken."""
+        pool. The growing tenants share what is free in proportion to what they would have taken. Returns the
+        columns re-split (cols and those restaged) with their targets, flags, grants and committed sums."""
         assert self.capacity is not None
-        base = {t: sum(self.held[t]) for t in self.quotas}
-        committed = {t: new[t][3] if t in new else self.out[t].committed for t in self.quotas}
-        grow = {t: committed[t] - base[t] for t in self.quotas if committed[t] > base[t] + 1e-9}
-        over = sum(committed.values()) - self.capacity
-        if over <= 1e-9 or not grow:
-            return
+        base = self.held.sum(axis=0)
+        every = np.array([self.out[t].committed if t in self.out else 0.0 for t in self.names])
+        every[cols] = committed
+        grow = np.where(every > base + 1e-9, every - base, 0.0)
+        if every.sum() - self.capacity <= 1e-9 or not grow.any():
+            return cols, target, short, grants, committed
         # Every tenant's committed is at least its base (held), and those not growing are at it.
-        f = min(max(self.capacity - sum(base.values()), 0.0) / sum(grow.values()), 1.0)
-        for t, g in grow.items():
-            target = new[t][1] if t in new else list(self.out[t].target.values())
-            grants, c = stage(base[t] + f * g, target, self.held[t])
-            new[t] = grants, target, new[t][2] if t in new else self.out[t].short, c
-            dirty.add(t)
+        f = min(max(self.capacity - base.sum(), 0.0) / grow.sum(), 1.0)
+        at = np.flatnonzero(grow > 0)
+        # The growing tenants not re-split this round keep their target and flag; they are restaged too.
+        extra = np.setdiff1d(at, cols)
+        cols = np.concatenate([cols, extra])
+        target = np.hstack([target, np.column_stack([self.out[self.names[j]].target.array for j in extra])
+                            if len(extra) else np.zeros((len(self.nodes), 0))])
+        short = np.concatenate([short, [self.out[self.names[j]].short for j in extra]]).astype(bool)
+        grants = np.hstack([grants, np.zeros((len(self.nodes), len(extra)))])
+        committed = np.concatenate([committed, np.zeros(len(extra))])
+        pos = {j: c for c, j in enumerate(cols.tolist())}
+        c = np.array([pos[j] for j in at.tolist()], dtype=np.intp)
+        grants[:, c], committed[c] = stage(base[at] + f * grow[at], target[:, c], self.held[:, at])
+        return cols, target, short, grants, committed
 
 
 def allocate(quotas: Mapping[str, float], reports: Mapping[str, Mapping[str, tuple[float, float]]],

@@ -15,9 +15,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from operator import sub
 from typing import Callable, Iterable, Mapping
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -25,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from qosagent.config import Config
 from qosagent.exposition import Family, families, one
 from qosagent.fleet import records
-from qosagent.fleet.alloc import Ledger, Round, TenantRound
+from qosagent.fleet.alloc import Column, Ledger, Round, Row, TenantRound
 from qosagent.fleet.etcd import Etcd, EtcdError, Leadership
 from qosagent.fleet.quotas import fleet_quotas
 from qosagent.weblisten import Listener, Reply, Route, Security
@@ -64,6 +64,7 @@ class Allocator:
         self.quotas = {t: q.rps for t, q in fleet_quotas(cfg).items()}
         self.ledger = Ledger(self.quotas, cfg.fleet.capacity_rps,
                              {t.name: cfg.tiers[t.tier].weight for t in cfg.tenants if t.name in self.quotas})
+        self.decoder = records.Reports(self.quotas)
         self.lease_id = 0
         self.leading: Leadership | None = None
         self.leading_since = 0.0
@@ -73,14 +74,15 @@ class Allocator:
         self.reachable = False
         self.stats = Stats()
         self._shift_at: dict[str, float] = {}
-        self._targets: dict[str, Mapping[str, float]] = {}
-        # Nodes whose grant key holds a grant of this leader: the tenants' rates written, in self.last's order.
-        self._written: dict[str, tuple[float, ...]] = {}
+        self._targets: dict[str, Column] = {}
+        # Nodes whose grant key holds a grant of this leader: the tenants' rates written (packed, in the ledger's
+        # order).
+        self._written: dict[str, bytes] = {}
         # Reports by node as of the mod revision they were read at (None: malformed), and the store's revision of
         # the last read: a round decodes only the reports written since.
-        self._seen: dict[str, tuple[int, Mapping[str, tuple[float, float]] | None]] = {}
+        self._seen: dict[str, tuple[int, Row | None]] = {}
         self._read_rev = 0
-        self._unallocated: dict[str, Mapping[str, tuple[float, float]]] = {}  # read while waiting one lease
+        self._unallocated: dict[str, Row] = {}  # read while waiting one lease
         self._stop = threading.Event()
         self._warned: set[str] = set()
 
@@ -133,7 +135,7 @@ class Allocator:
                      f.lease)
             # Grant keys left by another leader (gone with its lease by now, unless it was this replica's): no
             # rates never equal a round's, so each is rewritten, or deleted if its node went.
-            self._written = {kv.key.rsplit("/", 1)[-1]: ()
+            self._written = {kv.key.rsplit("/", 1)[-1]: b""
                              for kv in self.etcd.get_prefix(records.grants_prefix(f.prefix))}
         nodes, changed = self._reports()
         self.nodes = len(nodes)
@@ -159,14 +161,14 @@ class Allocator:
             self._warned.add(key)
             log.warning("%s", msg)
 
-    def _reports(self) -> tuple[list[str], dict[str, Mapping[str, tuple[float, float]]]]:
+    def _reports(self) -> tuple[list[str], dict[str, Row]]:
         """Every node with a valid report (in key order), and the reports written since the last read: the keys
         and their revisions first, then the values of the changed ones alone, at the same revision."""
         prefix = records.nodes_prefix(self.cfg.fleet.prefix)
         keys, rev = self.etcd.range_prefix(prefix, keys_only=True)
         live = {kv.key[len(prefix):]: kv.mod_revision for kv in keys}
         self._seen = {n: v for n, v in self._seen.items() if n in live}
-        changed: dict[str, Mapping[str, tuple[float, float]]] = {}
+        changed: dict[str, Row] = {}
         if any(n not in self._seen or self._seen[n][0] != r for n, r in live.items()):
             kvs, _ = self.etcd.range_prefix(prefix, min_mod_revision=self._read_rev + 1 if self._seen else 0,
                                             revision=rev)
@@ -178,7 +180,7 @@ class Allocator:
                 try:
                     if not node or "/" in node:
                         raise records.Malformed("not a node key")
-                    rep, foreign = records.decode_report(node, kv.value, self.quotas)
+                    rep, foreign = self.decoder.decode(node, kv.value)
                 except records.Malformed as e:
                     self.stats.count("malformed")
                     self._warn(f"bad:{kv.key}", f"{kv.key}: skipped ({e}); that node stays on its safe share")
@@ -187,8 +189,8 @@ class Allocator:
                     self.stats.count("foreign", len(foreign))
                     self._warn(f"foreign:{node}", f"{node} reports tenants without a fleet quota here: "
                                f"{', '.join(sorted(foreign))}")
-                self._seen[node] = kv.mod_revision, rep.tenants
-                changed[node] = rep.tenants
+                changed[node] = rep.demand, rep.held
+                self._seen[node] = kv.mod_revision, changed[node]
         self._read_rev = rev
         return [n for n, (_, r) in self._seen.items() if r is not None], changed
 
@@ -201,19 +203,16 @@ class Allocator:
         gp = records.grants_prefix(f.prefix)
         puts: list[tuple[str, bytes, int]] = []
         gone: list[str] = []
-        names = list(self.last.tenants)
-        # Node by node, each the tenants' rates in names' order: zipped from the tenants' columns (in the nodes'
-        # order), not looked up node x tenant times.
-        rows = list(zip(*(t.grants.values() for t in self.last.tenants.values())))
-        rates: dict[str, tuple[float, ...]] = {}
+        head = records.grant_head(self.me, self.round_no) + records.names_block(self.ledger.names)
+        rates: dict[str, bytes] = {}
         for node in sorted(nodes):
             i = self.ledger.index.get(node)
             if i is None:
                 gone.append(node)
                 continue
-            g = rates[node] = rows[i] if rows else ()
+            g = rates[node] = self.ledger.grants[i].astype("<f8").tobytes()
             if g != self._written.get(node):
-                puts.append((gp + node, records.encode_grant(self.me, self.round_no, names, g), self.lease_id))
+                puts.append((gp + node, head + g, self.lease_id))
         ops: list[tuple[list[tuple[str, bytes, int]], list[str]]] = [
             (puts[i:i + TXN_OPS], []) for i in range(0, len(puts), TXN_OPS)]
         ops += [([], [gp + n for n in gone[i:i + TXN_OPS]]) for i in range(0, len(gone), TXN_OPS)]
@@ -236,22 +235,20 @@ class Allocator:
         settled (a report that moved held re-splits its tenants)."""
         now = self.clock()
         for tenant in dirty:
-            t = self.last.tenants[tenant]
-            bound = SHIFT * self.quotas[tenant]
-            before = self._targets.get(tenant, {})
-            if before.keys() == t.target.keys():
-                moved = bool(before) and max(map(abs, map(sub, t.target.values(), before.values()))) > bound
-            else:
-                moved = True
-            if moved:
+            target = self.last.tenants[tenant].target
+            assert isinstance(target, Column)
+            before = self._targets.get(tenant)
+            # The same nodes (the ledger replaces its index when they change, never edits it) and each target
+            # within SHIFT of the quota of what it was: no shift.
+            if before is None or before.index is not target.index or (
+                    len(target) and np.abs(target.array - before.array).max() > SHIFT * self.quotas[tenant]):
                 self._shift_at.setdefault(tenant, now)
-            self._targets[tenant] = t.target  # TenantRound's own dict, never changed after the round
+            self._targets[tenant] = target  # the round's own copy, never changed after it
             start = self._shift_at.get(tenant)
             if start is None:
                 continue
-            settled = SETTLED * self.quotas[tenant]
-            held = self.ledger.held[tenant]
-            if all(abs(h - v) <= settled for h, v in zip(held, t.target.values())):
+            held = self.ledger.held[:, self.ledger.names.index(tenant)]
+            if not len(target) or np.abs(held - target.array).max() <= SETTLED * self.quotas[tenant]:
                 self.stats.convergence[tenant] = now - start
                 del self._shift_at[tenant]
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from qosagent.fleet import records
 from tests.integration.netlab import LOAD, Lab
 from testkit.agent import AgentProcess, agent_argv, agent_env, status_socket
 
@@ -113,19 +114,19 @@ class Fleet:
                 return name
         return None
 
-    def etcd_prefix(self, prefix: str) -> dict[str, Any]:
+    def etcd_prefix(self, prefix: str) -> dict[str, bytes]:
         end = bytearray(prefix.encode())
         end[-1] += 1
         body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
                            "range_end": base64.b64encode(bytes(end)).decode()})
         out = in_ns(self.hub, "curl", "-s", "-X", "POST", f"http://127.0.0.1:{ETCD_PORT}/v3/kv/range", "-d", body)
         kvs = json.loads(out or "{}").get("kvs") or []
-        return {base64.b64decode(kv["key"]).decode(): json.loads(base64.b64decode(kv["value"])) for kv in kvs}
+        return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv["value"]) for kv in kvs}
 
     def grants(self) -> dict[str, float]:
         """node -> the tenant's rate, as the allocator last wrote them."""
         got = self.etcd_prefix("/qosagent/fleet/grants/")
-        return {k.rsplit("/", 1)[-1]: v["tenants"].get(TENANT, 0.0) for k, v in got.items()}
+        return {k.rsplit("/", 1)[-1]: records.decode_grant(v).tenants.get(TENANT, 0.0) for k, v in got.items()}
 
     # ---- the nodes ---------------------------------------------------------------------------------------
     def start_agents(self) -> None:

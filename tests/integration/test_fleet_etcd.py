@@ -8,6 +8,7 @@ each test uses a prefix of its own on the module's etcd. About 15 s in all."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import ssl
 import subprocess
@@ -106,11 +107,11 @@ def test_malformed_and_foreign_records_are_counted_and_skipped_and_their_node_ge
     p = "/bad"
     report(etcd, p, "n1", {"acme": Want(50, 20)}, lease)
     report(etcd, p, "n2", {"acme": Want(10, 20), "stranger": Want(5, 5)}, lease)  # a tenant not configured here
-    etcd.put(records.nodes_prefix(p) + "n3", b"\xff not json", lease)
-    etcd.put(records.nodes_prefix(p) + "n4", b'{"v": 7, "node": "n4", "tenants": {}}', lease)  # another version
+    etcd.put(records.nodes_prefix(p) + "n3", b"\xff not ours", lease)
+    etcd.put(records.nodes_prefix(p) + "n4", b'{"v": 1, "node": "n4", "tenants": {}}', lease)  # JSON, version 1
     etcd.put(records.nodes_prefix(p) + "n5", records.encode_report("n1", {"acme": Want(1, 1)}), lease)  # not n5's
     etcd.put(records.nodes_prefix(p) + "a/b", records.encode_report("a/b", {}), lease)  # not a node key
-    etcd.put(records.nodes_prefix(p) + "n6", b'{"v": 1, "node": "n6", "tenants": {"acme": [NaN, 0]}}', lease)
+    etcd.put(records.nodes_prefix(p) + "n6", records.encode_report("n6", {"acme": Want(math.nan, 0)}), lease)
     etcd.put(f"{p}/something-else", b"another program's key", lease)  # under the prefix, outside fleet/
     a = leader(etcd_url, p, {"acme": ("gold", 60.0)})
     a.round()
@@ -224,8 +225,8 @@ def test_grants_are_written_when_they_change_and_the_round_record_renews_them(et
     assert r.seen().renewed_at > first.renewed_at  # renewed by the round record alone
     # The report after a read says the grant as held (what the tick enforces from its next run on), and for
     # DEMAND_WINDOW after a raise, the raised rate as demand (what was measured under 20 understates it).
-    doc = records.decode_report("n1", etcd.get(records.nodes_prefix(p) + "n1").value, {"acme": 60.0})[0]
-    assert doc.tenants["acme"] == (60, 60)
+    doc = records.Reports({"acme": 60.0}).decode("n1", etcd.get(records.nodes_prefix(p) + "n1").value)[0]
+    assert (doc.demand.tolist(), doc.held.tolist()) == ([60], [60])
     a.stop()
     a.resign()  # the round record goes with the leader's lease: no renewal until a new leader writes one
     renewed = r.seen().renewed_at

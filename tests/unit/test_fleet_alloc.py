@@ -3,43 +3,60 @@ and records read back from etcd (absurd, malformed, foreign)."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
+import struct
 
+import numpy as np
 import pytest
 
 from qosagent.fleet import records
 from qosagent.fleet.alloc import MIN_NODE_RPS, Ledger, Want, allocate, level, minimum, pools, split, stage
 
 
+def one_level(total: float, wants: list[float]) -> float:
+    return float(level(np.array([total]), np.array(wants, dtype=float)[:, None])[0])
+
+
+def one_split(quota: float, demand: list[float]) -> tuple[list[float], bool]:
+    """split for one tenant (a column of one)."""
+    target, short = split(np.array([quota]), np.array(demand, dtype=float)[:, None])
+    return target[:, 0].tolist(), bool(short[0])
+
+
+def one_stage(quota: float, target: list[float], held: list[float]) -> tuple[list[float], float]:
+    grants, committed = stage(np.array([quota]), np.array(target, dtype=float)[:, None],
+                              np.array(held, dtype=float)[:, None])
+    return grants[:, 0].tolist(), float(committed[0])
+
+
 def test_the_water_level_is_max_min_fair() -> None:
-    top = level(100, [10, 50, 80])
+    top = one_level(100, [10, 50, 80])
     assert top == pytest.approx(45)  # 10 + 45 + 45
-    assert level(100, [10, 20]) == math.inf  # every want met, the rest left
+    assert one_level(100, [10, 20]) == math.inf  # every want met, the rest left
 
 
 def test_split_gives_every_node_its_minimum_and_spreads_what_demand_leaves() -> None:
     m = minimum(300, 3)
-    target, short = split(300, [290, 0, 0])
+    target, short = one_split(300, [290, 0, 0])
     assert not short and target[1] == target[2] == pytest.approx(m)
     assert sum(target) == pytest.approx(300)
-    a, b, c = split(300, [50, 20, 0])[0]
+    a, b, c = one_split(300, [50, 20, 0])[0]
     assert a + b + c == pytest.approx(300)  # headroom spread by demand: a and b above theirs
     assert a > 50 and b > 20 and c == pytest.approx(m)
     assert (a - 50) / (b - 20) == pytest.approx(50 / 20, rel=0.1)
-    assert split(300, [0, 0])[0] == [150, 150]
+    assert one_split(300, [0, 0])[0] == [150, 150]
 
 
 def test_demand_above_the_level_is_cut_max_min() -> None:
     # 100 over four nodes, minimum 1.25 each: the two small demands are met, the big two share the rest evenly.
-    target, _ = split(100, [10, 5, 200, 300])
+    target, _ = one_split(100, [10, 5, 200, 300])
     assert target[0] == pytest.approx(10) and target[1] == pytest.approx(5)
     assert target[2] == pytest.approx(target[3]) == pytest.approx(42.5)
 
 
 def test_a_quota_below_nodes_times_the_minimum_is_split_evenly_and_flagged() -> None:
-    target, short = split(2, [10, 0, 5])
+    target, short = one_split(2, [10, 0, 5])
     assert short and target == pytest.approx([2 / 3] * 3)
     assert MIN_NODE_RPS * 3 > 2
 
@@ -47,26 +64,41 @@ def test_a_quota_below_nodes_times_the_minimum_is_split_evenly_and_flagged() -> 
 def test_stage_lowers_at_once_and_raises_only_into_what_is_free() -> None:
     # Everyone on the safe share (100 each of 300), demand all on a: the first round only lowers b and c.
     target = [290.0, 5.0, 5.0]
-    grants, committed = stage(300, target, [100, 100, 100])
+    grants, committed = one_stage(300, target, [100, 100, 100])
     assert grants == [100, 5, 5] and committed == 300
     # Once b and c report their lower rate, a gets the rest.
-    grants, committed = stage(300, target, [100, 5, 5])
+    grants, committed = one_stage(300, target, [100, 5, 5])
     assert grants == [290, 5, 5] and committed == 300
 
 
 def test_stage_shares_what_is_free_in_proportion_when_short() -> None:
-    grants, committed = stage(100, [60.0, 40.0], [30, 10])
+    grants, committed = one_stage(100, [60.0, 40.0], [30, 10])
     assert grants == [60, 40] and committed == 100
-    grants, _ = stage(100, [60.0, 40.0], [50, 40])
+    grants, _ = one_stage(100, [60.0, 40.0], [50, 40])
     assert grants == [60, 40]
-    grants, committed = stage(100, [80.0, 20.0], [50, 40])  # b must come down before a can go up
+    grants, committed = one_stage(100, [80.0, 20.0], [50, 40])  # b must come down before a can go up
     assert grants == [60, 20] and committed == 100
 
 
 def test_nodes_over_the_quota_already_get_decreases_only() -> None:
     # More nodes on their safe share than expected: held sums above the quota; nobody is raised until it is not.
-    grants, _ = stage(300, [200.0, 50.0, 25.0, 25.0], [100] * 4)
+    grants, _ = one_stage(300, [200.0, 50.0, 25.0, 25.0], [100] * 4)
     assert grants == [100, 50, 25, 25]
+
+
+def test_tenants_split_and_staged_together_decide_as_each_alone() -> None:
+    """The columns of one call are independent: each tenant against its own quota, as if alone."""
+    rng = random.Random(7)
+    quotas = [10.0, 300.0, 2.0, 5000.0]
+    demand = [[rng.choice([0.0, rng.uniform(0, q), 5 * q]) for q in quotas] for _ in range(6)]
+    held = [[rng.uniform(0, q / 4) for q in quotas] for _ in range(6)]
+    target, short = split(np.array(quotas), np.array(demand))
+    grants, committed = stage(np.array(quotas), target, np.array(held))
+    for j, q in enumerate(quotas):
+        t1, s1 = one_split(q, [row[j] for row in demand])
+        g1, c1 = one_stage(q, t1, [row[j] for row in held])
+        assert target[:, j].tolist() == pytest.approx(t1) and bool(short[j]) == s1
+        assert grants[:, j].tolist() == pytest.approx(g1) and committed[j] == pytest.approx(c1)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -100,43 +132,59 @@ def test_tenants_are_allocated_each_against_its_own_quota_and_unmentioned_ones_g
 
 def test_reports_with_absurd_demand_are_clamped_to_the_quota() -> None:
     raw = records.encode_report("n1", {"a": Want(1e12, 5)})
-    rep, foreign = records.decode_report("n1", raw, {"a": 100})
-    assert rep.tenants["a"] == (100, 5) and not foreign
+    rep, foreign = records.Reports({"a": 100}).decode("n1", raw)
+    assert (rep.demand.tolist(), rep.held.tolist()) == ([100], [5]) and not foreign
+
+
+def packed(magic: bytes = b"QFR", version: int = 2, node: bytes = b"n1", names: list[bytes] | None = None,
+           count: int | None = None, rates: list[float] | None = None, tail: bytes = b"") -> bytes:
+    """A report laid out field by field, each field free to be wrong."""
+    names = [b"a"] if names is None else names
+    block = b"\n".join(names)
+    rates = [1.0] * (2 * len(names)) if rates is None else rates
+    return (magic + bytes((version,)) + struct.pack("<H", len(node)) + node +
+            struct.pack("<II", len(names) if count is None else count, len(block)) + block +
+            struct.pack(f"<{len(rates)}d", *rates) + tail)
 
 
 @pytest.mark.parametrize("raw, why", [
-    (b"\xff\xfe", "not JSON"),
-    (b"[1, 2]", "not a JSON object"),
-    (json.dumps({"v": 99, "node": "n1", "tenants": {}}).encode(), "version"),
-    (json.dumps({"v": 1, "node": "other", "tenants": {}}).encode(), "under the key"),
-    (json.dumps({"v": 1, "node": "n1", "tenants": []}).encode(), "no tenants"),
-    (json.dumps({"v": 1, "node": "n1", "tenants": {"a": [-1, 0]}}).encode(), "finite"),
-    (b'{"v": 1, "node": "n1", "tenants": {"a": [NaN, 0]}}', "NaN is not a rate"),
-    (b'{"v": 1, "node": "n1", "tenants": {"a": [1, Infinity]}}', "Infinity is not a rate"),
-    (json.dumps({"v": 1, "node": "n1", "tenants": {"a": ["lots", 0]}}).encode(), "finite"),
-    (json.dumps({"v": 1, "node": "n1", "tenants": {"a": [True, 0]}}).encode(), "finite"),
-    (json.dumps({"v": 1, "node": "n1", "tenants": {"a": {"demand": 1, "held": 0}}}).encode(), "expected"),
-    (json.dumps({"v": 1, "node": "n1", "tenants": {"a": [1]}}).encode(), "expected"),
+    (b"", "not a packed record"),
+    (b'{"v": 1, "node": "n1", "tenants": {"a": [1, 1]}}', "not a packed record"),  # the JSON of v1
+    (packed(version=1), "version 1, expected 2"),
+    (packed(magic=b"QFG"), "not a packed record"),  # a grant under a node's key
+    (packed(node=b"other"), "under the key"),
+    (packed(node=b"\xff"), "not UTF-8"),
+    (packed(names=[b"a", b"a"]), "2 distinct names|1 distinct"),
+    (packed(names=[b"a\xff"]), "not UTF-8"),
+    (packed(count=3), "3 tenants announced"),
+    (packed(rates=[-1.0, 0.0]), "tenants a: a rate that is not a finite number >= 0"),
+    (packed(rates=[math.nan, 0.0]), "finite"),
+    (packed(rates=[1.0, math.inf]), "finite"),
+    (packed(rates=[1.0]), "truncated"),
+    (packed(tail=b"x"), "1 bytes past the end"),
+    (packed()[:7], "truncated"),
 ])
 def test_malformed_reports_are_refused_with_a_reason(raw: bytes, why: str) -> None:
     with pytest.raises(records.Malformed, match=why):
-        records.decode_report("n1", raw, {"a": 100})
+        records.Reports({"a": 100}).decode("n1", raw)
 
 
-def test_foreign_tenants_in_a_report_are_named_and_skipped() -> None:
-    raw = records.encode_report("n1", {"a": Want(5, 5), "zzz": Want(1, 1)})
-    rep, foreign = records.decode_report("n1", raw, {"a": 100})
-    assert set(rep.tenants) == {"a"} and foreign == ["zzz"]
+def test_foreign_tenants_in_a_report_are_named_and_skipped_and_missing_ones_are_zero() -> None:
+    dec = records.Reports({"a": 100, "b": 50})
+    raw = records.encode_report("n1", {"a": Want(5, 4), "zzz": Want(1, 1)})
+    for _ in range(2):  # the second from the cache of names blocks
+        rep, foreign = dec.decode("n1", raw)
+        assert (rep.demand.tolist(), rep.held.tolist()) == ([5, 0], [4, 0]) and foreign == ["zzz"]
 
 
 def test_grants_round_trip_and_bad_ones_are_refused() -> None:
-    g = records.decode_grant(records.encode_grant("alloc-1", 7, ["a"], [12.3456]))
-    assert g.leader == "alloc-1" and g.round == 7 and g.tenants == {"a": 12.346}
-    with pytest.raises(records.Malformed):
-        records.decode_grant(b'{"v": 1, "round": 1, "tenants": {"a": Infinity}}')
-    with pytest.raises(records.Malformed):
-        records.decode_grant(b'{"v": 1, "tenants": {}}')
-    assert not math.isnan(g.tenants["a"])
+    g = records.decode_grant(records.encode_grant("alloc-1", 7, ["a", "b"], [12.3456, 0.0]))
+    assert g.leader == "alloc-1" and g.round == 7 and g.tenants == {"a": 12.3456, "b": 0.0}
+    good = records.encode_grant("alloc-1", 7, ["a"], [1.0])
+    for bad in (good[:-1], good + b"\0", good[:-8] + struct.pack("<d", math.inf), b"QFR" + good[3:],
+                b'{"v": 1, "round": 1, "tenants": {"a": 1}}'):
+        with pytest.raises(records.Malformed):
+            records.decode_grant(bad)
 
 
 @pytest.mark.parametrize("seed", range(10))
