@@ -45,6 +45,7 @@ bench: setup-test
 	$(PY) bench/scale_scrape.py
 	$(PY) -m bench.admission_decide
 	$(PY) bench/llamacpp_bench.py
+	$(PY) bench/resources_bench.py
 
 # The agent at work on this host alone: a namespace, a streaming server, two tenants, a quota (about 30 s).
 demo: setup

@@ -1,0 +1,143 @@
+"""Resources' loop against a CPU hog: gold's latency with a flooded CPU-bound bronze server beside it on the same CPU,
+resources in dry-run (off) and in enforce (on), against gold alone; the three interleaved in every round, one run.
+Run as root from the checkout: `python bench/resources_bench.py [--rounds N] [--seconds S]`. Prints a Markdown
+section for docs/PERFORMANCE.md.
+
+The servers are those of tests/integration/test_resources_loop.py: gold one process burning 10 ms of CPU per
+request, bronze four burning 50 ms, each in a cgroup of its own with equal CPU weights, both pinned to CPU 1, in a
+network namespace of their own. Gold's clients: one connection at a time, 20 ms apart; bronze's flood: eight
+connections back to back. Each request is answered in one write, so its time to first byte is its time to first
+token (measured by the client). Each phase runs an agent of its own (latency and resources, nothing else: no
+request is dropped, CPU is the only lever); its run-queue histogram covers both servers' threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.conftest import netns  # noqa: E402
+from tests.integration.resources_lab import Lab, cgroup_lab, free_port, run_in  # noqa: E402
+from testkit.agent import AgentProcess  # noqa: E402
+
+SERVER = str(REPO / "tests/integration/resources_load.py")
+GOLD_SLO_MS = 20.0
+PHASES = ("alone", "off", "on")
+AGENT_CONF = """\
+interval: 100ms
+state_dir: {state}
+metrics: {{enabled: false}}
+status: {{socket: {sock}}}
+bpf: {{pin_root: {pins}}}
+servers: []
+tiers:
+  gold:   {{slo_p99: {slo:g}ms, weight: 10, resources: {{cpu_weight: 100}}}}
+  bronze: {{slo_p99: 5s, weight: 1, resources: {{}}}}
+tenants:
+  - {{name: gold-app, tier: gold, match: {{ports: [{gp}]}}}}
+  - {{name: bronze-app, tier: bronze, match: {{ports: [{bp}]}}}}
+latency: {{enabled: true, window: 1s}}
+admission: {{signal: response, quantile: 0.95}}
+resources:
+  enabled: true
+  mode: {mode}
+  reconcile_interval: 500ms
+  suppress: {{floor_cpus: 0.1, factor: 0.6, every: 500ms, release_step: 1.0, release_every: 500ms,
+              healthy_ticks: 10}}
+"""
+
+
+def clients(ns: str, port: int, threads: int, pause_ms: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
+    return run_in(ns, [sys.executable, "-m", "testkit.load", "client", "127.0.0.1", str(port), "127.0.0.1",
+                      str(threads), str(pause_ms), str(seconds), "5", str(out)], cwd=str(REPO))
+
+
+def phase(ns: str, tmp: Path, name: str, n: int, gp: int, bp: int, seconds: float) -> dict:
+    """One phase: an agent of its own, gold's clients for `seconds`, bronze flooded throughout unless alone."""
+    d = tmp / f"{name}-{n}"
+    d.mkdir()
+    sock = str(d / "s.sock")
+    cfg = d / "qosagent.yaml"
+    cfg.write_text(AGENT_CONF.format(state=d / "state", sock=sock, pins=f"/sys/fs/bpf/qosagent-bench-"
+                                     f"{secrets.token_hex(4)}", slo=GOLD_SLO_MS, gp=gp, bp=bp,
+                                     mode="enforce" if name == "on" else "dry-run"))
+    agent = AgentProcess(cfg, sock, d / "agent.log", prefix=["nsenter", f"--net=/run/netns/{ns}"])
+    try:
+        caps = agent.start(timeout=120)["capabilities"]
+        assert caps["latency"]["state"] == "active" and caps["resources"]["state"] == "active", caps
+        flood = clients(ns, bp, 8, 0, seconds + 1, d / "bronze.json") if name != "alone" else None
+        time.sleep(1)  # the flood takes the CPU before gold's first request
+        gold = clients(ns, gp, 1, 20, seconds, d / "gold.json")
+        assert gold.wait(seconds + 60) == 0
+        st = agent.status(decisions=True)
+        if flood is not None:
+            assert flood.wait(60) == 0
+    finally:
+        agent.stop()
+        agent.kill()
+    ms = [r[1] for r in json.loads((d / "gold.json").read_text()) if r[2]]  # testkit.load writes ms
+    cuts = [x for x in st.get("decisions", []) if x["capability"] == "resources" and x["action"] == "cut"]
+    rq = st.get("latency", {}).get("runqueue_total") or {}
+    return {"ms": ms, "cuts": len(cuts), "runq_p99_ms": (rq.get("p99") or 0) * 1000}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=1000, method="inclusive")[round(q * 1000) - 1] if len(xs) > 1 else xs[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=12.0)
+    args = ap.parse_args()
+    gp, bp = free_port(), free_port()
+    got: dict[str, list[dict]] = {p: [] for p in PHASES}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with cgroup_lab() as lab, netns("resbench") as ns, tempfile.TemporaryDirectory() as tmp:
+        lab_: Lab = lab
+        gold, bronze = lab_.cgroup("gold"), lab_.cgroup("bronze")
+        for port, path, n, ms in ((gp, gold, 1, 10), (bp, bronze, 4, 50)):
+            p = run_in(ns, [sys.executable, SERVER, str(port), str(n), str(ms)],
+                      [f"{lab_.dir(c, path)}/cgroup.procs" for c in ("cpu", "memory")], cpu=1,
+                      stdout=subprocess.PIPE)
+            lab_.procs.append(p)  # type: ignore[arg-type]
+            assert p.stdout is not None and p.stdout.readline().strip() == b"listening"
+        for r in range(args.rounds):
+            order = PHASES[r % 3:] + PHASES[:r % 3]  # interleaved: each phase in every position
+            for name in order:
+                got[name].append(phase(ns, Path(tmp), name, r, gp, bp, args.seconds))
+                print(f"round {r} {name}: p99 {pct(got[name][-1]['ms'], 0.99):.1f} ms", file=sys.stderr)
+    pooled = {p: [x for run in got[p] for x in run["ms"]] for p in PHASES}
+    p50 = {p: statistics.median(pooled[p]) for p in PHASES}
+    p99 = {p: pct(pooled[p], 0.99) for p in PHASES}
+    print(f"### Gold beside a CPU hog, resources off and on (bench/resources_bench.py, {started}, "
+          f"{os.cpu_count()} CPUs shared, kernel {platform.release()})\n")
+    print(f"{args.rounds} rounds x {args.seconds:g} s per phase, interleaved; gold's SLO {GOLD_SLO_MS:g} ms (p95 of "
+          "`response`).\n")
+    print("| phase | gold requests | TTFT p50 ms | TTFT p99 ms | p99 / alone | run-queue p99 ms, both servers "
+          "(agent) | loop's cuts (would, in dry-run) |")
+    print("|---|---|---|---|---|---|---|")
+    for p in PHASES:
+        rq = statistics.median(run["runq_p99_ms"] for run in got[p])
+        print(f"| {p} | {len(pooled[p])} | {p50[p]:.1f} | {p99[p]:.1f} | {p99[p] / p99['alone']:.2f} | {rq:.1f} | "
+              f"{sum(run['cuts'] for run in got[p])} |")
+    print(f"\nOn against off: p99 {p99['on'] / p99['off']:.2f}x, p50 {p50['on'] / p50['off']:.2f}x. p99 / alone per "
+          "round, off: " + ", ".join(f"{pct(o['ms'], 0.99) / pct(a['ms'], 0.99):.2f}" for o, a in
+                                     zip(got["off"], got["alone"]))
+          + "; on: " + ", ".join(f"{pct(o['ms'], 0.99) / pct(a['ms'], 0.99):.2f}" for o, a in
+                                 zip(got["on"], got["alone"])) + ".")
+
+
+if __name__ == "__main__":
+    main()
