@@ -85,7 +85,7 @@ class Histogram:
             total += v
         return Histogram(counts, total)
 
-    @property
+    @functools.cached_property
     def count(self) -> int:
         return sum(self.counts.values())
 

@@ -67,7 +67,8 @@ class SloVerdict:
         # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
         merged: dict[str, dict[int, int]] = {}
         for name, (of, window) in self._windows.items():
-            if name in self._configured:
+            # An empty window adds nothing (its count is cheap; its counts are a subtraction): idle tenants cost none.
+            if name in self._configured and window.count:
                 acc = merged.setdefault(of, {})
                 for i, c in window.counts.items():
                     acc[i] = acc.get(i, 0) + c

@@ -187,6 +187,7 @@ struct lat_counts {
     __u64 n[LAT_NCOUNTERS];
 };
 
+/* lat_gen[slot]: the slot's generation (qos_common.h); lat_gen[LAT_SLOTS] the run-queue row's. */
 struct lat_tenant_key {
     __u32 tenant;
 };
@@ -205,6 +206,7 @@ struct lat_pid_val {
 
 BPF_ARRAY(lat_hist, struct lat_row, LAT_SLOTS * LAT_KINDS + 1);
 BPF_PERCPU_ARRAY(lat_counters, struct lat_counts, LAT_SLOTS);
+BPF_ARRAY(lat_gen, struct qos_gen, LAT_SLOTS + 1);
 BPF_HASH(lat_slots, struct lat_tenant_key, struct lat_slot_val, LAT_SLOTS);
 /* Ports whose protocol runs requests concurrently on one connection (latency.multiplexed_ports). Without the
  * payload, overlapping requests cannot be told from one another, so these connections are counted, not timed. */
@@ -223,12 +225,20 @@ static __always_inline __u16 lat_slot_of(__u32 tenant)
     return v && v->slot < LAT_SLOTS ? (__u16)v->slot : LAT_NO_SLOT;
 }
 
+/* The slot's (or the run-queue row's, at LAT_SLOTS) rows changed: after the change, never before it. */
+static __always_inline void lat_touched(__u32 i)
+{
+    qos_gen_bump(lat_gen.lookup(&i));
+}
+
 static __always_inline void lat_count(__u16 slot, __u32 what)
 {
     __u32 i = slot == LAT_NO_SLOT ? 0 : slot;
     struct lat_counts *c = lat_counters.lookup(&i);
-    if (c && what < LAT_NCOUNTERS)
+    if (c && what < LAT_NCOUNTERS) {
         __sync_fetch_and_add(&c->n[what], 1);
+        lat_touched(i);
+    }
 }
 
 static __always_inline void lat_observe_row(__u32 row, __u64 delta_ns)
@@ -243,6 +253,7 @@ static __always_inline void lat_observe_row(__u32 row, __u64 delta_ns)
         return;
     __sync_fetch_and_add(&r->count[b], 1);
     __sync_fetch_and_add(&r->sum_ns, delta_ns);
+    lat_touched(row / LAT_KINDS);
 }
 
 /* An observation of a tenant without a slot is counted as lost (on the unmatched slot), never misattributed. */

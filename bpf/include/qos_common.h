@@ -45,4 +45,18 @@ struct qos_watch_val {
     __u8 on;
 };
 
+/* lat_gen, quota_gen: a slot's generation, bumped after every change the programs make to its rows or counters, so that
+ * the agent's tick reads this small array and then only the rows of slots whose generation moved: an idle tenant
+ * costs no per-tick read. The bump follows the change it marks; where a CPU may let another see the two out of order
+ * (arm64's relaxed atomics), the agent reads a slot once more on the tick after its generation last moved. */
+struct qos_gen {
+    __u64 n;
+};
+
+static __always_inline void qos_gen_bump(struct qos_gen *g)
+{
+    if (g)
+        __sync_fetch_and_add(&g->n, 1);
+}
+
 #endif

@@ -9,6 +9,7 @@ one way a map is made to hold what the config says.
 
 from __future__ import annotations
 
+import collections
 import ctypes as ct
 import errno
 import os
@@ -17,6 +18,10 @@ from typing import Any, Iterable, Iterator
 from qosagent.ebpf.libbpf import call, lib, obj_get, possible_cpus
 
 BPF_ANY = 0
+
+# Entries written or deleted through this module since the agent started, by map name: what a reload touched (tests
+# and bench/scale_tenants.py compare it before and after).
+writes: collections.Counter[str] = collections.Counter()
 
 
 def percpu(value: Any) -> Any:
@@ -81,6 +86,7 @@ class Map:
     def update(self, key: Any, value: Any, flags: int = BPF_ANY) -> None:
         k, v = _as(self.key, key), _as(self.value, value)
         call("bpf_map_update_elem", self.fd, ct.byref(k), ct.byref(v), flags)
+        writes[self.name] += 1
 
     def delete(self, key: Any) -> bool:
         """False when there was no such key."""
@@ -91,6 +97,7 @@ class Map:
             if e.errno == errno.ENOENT:
                 return False
             raise
+        writes[self.name] += 1
         return True
 
     def zero(self, key: Any) -> None:
@@ -215,8 +222,13 @@ class ArrayRange:
 
     def read(self) -> list[bytes]:
         """The values in index order."""
+        raw, size = self.data(), self.value_size
+        return [raw[i * size:(i + 1) * size] for i in range(self.count)]
+
+    def data(self) -> bytes:
+        """The values in index order, back to back."""
         if not self.count:
-            return []
+            return b""
         n = ct.c_uint32(self.count)
         err = _lookup_batch(self.fd, ct.byref(self._prev) if self.first else None, ct.byref(self._out),
                             self._keys, self._values, ct.byref(n))
@@ -224,5 +236,68 @@ class ArrayRange:
             raise OSError(err, f"BPF_MAP_LOOKUP_BATCH: {os.strerror(err)}")
         if n.value != self.count:
             raise OSError(errno.EIO, f"BPF_MAP_LOOKUP_BATCH read {n.value} of {self.count} entries")
-        raw, size = self._values.raw, self.value_size
-        return [raw[i * size:(i + 1) * size] for i in range(self.count)]
+        return self._values.raw[:self.count * self.value_size]
+
+
+GEN_SIZE = 8  # struct qos_gen (bpf/include/qos_common.h)
+_GEN_BLOCK = 64 * GEN_SIZE
+
+
+def moved(new: bytes, old: bytes) -> list[int]:
+    """The indexes of the generations (8 bytes each) that differ between two reads; old may be shorter (slots added
+    since), its missing entries zero. Compared a block at a time: most blocks of most ticks are equal."""
+    if len(old) < len(new):
+        old += bytes(len(new) - len(old))
+    if new == old:
+        return []
+    out = []
+    for off in range(0, len(new), _GEN_BLOCK):
+        end = off + _GEN_BLOCK
+        if new[off:end] != old[off:end]:
+            out.extend(i // GEN_SIZE for i in range(off, min(end, len(new)), GEN_SIZE)
+                       if new[i:i + GEN_SIZE] != old[i:i + GEN_SIZE])
+    return out
+
+
+def runs(indexes: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted indexes as (first, count) runs of consecutive ones: one batch read each."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(indexes):
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+class Generations:
+    """A BPF array of slot generations (struct qos_gen, bpf/include/qos_common.h), which the programs bump after each
+    change to a slot: `changed()` says which of slots first..first+count-1 to read this tick. Those whose generation
+    moved since the last read, and those whose generation moved at the read before it, once more (the bump may be
+    seen before the change it marks on a CPU with relaxed atomics). `everything` makes the first read name every
+    slot (counts that were there before the generations, such as an adopted program's)."""
+
+    def __init__(self, map_fd: int, first: int, count: int, everything: bool = False):
+        self.fd, self.first = map_fd, first
+        self._range = ArrayRange(map_fd, first, count, GEN_SIZE)
+        self._last = b"" if not everything else None
+        self._settling: set[int] = set()
+
+    @property
+    def count(self) -> int:
+        return self._range.count
+
+    def resize(self, count: int) -> None:
+        """Slots added (a reload): they start from zero, as the kernel's do."""
+        if count != self._range.count:
+            self._range = ArrayRange(self.fd, self.first, count, GEN_SIZE)
+
+    def changed(self) -> set[int]:
+        gens = self._range.data()
+        if self._last is None:
+            now = list(range(self._range.count))
+        else:
+            now = moved(gens, self._last)
+        out = set(now) | self._settling
+        self._last, self._settling = gens, set(now)
+        return {self.first + i for i in out}

@@ -7,10 +7,9 @@ Pure where it can be: the entries the tenant maps should hold are computed from 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
-from qosagent.hist import NBUCKETS
-from qosagent.tenants import UNMATCHED_ID
+from qosagent.hist import NBUCKETS, Histogram
 
 # Histogram kinds and counters, as numbered in bpf/include/lat_state.h. A slot's rows are KINDS * slot + kind.
 KIND_HEADERS = 0
@@ -18,7 +17,6 @@ KIND_RESPONSE = 1
 KIND_TTFT = 2
 KIND_ITL = 3
 KINDS = 4  # LAT_KINDS
-KIND_RUNQ = KINDS  # not a row kind: the key of the run-queue histogram in Raw
 
 # Completed and answered requests are the response and headers histogram counts (no counters in the kernel).
 C_STARTED = 1
@@ -62,12 +60,31 @@ def slots_for(tenants: int) -> int:
 
 
 @dataclass(frozen=True)
-class Raw:
-    """One read of the kernel's cumulative state: histograms (tenant, kind) -> {bucket: count}, sums, counters."""
+class Cumulative:
+    """One slot's state since start, as the kernel holds it: a histogram per kind (KIND_*) and its counters (C_*, the
+    CPUs summed; zeros left out)."""
 
-    hist: Mapping[tuple[int, int], Mapping[int, int]]
-    sums: Mapping[tuple[int, int], int]
-    counters: Mapping[tuple[int, int], int]
+    hist: tuple[Histogram, ...]
+    counters: Mapping[int, int]
+
+    def counter(self, what: int) -> int:
+        return self.counters.get(what, 0)
+
+
+ZERO = Cumulative((Histogram(),) * KINDS, {})
+
+
+@dataclass(frozen=True)
+class Changes:
+    """One tick's read: the slots whose generation (lat_gen) moved, and only those."""
+
+    tenants: Mapping[int, Cumulative]  # tenant id -> its state since start
+    runq: Histogram | None  # run-queue waits since start, when their row was read
+    rows_read: int  # slots whose rows were read, the run-queue row counted as one
+def counters(data: bytes) -> dict[int, int]:
+    """A slot's lat_counters value (struct lat_counts for each possible CPU, back to back), summed; zeros left out."""
+    q = memoryview(data).cast("Q")
+    return {what: v for what in range(NCOUNTERS) if (v := sum(q[what::NCOUNTERS]))}
 
 
 class RowParser:
@@ -95,31 +112,7 @@ class RowParser:
 _ZERO_ROW = bytes(ROW_SIZE)
 
 
-def assemble(rows: Iterable[tuple[int, bytes]], counters: Iterable[tuple[int, bytes]], slots: Mapping[int, int],
-             runq_row: int, parser: RowParser) -> Raw:
-    """One Raw from the kernel's arrays: (index, bytes) of lat_hist rows (KINDS*slot + kind, and runq_row for run-queue
-    waits) and of each slot's counters, per CPU (struct lat_counts for each possible CPU, back to back, summed
-    here); slots maps slot -> tenant id. All-zero rows and counters are left out."""
-    hist: dict[tuple[int, int], dict[int, int]] = {}
-    sums: dict[tuple[int, int], int] = {}
-    for row, data in rows:
-        if data == _ZERO_ROW:
-            continue
-        if row == runq_row:
-            key = (UNMATCHED_ID, KIND_RUNQ)
-        elif row // KINDS in slots:
-            key = (slots[row // KINDS], row % KINDS)
-        else:
-            continue
-        hist[key], sums[key] = parser.parse(row, data)
-    out: dict[tuple[int, int], int] = {}
-    for slot, data in counters:
-        tid = slots.get(slot)
-        if tid is None:
-            continue
-        q = memoryview(data).cast("Q")
-        for what in range(NCOUNTERS):
-            v = sum(q[what::NCOUNTERS])
-            if v:
-                out[(tid, what)] = v
-    return Raw(hist, sums, out)
+def histogram(row: int, data: bytes, parser: RowParser) -> Histogram:
+    if data == _ZERO_ROW:
+        return ZERO.hist[0]
+    return Histogram(*parser.parse(row, data))

@@ -13,18 +13,16 @@ from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability,
                                  rewrite)
 from qosagent.ebpf import pinned
 from qosagent.latency import datapath, export, hooks, planning, reading, runq
-from qosagent.latency import bpfmaps as bm
 from qosagent.latency.datapath import Datapath
 from qosagent.latency.model import LATENCY, LatencyPart, Plan
 from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
-from qosagent.latency.window import Window
 from qosagent.pods.service import Pods
 from qosagent.retention import EVERYONE
 from qosagent.sandbox import Need
 from qosagent.schedule import Every
 from qosagent.slo import SloVerdict
-from qosagent.tenants import TenantInfo
+from qosagent.tenants import UNMATCHED_ID, TenantInfo
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -63,7 +61,11 @@ class Latency(Capability):
         self._known: dict[int, TenantInfo] = {}
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
         self._maps: MapsPlan | None = None  # what the tenant and port maps say (the last start or reload)
-        self._window: Window[bm.Raw] | None = None
+        # What the tick makes of each tenant's rows, kept between ticks (reading.py).
+        self._view = reading.Tenants(ctx.config.latency.window)
+        self.rows_read = 0  # slots whose rows the last tick read (LatencyPart.rows_read)
+        # The configured tenants' SLOs and their tiers', as of the last start or reload (SloVerdict's).
+        self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
         # process and pods tenants by their serving namespaces' addresses (lat_netns)
@@ -118,9 +120,10 @@ class Latency(Capability):
         self._known.update(m.tenants)
         self._tenants = m.tenants
         self._follow_pods(m)
-        if self._maps is None or self._maps.window != m.window:
-            self._window = Window(m.window)
+        self._view.configure(m.tenants, self._known, m.window)
         self._maps = m
+        self._slos = ({info.name: info.slo_p99 for info in m.tenants.values()},
+                      {info.tier: info.slo_p99 for tid, info in m.tenants.items() if tid != UNMATCHED_ID})
 
     def _serving_namespaces(self, ports: set[int]) -> list[netns.ServingNs]:
         """The other network namespaces where one of ports listens (pods), from the agent's one scan, as the maps in
@@ -164,24 +167,25 @@ class Latency(Capability):
 
     def collect(self) -> LatencyPart:
         now = self.ctx.clock()
-        assert self.dp is not None and self._window is not None and self.hooks is not None
-        raw = self.dp.read_raw()
-        base_t, base = self._window.push(now, raw)
+        assert self.dp is not None and self.hooks is not None
+        changes = self.dp.read()
+        self.rows_read = changes.rows_read
         cfg = self.ctx.config
-        seen = self.hooks.verified_by_traffic(raw, now, set(cfg.tracked_ports()), cfg.latency.verify_within)
+        adm = cfg.admission
+        view = self._view
+        view.update(now, changes, adm.signal)
+        seen = self.hooks.verified_by_traffic(view.counted, now, set(cfg.tracked_ports()), cfg.latency.verify_within)
         if seen is not None:
             self.verdict = seen
-        tenants = reading.tenants(raw, base, now - base_t, self._tenants, self._known)
-        runq, runq_window = reading.runqueue(raw, base) if self.runq else (None, None)
-        slos = {info.name: info.slo_p99 for info in self._tenants.values()}
-        adm = cfg.admission
-        verdict = SloVerdict({n: (t.tier, t.window(adm.signal)) for n, t in tenants.items()}, slos,
-                             {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}, adm.signal, adm.quantile,
-                             adm.near_slo, adm.healthy_below)
-        return LatencyPart(window_s=cfg.latency.window, tenants=tenants, runqueue=runq, runqueue_window=runq_window,
-                           found_open=self.hooks.found(), unobserved=self.hooks.unobserved(),
-                           hooks=self.hooks.view(self.attached(), self.programs), slo=slos,
-                           namespaces=self._pods.followed if self._pods is not None else (), verdict=verdict)
+        runq, runq_window = view.runqueue() if self.runq else (None, None)
+        slos, tier_slo = self._slos
+        verdict = SloVerdict(dict(view.windows), slos, tier_slo, adm.signal, adm.quantile, adm.near_slo,
+                             adm.healthy_below)
+        return LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants), runqueue=runq,
+                           runqueue_window=runq_window, found_open=self.hooks.found(),
+                           unobserved=self.hooks.unobserved(), hooks=self.hooks.view(self.attached(), self.programs),
+                           slo=slos, namespaces=self._pods.followed if self._pods is not None else (),
+                           verdict=verdict, rows_read=changes.rows_read)
 
     def kernel_maps(self, plan: Plan) -> list[Any]:
         return datapath.map_sizes(self.ctx.config, plan)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qosagent.capability import CapabilityError
 from qosagent.ebpf import mapsize, pinned
 from qosagent.ebpf.loader import BpfError
-from qosagent.ebpf.maps import ArrayRange, Map, sync
+from qosagent.ebpf.maps import GEN_SIZE, ArrayRange, Generations, Map, runs, sync
 from qosagent.ebpf.pins import tenant_flows
 from qosagent.ebpf.tenant_ports import PORTS, TenantPorts, sync_cidrs
 from qosagent.latency import bpfmaps as bm
@@ -44,12 +44,13 @@ class Datapath:
         self._rows = bm.RowParser()
         self._ports = TenantPorts(prog.map("tenant_ports").fd)  # a fresh map: all zero
         hist, counters = prog.map("lat_hist"), prog.map("lat_counters")
-        self._hist_fd, self._counters_fd = hist.fd, counters.fd
+        self._hist_fd, self._counters_fd, self._gen_fd = hist.fd, counters.fd, prog.map("lat_gen").fd
         # A per-CPU value is one copy per possible CPU, as bcc's table type for it has it: the kernel writes that
         # many, so the buffer must hold them.
         self._counters_size = ctypes.sizeof(counters.value)
-        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the ranges each tick reads (_plan_reads)
-        self._reads: tuple[Any, Any, Any] | None = None
+        self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the generations each tick reads (_plan_reads)
+        self._gens: Generations | None = None
+        self._runq_gen: Generations | None = None
 
     @classmethod
     def load(cls, cfg: "Config", plan: Plan, fs: "HostFS") -> "Datapath":
@@ -111,24 +112,43 @@ class Datapath:
         sync_cidrs(self.map("tenant_cidrs"), m.cidrs)
 
     # ---- each tick ---------------------------------------------------------------------------------------
-    def read_raw(self) -> bm.Raw:
-        assert self._reads is not None
-        rows, runq, counters = self._reads
-        hist = list(enumerate(rows.read()))
-        if runq is not None:
-            hist.append((runq.first, runq.read()[0]))
-        return bm.assemble(hist, enumerate(counters.read()), self._by_slot, bm.KINDS * self.nslots, self._rows)
+    def read(self) -> bm.Changes:
+        """The state of each slot whose generation moved (lat_gen: qos_common.h): an idle tenant costs its 8 bytes of
+        lat_gen and nothing else. The first read finds every slot the kernel ever touched."""
+        assert self._gens is not None
+        slots = self._gens.changed() & self._by_slot.keys()
+        tenants = {}
+        for first, count in runs(slots):
+            rows = ArrayRange(self._hist_fd, bm.KINDS * first, bm.KINDS * count, bm.ROW_SIZE).data()
+            counts = ArrayRange(self._counters_fd, first, count, self._counters_size).data()
+            for i in range(count):
+                hist = tuple(bm.histogram(bm.KINDS * (first + i) + k, rows[off:off + bm.ROW_SIZE], self._rows)
+                             for k in range(bm.KINDS) for off in ((bm.KINDS * i + k) * bm.ROW_SIZE,))
+                c = counts[i * self._counters_size:(i + 1) * self._counters_size]
+                tenants[self._by_slot[first + i]] = bm.Cumulative(hist, bm.counters(c))
+        runq = None
+        if self._runq_gen is not None and self._runq_gen.changed():
+            runq = bm.histogram(bm.KINDS * self.nslots,
+                                ArrayRange(self._hist_fd, bm.KINDS * self.nslots, 1, bm.ROW_SIZE).data(), self._rows)
+        return bm.Changes(tenants, runq, len(slots) + (runq is not None))
+
+    def counted(self) -> int:
+        """Connections tracked and requests started on the tracked ports, every slot's, read whole (once, where the
+        hooks are verified by traffic; each tick then counts from what it read)."""
+        assert self._gens is not None
+        data, size = ArrayRange(self._counters_fd, 0, self._gens.count, self._counters_size).data(), self._counters_size
+        return sum(c.get(bm.C_CONNS, 0) + c.get(bm.C_STARTED, 0)
+                   for c in (bm.counters(data[i:i + size]) for i in range(0, len(data), size)))
 
     def _plan_reads(self) -> None:
-        """What each tick reads, worked out when the slots change (start, reload) rather than every tick: the rows
-        and counters of the slots in use, which are numbered from 0 up, as one batch each, and the run-queue row.
-        A batch read of the whole arrays would copy (and the tick compare) every spare slot's rows too, ~600 KB per
-        tick; a lookup per row would cost a syscall each."""
+        """The generations each tick reads, worked out when the slots change (start, reload) rather than every tick:
+        those of the slots in use, which are numbered from 0 up, and the run-queue row's."""
         self._by_slot = {slot: tid for tid, slot in self.slots.items()}
         used = max(self._by_slot) + 1
-        self._reads = (ArrayRange(self._hist_fd, 0, bm.KINDS * used, bm.ROW_SIZE),
-                       ArrayRange(self._hist_fd, bm.KINDS * self.nslots, 1, bm.ROW_SIZE) if self.runq else None,
-                       ArrayRange(self._counters_fd, 0, used, self._counters_size))
+        if self._gens is None:
+            self._gens = Generations(self._gen_fd, 0, used)
+            self._runq_gen = Generations(self._gen_fd, self.nslots, 1) if self.runq else None
+        self._gens.resize(used)
 
     # ---- its programs ------------------------------------------------------------------------------------
     def attached(self) -> int:
@@ -168,6 +188,7 @@ def map_sizes(cfg: "Config", plan: Plan) -> list[mapsize.MapSize]:
     out = [M("tenant_ports", mapsize.ARRAY, PORTS, 4, 8),
            M("lat_hist", mapsize.ARRAY, bm.KINDS * nslots + 1, 4, bm.ROW_SIZE),
            M("lat_counters", mapsize.PERCPU_ARRAY, nslots, 4, 8 * bm.NCOUNTERS),
+           M("lat_gen", mapsize.ARRAY, nslots + 1, 4, GEN_SIZE),
            M("lat_slots", mapsize.HASH, nslots, 4, 4),
            M("lat_netns", mapsize.HASH, 4096, 20, 4),
            M("tracked_ports", mapsize.HASH, 1024, 4, 4), M("lat_mux_ports", mapsize.HASH, 1024, 4, 4),

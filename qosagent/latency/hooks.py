@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Callable
 from qosagent.capability import State, Verdict
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS
 from qosagent.latency import adopt, links, selftest
-from qosagent.latency import bpfmaps as bm
 from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.model import Hooks, Plan
 from qosagent.schedule import Every
@@ -103,7 +102,7 @@ class Upkeep:
             # such host would be a false alarm (and an agent never ready). Real traffic verifies the hooks later.
             log.info("%s; verifying them by traffic on ports %s", e, sorted(tracked))
             self._unverified = verdict
-            self._by_traffic = selftest.ByTraffic(counted(self.dp.read_raw()), self._open_on(tracked))
+            self._by_traffic = selftest.ByTraffic(self.dp.counted(), self._open_on(tracked))
             return Verdict(verdict.state, "; ".join(r for r in (verdict.reason, f"{e}, awaiting traffic") if r))
         if silent:
             log.warning("%s", silent)
@@ -113,15 +112,16 @@ class Upkeep:
     def _open_on(self, tracked: set[int]) -> set[bytes]:
         return {c.key for c in adopt.established(self.fs, tracked, elsewhere=self._serving_pids(tracked))}
 
-    def verified_by_traffic(self, raw: bm.Raw, now: float, tracked: set[int], within: float) -> Verdict | None:
+    def verified_by_traffic(self, counted: int, now: float, tracked: set[int], within: float) -> Verdict | None:
         """Where the self-test could not run, the hooks verified or found silent by what real traffic made the
-        programs count (raw: this tick's read): the capability's new verdict, or None while it stands."""
+        programs count (counted: connections tracked and requests started on the tracked ports, every tenant's, as of
+        this tick's read): the capability's new verdict, or None while it stands."""
         check, base = self._by_traffic, self._unverified
         if check is None or base is None:
             return None
         # Connections are listed at most once a second, and only until the first new one was seen.
         listed = self._open_on(tracked) if check.traffic_since is None and self._traffic_listed.due(now) else None
-        seen = check.observe(now, time.time(), counted(raw), listed, within)
+        seen = check.observe(now, time.time(), counted, listed, within)
         if seen is None:
             return None
         if seen.verified:
@@ -185,9 +185,3 @@ class Upkeep:
         links.close(self._root_link)
         self._root_link = None
         self._by_traffic = self._unverified = None
-
-
-def counted(raw: bm.Raw) -> int:
-    """What the programs counted on the tracked ports, every tenant's row (the unmatched one too): connections
-    tracked and requests started."""
-    return sum(n for (_tid, what), n in raw.counters.items() if what in (bm.C_CONNS, bm.C_STARTED))

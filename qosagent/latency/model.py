@@ -85,6 +85,9 @@ class LatencyPart:
     namespaces: tuple[Mapping[str, Any], ...] = ()
     # This tick's SLO verdict, judged once in collect (qosagent/slo.py); None in a part built without one.
     verdict: SloVerdict | None = None
+    # Slots whose rows this tick read: those whose generation moved (bpf/include/lat_state.h, lat_gen), so 0 on a
+    # tick without traffic, however many tenants are configured.
+    rows_read: int = 0
 
     def judged(self, signal: str, quantile: float, tier_slo: Mapping[str, float] = MappingProxyType({}),
                near_slo: float = 0.8, healthy_below: float = 0.9) -> SloVerdict:

@@ -1,5 +1,10 @@
-"""The tick's read of the kernel's rows (bpfmaps.Raw) as the part's numbers, pure: since-start histograms as read,
-window histograms as the difference to the window's checkpoint, counters per tenant."""
+"""The tick's read of the kernel's rows (bpfmaps.Changes: the slots whose generation moved) as the part's numbers:
+since-start histograms as read, window histograms as the difference to the window's start, counters per tenant.
+
+What the tick makes of each tenant is kept between ticks and rebuilt only where it can have changed: the tenants
+read this tick, those whose window start passed one of their checkpoints (qosagent/window.py), those with requests in
+their window (their rate is over the window's length, which moves every tick), and every one after a reload or a
+change of admission.signal. An idle tenant costs nothing per tick."""
 
 from __future__ import annotations
 
@@ -8,43 +13,82 @@ from typing import Mapping
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import TenantLatency
-from qosagent.tenants import UNMATCHED_ID, TenantInfo
+from qosagent.tenants import TenantInfo
+from qosagent.window import Windows
 
-_EMPTY: dict[int, int] = {}
-
-
-def tenants(raw: bm.Raw, base: bm.Raw, elapsed: float, current: Mapping[int, TenantInfo],
-            known: Mapping[int, TenantInfo]) -> dict[str, TenantLatency]:
-    """Each tenant of the config (current), and any a reload removed that still has counts since start (known names
-    it), by name."""
-    ids = set(current) | {t for (t, _kind) in raw.hist} | {t for (t, _what) in raw.counters}
-    out = {}
-    for tid in sorted(ids):
-        info = current.get(tid) or known.get(tid) or TenantInfo(tid, f"id-{tid}", "none", 0, 0.0)
-        out[info.name] = _tenant(info, raw, base, elapsed)
-    return out
+RUNQ = "runq"
 
 
-def runqueue(raw: bm.Raw, base: bm.Raw) -> tuple[Histogram, Histogram]:
-    """The run-queue histogram since start and over the window."""
-    h = _hist(raw, UNMATCHED_ID, bm.KIND_RUNQ)
-    return h, Since(h, _hist(base, UNMATCHED_ID, bm.KIND_RUNQ))
+class Tenants:
+    def __init__(self, window_s: float):
+        self._windows: Windows[int, bm.Cumulative] = Windows(window_s, bm.ZERO)
+        self._runq: Windows[str, Histogram] = Windows(window_s, Histogram())
+        self._built: dict[int, TenantLatency] = {}
+        self._windowed: set[int] = set()
+        self._everything = True
+        self._signal = ""
+        self._current: Mapping[int, TenantInfo] = {}
+        self._known: Mapping[int, TenantInfo] = {}
+        self.tenants: dict[str, TenantLatency] = {}  # by name, in tenant id order; a copy goes into each part
+        self.windows: dict[str, tuple[str, Histogram]] = {}  # name -> (tier, its window of the signal)
+        self.counted = 0  # connections tracked and requests started, every tenant's (hooks.counted)
+
+    def configure(self, current: Mapping[int, TenantInfo], known: Mapping[int, TenantInfo], window_s: float) -> None:
+        """The config's tenants (current), and the names of any a reload removed (known); a new window length starts
+        the windows again."""
+        if window_s != self._windows.span:
+            self._windows.restart(window_s)
+            self._runq.restart(window_s)
+        self._current, self._known, self._everything = current, known, True
+
+    def update(self, now: float, changes: bm.Changes, signal: str) -> None:
+        w = self._windows
+        for tid, new in changes.tenants.items():
+            self.counted += _counted(new) - _counted(w.current(tid))
+        moved = w.tick(now, changes.tenants)
+        self._runq.tick(now, {RUNQ: changes.runq} if changes.runq is not None else {})
+        elapsed = now - w.start
+        everything = self._everything or signal != self._signal
+        if everything:
+            # Configured tenants, and any a reload removed that still have counts since start.
+            rebuild = sorted(set(self._current) | set(w.keys()))
+            self._built = {}
+        else:
+            rebuild = list(set(changes.tenants) | moved | self._windowed)
+        for tid in rebuild:
+            info = self._current.get(tid) or self._known.get(tid) or TenantInfo(tid, f"id-{tid}", "none", 0, 0.0)
+            t = self._built[tid] = tenant(info, w.current(tid), w.base(tid), elapsed)
+            if t.response_window.count:
+                self._windowed.add(tid)
+            else:
+                self._windowed.discard(tid)
+        if everything or len(self.tenants) != len(self._built):
+            self.tenants = {t.tenant: t for _tid, t in sorted(self._built.items())}
+            self.windows = {n: (t.tier, t.window(signal)) for n, t in self.tenants.items()}
+        else:
+            for tid in rebuild:
+                t = self._built[tid]
+                self.tenants[t.tenant] = t
+                self.windows[t.tenant] = (t.tier, t.window(signal))
+        self._everything, self._signal = False, signal
+
+    def runqueue(self) -> tuple[Histogram, Histogram]:
+        """The run-queue histogram since start and over the window."""
+        h = self._runq.current(RUNQ)
+        return h, Since(h, self._runq.base(RUNQ))
 
 
-def _hist(raw: bm.Raw, tid: int, kind: int) -> Histogram:
-    # Not copied: RowParser makes a new dict for each changed row and never touches one it has handed out.
-    return Histogram(raw.hist.get((tid, kind), _EMPTY), raw.sums.get((tid, kind), 0))
+def _counted(c: bm.Cumulative) -> int:
+    return c.counter(bm.C_CONNS) + c.counter(bm.C_STARTED)
 
 
-def _tenant(info: TenantInfo, raw: bm.Raw, base: bm.Raw, elapsed: float) -> TenantLatency:
-    tid = info.id
-
-    def c(r: bm.Raw, what: int) -> int:
-        return r.counters.get((tid, what), 0)
+def tenant(info: TenantInfo, now: bm.Cumulative, base: bm.Cumulative, elapsed: float) -> TenantLatency:
+    """One tenant's numbers: since start (now) and over the window (since base, elapsed seconds ago)."""
+    c = now.counter
 
     def since(kind: int) -> tuple[Histogram, Histogram]:
-        h = _hist(raw, tid, kind)
-        return h, Since(h, _hist(base, tid, kind))
+        h = now.hist[kind]
+        return h, Since(h, base.hist[kind])
 
     headers, headers_window = since(bm.KIND_HEADERS)
     ttft, ttft_window = since(bm.KIND_TTFT)
@@ -63,18 +107,18 @@ def _tenant(info: TenantInfo, raw: bm.Raw, base: bm.Raw, elapsed: float) -> Tena
         response_window=resp_window,
         inter_token_window=itl_window,
         rate_rps=resp_window.count / elapsed if elapsed > 0 else 0.0,
-        in_flight=max(c(raw, bm.C_STARTED) - resp.count - c(raw, bm.C_UNPAIRED_CLOSE), 0),
-        unpaired=c(raw, bm.C_UNPAIRED_SEND) + c(raw, bm.C_UNPAIRED_CLOSE),
-        overlapped=c(raw, bm.C_OVERLAPPED),
-        unpaired_send=c(raw, bm.C_UNPAIRED_SEND),
-        unpaired_close=c(raw, bm.C_UNPAIRED_CLOSE),
-        pipelined=c(raw, bm.C_PIPELINED),
-        connections=c(raw, bm.C_CONNS),
-        multiplexed_connections=c(raw, bm.C_MUX_CONNS),
-        lost=c(raw, bm.C_LOST),
-        untracked=c(raw, bm.C_UNTRACKED),
-        no_ttft={reason: n for reason, what in bm.NO_TTFT_REASONS.items() if (n := c(raw, what))},
-        interim=c(raw, bm.C_INTERIM),
-        framed=c(raw, bm.C_FRAMED),
-        adopted=c(raw, bm.C_ADOPTED),
+        in_flight=max(c(bm.C_STARTED) - resp.count - c(bm.C_UNPAIRED_CLOSE), 0),
+        unpaired=c(bm.C_UNPAIRED_SEND) + c(bm.C_UNPAIRED_CLOSE),
+        overlapped=c(bm.C_OVERLAPPED),
+        unpaired_send=c(bm.C_UNPAIRED_SEND),
+        unpaired_close=c(bm.C_UNPAIRED_CLOSE),
+        pipelined=c(bm.C_PIPELINED),
+        connections=c(bm.C_CONNS),
+        multiplexed_connections=c(bm.C_MUX_CONNS),
+        lost=c(bm.C_LOST),
+        untracked=c(bm.C_UNTRACKED),
+        no_ttft={reason: n for reason, what in bm.NO_TTFT_REASONS.items() if (n := c(what))},
+        interim=c(bm.C_INTERIM),
+        framed=c(bm.C_FRAMED),
+        adopted=c(bm.C_ADOPTED),
     )

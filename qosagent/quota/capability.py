@@ -77,7 +77,8 @@ class Quota(Capability):
         self.attached: list[str] = []
         self.others: list[str] = []
         self.namespaces = NamespaceEgress(ctx)
-        self.rates = reading.Rates()
+        self.view = reading.Tenants()  # what the tick makes of each tenant, kept between ticks
+        self.rows_read = 0  # slots whose counts the last tick read (QuotaPart.rows_read)
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
         self.table: dict[int, TenantInfo] = {}
@@ -125,10 +126,9 @@ class Quota(Capability):
         d = self.datapath
         assert d is not None
         r = d.read()
-        old_t, old = self.rates.push(r.ktime_ns / 1e9, r.counts)
-        tenants = reading.tenants(r, old_t, old, self.table, self.specs, self.overrides, self.fleet,
-                                  self.ctx.config.quota.heartbeat_timeout)
-        return reading.part(r, tenants, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
+        self.rows_read = r.rows_read
+        self.view.update(r, self.table, self.specs, self.overrides, self.fleet, self.ctx.config.quota.heartbeat_timeout)
+        return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
 
     def _follow(self, starting: bool = False) -> None:
         assert self.datapath is not None

@@ -22,12 +22,12 @@ from qosagent.config import Config
 from qosagent.hostfs import HostFS
 from qosagent.ebpf import mapsize, pinned, pins
 from qosagent.ebpf.libbpf import obj_pin, pinned_map_info
-from qosagent.ebpf.maps import Map, sync
+from qosagent.ebpf.maps import GEN_SIZE, Generations, Map, sync
 from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
 from qosagent.quota.rules import Bucket, rules
-from qosagent.tenants import FLEET_NO_END, tenant_id
+from qosagent.tenants import FLEET_NO_END, UNMATCHED_ID, tenant_id
 
 log = logging.getLogger("qosagent.quota")
 
@@ -139,7 +139,8 @@ def map_sizes(cfg: Config, cpus: int) -> list[mapsize.MapSize]:
     scan = 4 * 9 + 4 * 6 + 8 + cfg.quota.header_scan_bytes  # struct scan_buf
     return out + [mapsize.MapSize("quota_flow_l1", mapsize.PERCPU_ARRAY,
                                   1 << flow_l1_bits(cfg.quota.flow_entries, cpus), 4, FLOW_L1_ENTRY),
-                  mapsize.MapSize("quota_scan", mapsize.PERCPU_ARRAY, 1, 4, scan)]
+                  mapsize.MapSize("quota_scan", mapsize.PERCPU_ARRAY, 1, 4, scan),
+                  mapsize.MapSize("quota_gen", mapsize.ARRAY, layout.SLOTS, 4, GEN_SIZE)]
 
 
 def spec(cfg: Config, path: str, cpus: int) -> pinned.Spec:
@@ -163,6 +164,8 @@ class Reading:
     limits: Mapping[int, Any]  # tenant id -> QuotaLimit
     buckets: Mapping[int, tuple[int, int]]  # tenant id -> (req_tat, conn_tat)
     heartbeat_ns: int
+    rows_read: int = 0  # slots whose counts and buckets were read: those whose generation moved; only they are in
+    # counts and buckets
 
 
 class Datapath:
@@ -208,6 +211,9 @@ class Datapath:
         self.fleet: dict[int, tuple[Bucket, int]] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
         self.hooked: set[tuple[int, str]] = set()  # (ifindex, hook) this program was attached to
+        self._limits: dict[int, bytes] = {}  # slot -> its quota_limits entry as written
+        # Which slots' counts to read each tick; every one at the first (adopted pins hold counts already).
+        self._gens = Generations(self.program.map("quota_gen").fd, 0, 1, everything=True)
         fd = self.maps["tenant_ports"].fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
@@ -293,6 +299,7 @@ class Datapath:
                 if 0 < s < layout.SLOTS:
                     for name in ("quota_limits", "quota_buckets", "quota_counters"):
                         self.maps[name].zero(s)
+                    self._limits.pop(s, None)
         for tid, s in keep.items():
             if cur.get(tid) != s:
                 t.update(tid, s)
@@ -330,8 +337,12 @@ class Datapath:
                 lim.fleet.interval_ns, lim.fleet.tau_ns = fl.interval_ns, fl.tau_ns
                 lim.fleet_until_ns = min(until, FLEET_NO_END)
                 lim.flags |= layout.QOS_LIMIT_FLEET
-            if bytes(t.lookup(slot)) != bytes(lim):
+            cur = self._limits.get(slot)
+            if cur is None:  # not written since start: as the pins hold it
+                cur = bytes(t.lookup(slot))
+            if cur != bytes(lim):
                 t.update(slot, bytes(lim))
+            self._limits[slot] = bytes(lim)
 
     def _bump_rules_gen(self) -> None:
         t = self.maps["quota_config"]
@@ -418,16 +429,21 @@ class Datapath:
 
     # ---- maps -> numbers ---------------------------------------------------------------------------------
     def read(self) -> Reading:
+        """The counts and buckets of the slots whose generation moved (quota_gen: qos_common.h; every slot at the
+        first read), the limits as last written, the stats."""
         m = self.maps
-        counts = {}
-        counters, limit_t, bucket_t = m["quota_counters"], m["quota_limits"], m["quota_buckets"]
-        limits, buckets = {}, {}
-        for tid, slot in [(0, 0), *self.slots.items()]:
+        counts, buckets = {}, {}
+        counters, bucket_t = m["quota_counters"], m["quota_buckets"]
+        by_slot = {slot: tid for tid, slot in self.slots.items()}
+        by_slot[0] = UNMATCHED_ID
+        self._gens.resize(max(by_slot) + 1)
+        changed = self._gens.changed() & by_slot.keys()
+        for slot in changed:
+            tid = by_slot[slot]
             per_cpu = counters.lookup(slot)
             counts[tid] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
                            sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
             if tid:
-                limits[tid] = QuotaLimit.from_buffer_copy(bytes(limit_t.lookup(slot)))
                 bk = bucket_t.lookup(slot)
                 buckets[tid] = (bk.req_tat, bk.conn_tat)
         stats = {}
@@ -435,7 +451,9 @@ class Datapath:
         for i, reason in enumerate(layout.STAT_REASONS):
             stats[reason] = sum(v.packets for v in st.lookup(i))
         conf = m["quota_config"].lookup(0)
-        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns)
+        limits = {tid: QuotaLimit.from_buffer_copy(self._limits[slot]) for tid, slot in self.slots.items()
+                  if slot in self._limits}
+        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns, len(changed))
 
     def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
         """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""

@@ -36,6 +36,8 @@ class QuotaPart:
     others_on_hook: tuple[str, ...] = ()  # other filters and programs on the same hook, as probe found them
     # Serving network namespaces followed: netns, pid, ports, the host-side veths classified, tenants by port.
     namespaces: tuple[Mapping[str, Any], ...] = ()
+    # Slots whose counts and buckets this tick read: those whose generation moved (quota_gen, qos_common.h).
+    rows_read: int = 0
 
 
 QUOTA = PartKey("quota", QuotaPart)

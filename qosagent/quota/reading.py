@@ -4,77 +4,102 @@ share while its lease lasts, where it is lower) and the tokens left in that limi
 
 from __future__ import annotations
 
-import collections
 from typing import TYPE_CHECKING, Any, Mapping
 
 from qosagent.quota.model import QuotaPart, TenantQuota
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, TenantQuotaSpec, with_floor
+from qosagent.window import Windows
 
 if TYPE_CHECKING:
     from qosagent.quota.datapath import Reading
 
-Counts = Mapping[int, tuple[int, int, int, int]]
 _NONE = (0, 0, 0, 0)
 
 
-class Rates:
-    """The counts of the last reads (by the kernel's clock), so that a rate spans about a second."""
+class Tenants:
+    """Each tenant's counts (admitted, dropped, connections admitted, dropped) since the maps were created and a second
+    ago for the rates (by the kernel's clock), advanced only for tenants whose counts moved (qosagent/window.py), and
+    the part's TenantQuota of each, rebuilt only where it can have changed: the counts read this tick, a rate over the
+    last second or a bucket refilling (both move with time), an override or a fleet share (their holding moves with
+    the heartbeat and the lease), and every tenant after a start, a reload, or a change of those."""
 
     def __init__(self) -> None:
-        self._history: collections.deque[tuple[float, Counts]] = collections.deque(maxlen=64)
+        self._rates: Windows[int, tuple[int, int, int, int]] = Windows(1.0, _NONE)
+        self._buckets: dict[int, tuple[int, int]] = {}  # tenant id -> (req_tat, conn_tat) as last read
+        self._built: dict[int, TenantQuota] = {}
+        self._moving: set[int] = set()
+        self._seen: tuple[Any, ...] | None = None
+        self.tenants: dict[str, TenantQuota] = {}  # by name; a copy goes into each part
 
-    def push(self, now: float, counts: Counts) -> tuple[float, Counts]:
-        """Record counts read at now; the (time, counts) to take rates against: the newest read at least a second
-        old, else the oldest kept."""
-        self._history.append((now, dict(counts)))
-        old_t, old = self._history[0]
-        for t, c in self._history:
-            if now - t >= 1.0:
-                old_t, old = t, c
-        return old_t, old
+    def counts(self, tid: int) -> tuple[int, int, int, int]:
+        return self._rates.current(tid)
 
-
-def tenants(r: "Reading", old_t: float, old: Counts, table: Mapping[int, TenantInfo],
-            specs: Mapping[str, TenantQuotaSpec], overrides: Mapping[str, TenantLimit],
-            fleet: Mapping[str, tuple[TenantLimit, int]], heartbeat_timeout: float) -> dict[str, TenantQuota]:
-    """Each tenant of table (its counts then, old, at old_t) under the limits in force: specs configured, overrides
-    by admission, fleet shares with their lease's end (kernel ns)."""
-    span = r.ktime_ns / 1e9 - old_t
-    fresh = r.ktime_ns - r.heartbeat_ns <= int(heartbeat_timeout * 1e9)
-    out = {}
-    for tid, info in table.items():
-        c = r.counts.get(tid, _NONE)
-        o = old.get(tid, _NONE)
-        spec = specs.get(info.name)
-        base = spec.requests if spec else None
-        lim_in_force = base
-        ovr = overrides.get(info.name)
-        if ovr is not None and fresh:
-            lim_in_force = with_floor(ovr, spec.floor if spec else None)
-        share = fleet.get(info.name)
-        on_share = share is not None and fresh and r.ktime_ns < share[1] and \
-            (lim_in_force is None or share[0].rps < lim_in_force.rps)
-        if on_share:
-            lim_in_force = share[0]
-        tokens = None
-        kl = r.limits.get(tid)
-        if kl is not None and lim_in_force is not None:
-            b = kl.fleet if on_share else kl.override if (ovr is not None and fresh) else kl.req
-            tat = r.buckets.get(tid, (0, 0))[0]
-            if b.interval_ns:
-                tokens = max(0.0, (b.tau_ns - max(tat - r.ktime_ns, 0)) / b.interval_ns)
-        out[info.name] = TenantQuota(
-            tenant=info.name, tier=info.tier, baseline=base, limit=lim_in_force,
-            admitted=c[0], dropped=c[1], conn_admitted=c[2], conn_dropped=c[3],
-            admitted_rps=(c[0] - o[0]) / span if span > 0 else 0.0,
-            dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
-    return out
+    def update(self, r: "Reading", table: Mapping[int, TenantInfo], specs: Mapping[str, TenantQuotaSpec],
+               overrides: Mapping[str, TenantLimit], fleet: Mapping[str, tuple[TenantLimit, int]],
+               heartbeat_timeout: float) -> None:
+        """This tick's read, of the tenants of table under the limits in force: specs configured, overrides by
+        admission, fleet shares with their lease's end (kernel ns)."""
+        rates = self._rates
+        moved = rates.tick(r.ktime_ns / 1e9, r.counts)
+        self._buckets.update(r.buckets)
+        span = r.ktime_ns / 1e9 - rates.start
+        fresh = r.ktime_ns - r.heartbeat_ns <= int(heartbeat_timeout * 1e9)
+        seen = (table, specs, fresh, dict(overrides), dict(fleet))
+        last = self._seen
+        everything = last is None or last[0] is not table or last[1] is not specs or last[2:] != seen[2:]
+        self._seen = seen
+        if everything:
+            self._built, rebuild = {}, list(table)
+        else:
+            rebuild = list((set(r.counts) | moved | self._moving) & table.keys())
+        for tid in rebuild:
+            info = table[tid]
+            t = self._built[tid] = _tenant(r, info, rates.current(tid), rates.base(tid), self._buckets.get(tid), span,
+                                           fresh, specs.get(info.name), overrides.get(info.name),
+                                           fleet.get(info.name))
+            refilling = t.bucket_tokens is not None and self._buckets.get(tid, (0, 0))[0] > r.ktime_ns
+            if t.admitted_rps or t.dropped_rps or refilling or info.name in overrides or info.name in fleet:
+                self._moving.add(tid)
+            else:
+                self._moving.discard(tid)
+        if everything:
+            self.tenants = {t.tenant: t for t in self._built.values()}
+        else:
+            for tid in rebuild:
+                self.tenants[self._built[tid].tenant] = self._built[tid]
 
 
-def part(r: "Reading", tenants: Mapping[str, TenantQuota], interfaces: tuple[str, ...], pins: str,
-         others_on_hook: tuple[str, ...], namespaces: tuple[Mapping[str, Any], ...]) -> QuotaPart:
-    """The part: tenants, the unmatched traffic's counts and what passed unchecked, from r; where the classifier
-    sits, as the capability has it."""
-    return QuotaPart(tenants=tenants, unmatched_packets=r.stats.get("unmatched", 0),
-                     unmatched_counts=r.counts.get(UNMATCHED_ID, _NONE), passed=dict(r.stats), interfaces=interfaces,
-                     pins=pins, others_on_hook=others_on_hook, namespaces=namespaces)
+def _tenant(r: "Reading", info: TenantInfo, c: tuple[int, int, int, int], o: tuple[int, int, int, int],
+            bucket: tuple[int, int] | None, span: float, fresh: bool, spec: TenantQuotaSpec | None,
+            ovr: TenantLimit | None, share: tuple[TenantLimit, int] | None) -> TenantQuota:
+    """One tenant: its counts now (c) and span seconds ago (o), under the limit in force."""
+    base = spec.requests if spec else None
+    lim_in_force = base
+    if ovr is not None and fresh:
+        lim_in_force = with_floor(ovr, spec.floor if spec else None)
+    on_share = share is not None and fresh and r.ktime_ns < share[1] and \
+        (lim_in_force is None or share[0].rps < lim_in_force.rps)
+    if on_share:
+        assert share is not None
+        lim_in_force = share[0]
+    tokens = None
+    kl = r.limits.get(info.id)
+    if kl is not None and lim_in_force is not None:
+        b = kl.fleet if on_share else kl.override if (ovr is not None and fresh) else kl.req
+        tat = (bucket or (0, 0))[0]
+        if b.interval_ns:
+            tokens = max(0.0, (b.tau_ns - max(tat - r.ktime_ns, 0)) / b.interval_ns)
+    return TenantQuota(
+        tenant=info.name, tier=info.tier, baseline=base, limit=lim_in_force,
+        admitted=c[0], dropped=c[1], conn_admitted=c[2], conn_dropped=c[3],
+        admitted_rps=(c[0] - o[0]) / span if span > 0 else 0.0,
+        dropped_rps=(c[1] - o[1]) / span if span > 0 else 0.0, bucket_tokens=tokens)
+
+
+def part(r: "Reading", view: Tenants, interfaces: tuple[str, ...], pins: str, others_on_hook: tuple[str, ...],
+         namespaces: tuple[Mapping[str, Any], ...]) -> QuotaPart:
+    """The part: tenants, the unmatched traffic's counts and what passed unchecked, from r and view; where the
+    classifier sits, as the capability has it."""
+    return QuotaPart(tenants=dict(view.tenants), unmatched_packets=r.stats.get("unmatched", 0),
+                     unmatched_counts=view.counts(UNMATCHED_ID), passed=dict(r.stats), interfaces=interfaces,
+                     pins=pins, others_on_hook=others_on_hook, namespaces=namespaces, rows_read=r.rows_read)

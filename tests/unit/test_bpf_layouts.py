@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 from qosagent import hist, tenants
-from qosagent.ebpf import pins, tenant_ports
+from qosagent.ebpf import maps, pins, tenant_ports
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import pods as latency_pods
 from qosagent.latency.cgroupwatch import CgroupEvent
@@ -57,6 +57,7 @@ def test_latency_rows_and_counters(c: Headers) -> None:
     assert bm.ROW_SIZE == c.struct("lat_row").size
     assert c_layout(c.struct("lat_row")) == [("sum_ns", 0, 8), ("count", 8, 8 * hist.NBUCKETS)]
     assert c.struct("lat_counts").size == 8 * bm.NCOUNTERS
+    assert c_layout(c.struct("qos_gen")) == [("n", 0, maps.GEN_SIZE)]
 
 
 def constants() -> list[tuple[str, int]]:
@@ -83,8 +84,7 @@ def constants() -> list[tuple[str, int]]:
     ]
     out += [(f"QOS_STAT_{reason.upper()}", i) for i, reason in enumerate(layout.STAT_REASONS)]
     out += [(f"QOS_VIA_{via.upper()}", i) for i, via in layout.VIA.items()]
-    out += [(f"LAT_{name}", getattr(bm, name)) for name in dir(bm) if name.startswith(("KIND_", "C_"))
-            and name != "KIND_RUNQ"]  # KIND_RUNQ is no kind of the kernel's: the run-queue row's key in Raw
+    out += [(f"LAT_{name}", getattr(bm, name)) for name in dir(bm) if name.startswith(("KIND_", "C_"))]
     return out
 
 
@@ -103,7 +103,7 @@ def test_every_latency_counter_is_mirrored(c: Headers) -> None:
     """A counter added to the kernel without a Python name would be summed and never reported."""
     assert {n for n in c.defines if n.startswith("LAT_C_")} == {f"LAT_{n}" for n in dir(bm) if n.startswith("C_")}
     assert {n for n in c.defines if n.startswith("LAT_KIND_")} == {
-        f"LAT_{n}" for n in dir(bm) if n.startswith("KIND_") and n != "KIND_RUNQ"}
+        f"LAT_{n}" for n in dir(bm) if n.startswith("KIND_")}
 
 
 _KINDS = {"hash": layout.HASH, "array": layout.ARRAY, "prog": layout.PROG_ARRAY, "percpu_array": layout.PERCPU_ARRAY,
@@ -120,7 +120,7 @@ def test_pinned_quota_maps_are_specified_as_declared(c: Headers) -> None:
         want_entries = flows if d.max_entries == "QOS_FLOWS" else c.eval(d.max_entries)
         assert (spec.type, spec.key_size, spec.value_size, entries) == (
             _KINDS[d.kind], c.sizeof(d.key), c.sizeof(d.value), want_entries), name
-    pinned = {n for n, d in declared.items() if n not in ("quota_flow_l1", "quota_scan")}
+    pinned = {n for n, d in declared.items() if n not in ("quota_flow_l1", "quota_scan", "quota_gen")}
     assert set(specs) == pinned  # the per-CPU scratch maps are the program's own, never pinned
 
 

@@ -12,11 +12,12 @@ from prometheus_client.exposition import generate_latest
 
 from qosagent.config import parse
 from qosagent.hist import NBUCKETS, Histogram, bucket_index, bucket_upper, export_bounds_ns
+from qosagent.ebpf.maps import moved, runs
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency import export
 from qosagent.latency.model import LatencyPart, TenantLatency
-from qosagent.latency.window import Window
-from qosagent.tenants import UNMATCHED_ID, tenant_entries, tenant_id
+from qosagent.window import Windows
+from qosagent.tenants import tenant_entries, tenant_id
 
 CFG = {
     "tenants": [
@@ -57,25 +58,30 @@ def row(sum_ns: int, counts: dict[int, int]) -> bytes:
     return struct.pack(f"<{len(q)}Q", *q)
 
 
-def test_rows_and_counters_are_read_by_slot_and_unchanged_rows_are_not_parsed_again() -> None:
-    slots = {0: 0, 1: 7, 2: 8}  # slot -> tenant id; slot 3 is nobody's
-    runq_row = bm.KINDS * 4
-    # Slot 1's rows are 4..7 (headers, response, ttft, inter-token); slot 3's (12..15) are nobody's.
-    rows = {bm.KINDS + bm.KIND_TTFT: row(360, {100: 3, 101: 4}), bm.KINDS + bm.KIND_ITL: row(0, {}),
-            3 * bm.KINDS: row(9, {1: 1}), runq_row: row(50, {20: 2})}
+def test_counters_sum_the_cpus_and_rows_unchanged_are_not_parsed_again() -> None:
     def per_cpu(*cpus: dict[int, int]) -> bytes:  # struct lat_counts of each CPU, back to back
         return b"".join(struct.pack(f"<{bm.NCOUNTERS}Q", *[c.get(w, 0) for w in range(bm.NCOUNTERS)]) for c in cpus)
 
-    counters = [(0, per_cpu({}, {})), (1, per_cpu({bm.C_STARTED: 2}, {bm.C_STARTED: 3, bm.C_CONNS: 0})),
-                (2, per_cpu({}, {bm.C_CONNS: 1}))]
+    assert bm.counters(per_cpu({bm.C_STARTED: 2}, {bm.C_STARTED: 3, bm.C_CONNS: 0})) == {bm.C_STARTED: 5}
+    assert bm.counters(per_cpu({}, {})) == {}
     parser = bm.RowParser()
-    raw = bm.assemble(sorted(rows.items()), counters, slots, runq_row, parser)
-    assert raw.hist == {(7, bm.KIND_TTFT): {100: 3, 101: 4}, (UNMATCHED_ID, bm.KIND_RUNQ): {20: 2}}
-    assert raw.sums[(7, bm.KIND_TTFT)] == 360 and raw.sums[(UNMATCHED_ID, bm.KIND_RUNQ)] == 50
-    assert (9, bm.KIND_TTFT) not in raw.hist  # slot 3: no tenant
-    assert raw.counters == {(7, bm.C_STARTED): 5, (8, bm.C_CONNS): 1}
-    again = bm.assemble(sorted(rows.items()), [], slots, runq_row, parser)
-    assert again.hist[(7, bm.KIND_TTFT)] is raw.hist[(7, bm.KIND_TTFT)]  # same bytes: the parse is reused
+    data = row(360, {100: 3, 101: 4})
+    h = bm.histogram(6, data, parser)
+    assert (dict(h.counts), h.sum_ns) == ({100: 3, 101: 4}, 360)
+    assert bm.histogram(6, bytes(data), parser).counts is h.counts  # same bytes: the parse is reused
+    assert bm.histogram(7, row(0, {}), parser).count == 0
+
+
+def test_generations_that_moved_are_found_and_read_in_runs() -> None:
+    gens = [0] * 300
+    old = struct.pack("<300Q", *gens)
+    assert moved(old, old) == []
+    gens[3], gens[4], gens[5], gens[200] = 1, 7, 2, 9
+    new = struct.pack("<300Q", *gens)
+    assert moved(new, old) == [3, 4, 5, 200]
+    # Slots added by a reload since the last read: their generations were zero.
+    assert moved(struct.pack("<302Q", *gens, 0, 1), new) == [301]
+    assert runs({200, 5, 3, 4, 7}) == [(3, 3), (7, 1), (200, 1)]
 
 
 def test_a_row_is_parsed_whole_from_its_first_to_its_last_bucket() -> None:
@@ -91,19 +97,48 @@ def test_slots_leave_room_for_reloads() -> None:
 
 
 def test_window_subtracts_the_checkpoint_one_span_ago() -> None:
-    w: Window[int] = Window(10.0, steps=10)
-    assert w.push(0.0, 0) == (0.0, 0)  # before a full span: since start
+    w: Windows[str, int] = Windows(10.0, 0, steps=10)
+    assert w.tick(0.0, {"a": 0}) == set() and w.base("a") == 0  # before a full span: since start
     for t in range(1, 31):
-        base_t, base = w.push(float(t), t * 5)
-    assert (base_t, base) == (20.0, 100)
-    assert len(w._ring) <= 12  # a bounded number of checkpoints, whatever the run time
+        w.tick(float(t), {"a": t * 5})
+    assert (w.start, w.base("a"), w.current("a")) == (20.0, 100, 150)
+    assert len(w._times) <= 12 and len(w._kept["a"]) <= 12  # bounded, whatever the run time
 
 
 def test_window_takes_checkpoints_at_its_step_not_every_tick() -> None:
-    w: Window[int] = Window(10.0, steps=10)
+    w: Windows[str, int] = Windows(10.0, 0, steps=10)
     for i in range(200):  # 100 ms ticks over 20 s
-        w.push(i / 10, i)
-    assert len(w._ring) <= 12
+        w.tick(i / 10, {"a": i})
+    assert len(w._times) <= 12 and len(w._kept["a"]) <= 12
+
+
+def test_an_idle_key_keeps_no_checkpoints_and_its_window_drains_when_asked() -> None:
+    """The windows of keys that do not change are not advanced tick by tick, yet each is right whenever read: the
+    same as a window over every key's state at every checkpoint (the old way, here the reference)."""
+    w: Windows[str, int] = Windows(10.0, 0, steps=10)
+    ref: dict[float, dict[str, int]] = {}  # every key's state at every checkpoint
+    state = {"busy": 0, "idle": 0, "late": 0}
+    moved_at: dict[str, list[float]] = {"busy": [], "idle": [], "late": []}
+    for i in range(400):  # 100 ms ticks over 40 s
+        now = i / 10
+        changed = {}
+        if i % 3 == 0:
+            changed["busy"] = state["busy"] = state["busy"] + 1
+        if 20 <= i < 50:  # idle sends for 3 s, then never again
+            changed["idle"] = state["idle"] = state["idle"] + 2
+        if i in (60, 300):  # late comes twice
+            changed["late"] = state["late"] = state["late"] + 5
+        for k in w.tick(now, changed):
+            moved_at[k].append(now)
+        if not ref or now - max(ref) >= 1.0:
+            ref[now] = dict(state)
+        b = max(t for t in ref if t <= max(now - 10.0, min(ref)))
+        assert w.start == b
+        for k in state:
+            assert state[k] - w.base(k) == state[k] - ref[b][k], (now, k)
+    # idle's window changed only while B passed its checkpoints (2-5 s, then 11-15 s); none since.
+    assert moved_at["idle"] and max(moved_at["idle"]) < 16.0
+    assert len(w._kept["idle"]) == 1  # one state: the one B is past
 
 
 def test_le_text_is_the_exact_edge_in_seconds() -> None:
