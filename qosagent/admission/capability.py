@@ -61,6 +61,11 @@ class Admission(Capability):
         self.pre_cleanup = PreCleanup()
         self._written = False  # overrides were written and must be withdrawn when we stop writing
         self._published: AdmissionPart | None = None  # the last part settled: the next tick's collected one
+        # Worked out once per config rather than every tick: its tenants by name, their baselines (the config's, as
+        # quota's part carries them), and each tenant's report while at rest (no adaptive limit, no shed).
+        self._for: Any = None
+        self._index: dict[str, Any] = {}
+        self._at_rest: dict[str, TenantAdmission] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:
@@ -120,8 +125,13 @@ class Admission(Capability):
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         cfg = self.ctx.config
-        self.baseline = baseline(snapshot, cfg)
-        inp = tick_input(snapshot, cfg, self.baseline)
+        if self._for is not cfg:
+            self._for, self.baseline = cfg, baseline(snapshot, cfg)
+            self._index = {t.name: t for t in cfg.tenants}
+            self._at_rest = {t.name: TenantAdmission(t.name, t.tier, self.baseline.get(t.name),
+                                                     self.baseline.get(t.name), False, False, policy.BY_CONFIG,
+                                                     "baseline", "") for t in cfg.tenants}
+        inp = tick_input(snapshot, cfg, self.baseline, self._index)
         out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state
         self.outcome = out
@@ -175,14 +185,18 @@ class Admission(Capability):
             return AdmissionPart(**common)  # type: ignore[arg-type]
         state = out.state
         gpu = _gpu_line(out, dry_run=not self._enforcing())
-        tenants = []
-        for t in cfg.tenants:
-            s = state.tenants.get(t.name, policy.TenantState())
-            by = out.set_by.get(t.name)
-            tenants.append(TenantAdmission(
-                t.name, t.tier, self.baseline.get(t.name), out.overrides.get(t.name, self.baseline.get(t.name)),
+        # Only the tenants cut or shed are built anew; the rest are at rest, as reported since the config came.
+        moved = {}
+        for name, s in state.tenants.items():
+            t = self._index.get(name)
+            if t is None or not (s.shed or s.limit is not None):
+                continue
+            by = out.set_by.get(name)
+            moved[name] = TenantAdmission(
+                name, t.tier, self.baseline.get(name), out.overrides.get(name, self.baseline.get(name)),
                 s.shed, s.limit is not None, by.signal if by else policy.BY_CONFIG, by.rule if by else "baseline",
-                by.detail if by else ""))
+                by.detail if by else "")
+        tenants = [moved.get(t.name) or self._at_rest[t.name] for t in cfg.tenants]
         return dataclasses.replace(
             out.part, decided=True, gpu=gpu, shed_tiers=state.shed_tiers, escalation=state.escalation,
             healthy_streak=state.healthy_streak, servers_known=tuple(sorted(out.servers)),

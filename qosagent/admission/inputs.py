@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from qosagent.admission.policy import (
     MEMORY_EVIDENCE,
@@ -16,10 +16,10 @@ from qosagent.admission.policy import (
     TickInput,
     TierInput,
 )
-from qosagent.config import Config, LimitSpec
+from qosagent.config import Config, LimitSpec, TenantConfig
 from qosagent.gpu.backend import GPU, GpuSample, GpuState
-from qosagent.latency.model import LATENCY, LatencyPart
-from qosagent.quota.model import QUOTA
+from qosagent.latency.model import LATENCY, LatencyPart, TenantLatency
+from qosagent.quota.model import QUOTA, TenantQuota
 from qosagent.resources.model import RESOURCES
 from qosagent.servers.model import SERVERS, ServerReading, ServersPart
 from qosagent.slo import SloVerdict
@@ -138,32 +138,60 @@ def slo_verdict(lat: LatencyPart | None, cfg: Config) -> SloVerdict:
                  adm.quantile, adm.near_slo, adm.healthy_below)
 
 
-def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit]) -> TickInput:
-    policy = cfg.admission
-    lat = snap.part(LATENCY)
-    quota = snap.part(QUOTA)
-    lat_tenants = lat.tenants if lat is not None else {}
-    quota_tenants = quota.tenants if quota is not None else {}
+class TenantInputs(Mapping[str, TenantInput]):
+    """The configured tenants' inputs, in the config's order, each built when first asked for: a tick at rest asks
+    only for the tenants with an adaptive limit or a shed, so the idle ones cost no object per tick. Reads only what
+    it was given, as tick_input does."""
 
-    tenants: dict[str, TenantInput] = {}
-    for t in cfg.tenants:
-        tl = lat_tenants.get(t.name)
-        tq = quota_tenants.get(t.name)
-        floor = cfg.tiers[t.tier].floor
+    def __init__(self, cfg: Config, lat: Mapping[str, TenantLatency], quota: Mapping[str, TenantQuota],
+                 baseline: Mapping[str, TenantLimit], index: Mapping[str, TenantConfig]):
+        self._cfg, self._lat, self._quota, self._baseline, self._index = cfg, lat, quota, baseline, index
+        self._built: dict[str, TenantInput] = {}
+
+    def __getitem__(self, name: str) -> TenantInput:
+        got = self._built.get(name)
+        if got is None:
+            got = self._built[name] = self._build(self._index[name])
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def _build(self, t: TenantConfig) -> TenantInput:
+        tl = self._lat.get(t.name)
+        tq = self._quota.get(t.name)
+        tier = self._cfg.tiers[t.tier]
+        floor = tier.floor
         # Admitted rate from the classifier when quota runs; otherwise what completed, as the next best guess.
         admitted = tq.admitted_rps if tq is not None else tl.rate_rps if tl is not None else None
-        tenants[t.name] = TenantInput(
+        return TenantInput(
             name=t.name,
             tier=t.tier,
-            baseline=baseline.get(t.name),
+            baseline=self._baseline.get(t.name),
             floor_rps=(floor.rps or 0.0) if floor is not None else 0.0,
             floor_burst=_floor_burst(floor),
             admitted_rps=admitted,
             dropped_rps=tq.dropped_rps if tq is not None else None,
             in_flight=tl.in_flight if tl is not None else None,
-            sheddable=cfg.tiers[t.tier].sheddable,
+            sheddable=tier.sheddable,
             ports=frozenset(t.match.ports),
         )
+
+
+def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit],
+               index: Mapping[str, TenantConfig] | None = None) -> TickInput:
+    """index: cfg's tenants by name (made here when not given; the capability keeps one per config)."""
+    policy = cfg.admission
+    lat = snap.part(LATENCY)
+    quota = snap.part(QUOTA)
+    tenants = TenantInputs(cfg, lat.tenants if lat is not None else {}, quota.tenants if quota is not None else {},
+                           baseline, index if index is not None else {t.name: t for t in cfg.tenants})
     verdict = slo_verdict(lat, cfg)
     tiers = {name: TierInput(name, cfg.tiers[name].weight, v, cfg.tiers[name].sheddable)
              for name, v in verdict.tiers.items()}

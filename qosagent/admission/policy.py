@@ -140,6 +140,17 @@ class TenantState:
     why: str = ""  # the last change's cause, as status shows it
 
 
+_AT_REST = TenantState()  # a tenant on its baseline, never cut or shed
+
+
+class _States(dict):  # type: ignore[type-arg]
+    """The tenants' states, holding only those ever cut or shed: a tenant not in it is at rest. A tick at rest then
+    costs nothing per configured tenant."""
+
+    def __missing__(self, name: str) -> TenantState:
+        return _AT_REST
+
+
 @dataclass(frozen=True)
 class ServerState:
     kv: bool = False
@@ -323,7 +334,7 @@ class _Tick:
     def __init__(self, inp: TickInput, policy: AdmissionConfig, prev: LoopState):
         self.inp, self.policy, self.prev, self.now = inp, policy, prev, inp.now
         self.order = _tier_order(inp.tiers)
-        self.states = {name: prev.tenants.get(name, TenantState()) for name in inp.tenants}
+        self.states = _States((n, s) for n, s in prev.tenants.items() if n in inp.tenants)
         self.changes: list[Change] = []
         self.escalation, self.since_cut = prev.escalation, prev.ticks_since_cut + 1
         self.last_cut, self.last_change, self.last_server_cut = prev.last_cut, prev.last_change, prev.last_server_cut
@@ -443,9 +454,9 @@ class _Tick:
             return
         self.escalation = 0
         raised = False
-        for name, t in self.inp.tenants.items():
-            s = self.states[name]
-            if s.limit is None or s.shed or now - s.last_cut < policy.cooldown:
+        for name in self.in_order([n for n, s in self.states.items() if s.limit is not None]):
+            t, s = self.inp.tenants[name], self.states[name]
+            if s.shed or now - s.last_cut < policy.cooldown:
                 continue
             # A limit the tenant does not press against tells nothing about whether more would hurt.
             if t.admitted_rps is None or t.admitted_rps < 0.5 * s.limit.rps:
@@ -528,8 +539,10 @@ class _Tick:
                                     "exit": gp.exit, "trigger": gp.trigger, "shed_tiers": sorted(shed_set)}
         if best is None:
             gpu_note["gpu_unknown"] = "; ".join(v.why for v in self.gpu_views) or self.inp.gpu.reason
-        for name, t in self.inp.tenants.items():
-            s = self.states[name]
+        # Tenants of a shed tier, and those shed before: the others' want and state are both "not shed".
+        names = list(self.inp.tenants) if shed_set else self.in_order([n for n, s in self.states.items() if s.shed])
+        for name in names:
+            t, s = self.inp.tenants[name], self.states[name]
             want = t.tier in shed_set
             if want == s.shed:
                 continue
@@ -547,15 +560,21 @@ class _Tick:
                 self.changes.append(Change(name, UNSHED, before, effective(t, self.states[name]), release_reason,
                                            self.note(name, gpu_note)))
 
+    def in_order(self, names: list[str]) -> list[str]:
+        """names in the tenants' order (the config's), so that changes are listed alike whichever step made them."""
+        if len(names) < 2:
+            return names
+        want = set(names)
+        return [n for n in self.inp.tenants if n in want]
+
     def outcome(self) -> Outcome:
         overrides = {}
-        set_by = {}
-        for name, t in self.inp.tenants.items():
-            s = self.states[name]
+        set_by = dict.fromkeys(self.inp.tenants, _BASELINE)  # at rest: the config's baseline
+        for name in self.in_order([n for n, s in self.states.items() if s.shed or s.limit is not None]):
+            t, s = self.inp.tenants[name], self.states[name]
             lim = effective(t, s)
-            if s.shed or s.limit is not None:
-                assert lim is not None
-                overrides[name] = lim
+            assert lim is not None
+            overrides[name] = lim
             set_by[name] = _set_by(t, s, lim, self.policy)
         state = LoopState(
             tenants=MappingProxyType(self.states),
@@ -584,6 +603,9 @@ class _Tick:
                        MappingProxyType(self.servers), MappingProxyType(set_by))
 
 
+_BASELINE = SetBy(BY_CONFIG, "baseline")
+
+
 def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: AdmissionConfig) -> SetBy:
     """The signal and rule behind a tenant's limit in force, and whether a floor is what holds it up."""
     if s.shed:
@@ -591,7 +613,7 @@ def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: Adm
     elif s.limit is not None:
         signal, rule = s.cause or BY_SLO, s.rule or CUT
     else:
-        return SetBy(BY_CONFIG, "baseline")
+        return _BASELINE
     if lim is not None and lim.rps <= minimum(t, policy, shedding=s.shed):
         rule += ", held at the tier floor" if lim.rps == t.floor_rps and t.floor_rps > 0 else \
             ", shed to 0 (sheddable tier)" if s.shed else ", held at min_rps"

@@ -501,3 +501,57 @@ def test_a_latency_breach_and_server_pressure_on_one_tick_cut_once() -> None:
     assert [(c.tenant, c.reason) for c in out.changes] == [("hobby", "server_pressure")]
     # The server's cut answered gold's breach too, and says so: the breach rule waits a window after any cut.
     assert out.changes[0].inputs["breaching"] == ["gold"]
+
+
+class Counted(dict):  # type: ignore[type-arg]
+    """Tenant inputs that count which tenants decide() asked for (as qosagent.admission.inputs.TenantInputs builds
+    them: on first access)."""
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self.asked: set[str] = set()
+
+    def __getitem__(self, name: str) -> P.TenantInput:
+        self.asked.add(name)
+        return super().__getitem__(name)
+
+    def items(self):  # type: ignore[no-untyped-def]
+        self.asked.update(self)
+        return super().items()
+
+    def values(self):  # type: ignore[no-untyped-def]
+        self.asked.update(self)
+        return super().values()
+
+
+def test_a_tick_at_rest_asks_for_no_idle_tenant() -> None:
+    """1,000 tenants: a healthy tick asks for none of them; a breach cuts the lowest tier (and asks for every tenant,
+    once); recovery then asks only for the tenants it cut."""
+    pol = cfg(cooldown="0s", healthy_ticks=1)
+    tiers_of = {f"t{i}": ("gold", "silver", "bronze")[i % 3] for i in range(1000)}
+    state, now = P.LoopState(), 1000.0
+
+    def tick(over: bool) -> tuple[P.Outcome, set[str]]:
+        nonlocal state, now
+        tiers = {t: P.TierInput(t, WEIGHT[t], slo.tier(SLO[t] * (1.5 if over and t == "gold" else 0.5), SLO[t],
+                                                       pol.near_slo, pol.healthy_below), False) for t in SLO}
+        tenants = Counted({n: P.TenantInput(n, t, TenantLimit(100, 10), admitted_rps=90.0)
+                           for n, t in tiers_of.items()})
+        out = P.decide(P.TickInput(now, tiers, tenants, P.GpuInput.unknown("no GPU")), pol, state)
+        state, now = out.state, now + TICK
+        return out, tenants.asked
+
+    for _ in range(3):
+        out, asked = tick(False)
+        assert asked == set() and out.overrides == {} and out.set_by["t5"] == P.SetBy("config", "baseline")
+    for _ in range(pol.breach_ticks):
+        out, asked = tick(True)
+    cut = {c.tenant for c in out.changes}
+    assert cut == {n for n, t in tiers_of.items() if t == "bronze"} and set(out.overrides) == cut
+    assert state.tenants["t1"].limit is None  # a tenant never cut is at rest
+    raised: set[str] = set()
+    for _ in range(5):
+        out, asked = tick(False)
+        assert asked <= cut
+        raised |= {c.tenant for c in out.changes}
+    assert raised == cut
