@@ -46,6 +46,7 @@ bench: setup-test
 	$(PY) -m bench.admission_decide
 	$(PY) bench/llamacpp_bench.py
 	$(PY) bench/resources_bench.py
+	$(PY) -m bench.scale_tenants
 
 # The agent at work on this host alone: a namespace, a streaming server, two tenants, a quota (about 30 s).
 demo: setup

@@ -2,10 +2,10 @@
 with 1 % and 100 % of them active, beside the 10-tenant baseline taken in the same run; and the time to load, validate
 and sync a 4,000-tenant config, and what a reload of one tenant writes.
 
-Run as root: `python bench/scale_tenants.py [--tenants 10,100,1000,4000] [--ticks 60]`. Each case runs in a child
-process of its own, in a network namespace of its own (quota's filter on its lo, its pins under a bpffs directory of
-its own, both removed at the end): the whole Agent.tick() with quota, latency and admission (dry-run) on real BPF,
-tenants matched by client network, as an inference provider's API keys would be.
+Run as root from the checkout: `python -m bench.scale_tenants [--tenants 10,100,1000,4000] [--ticks 60]`. Each case
+runs in a child process of its own, in a network namespace of its own (quota's filter on its lo, its pins under a
+bpffs directory of its own, both removed at the end): the whole Agent.tick() with quota, latency and admission
+(dry-run) on real BPF, tenants matched by client network, as an inference provider's API keys would be.
 
 "Active" is what the kernel's programs would do for a request of each active tenant before every tick: its latency
 rows, counters and generation, its quota counters and generation (bumped in the maps as the programs bump them, by
@@ -20,12 +20,11 @@ the tick's, the servers' reader, the pods' lister), RSS, and rows read per tick 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import uuid
+
+from bench.tick_cpu import in_netns
 
 CHILD = r"""
 import json, sys, time
@@ -173,23 +172,6 @@ print(json.dumps({"parse": t_parse, "sync": t_sync, "reload": t_reload, "reload_
 """
 
 
-def child(code: str, *args: str) -> dict:
-    ns = f"qosbench-{uuid.uuid4().hex[:8]}"
-    pins = f"/sys/fs/bpf/{ns}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        # nsenter, not `ip netns exec`: that remounts /sys, hiding the host's bpffs.
-        out = subprocess.run(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", code, *args, pins],
-                             capture_output=True, text=True, timeout=900)
-        if out.returncode != 0:
-            raise RuntimeError(f"{args}: {out.stderr[-3000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-        subprocess.run(["rm", "-rf", pins], check=False)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tenants", default="10,100,1000,4000")
@@ -201,7 +183,7 @@ def main() -> None:
     for n in counts:
         for share in (0.01, 1.0):
             active = max(1, round(n * share))
-            res = child(CHILD, a.checkout, str(n), str(active), str(a.ticks))
+            res = in_netns(CHILD, a.checkout, str(n), str(active), str(a.ticks), timeout=900)
             print(f"n={n} active={active}: {res['states']}", file=sys.stderr)
             results[(n, share)] = res
     base = statistics.median(results[(counts[0], 0.01)]["cpu"])
@@ -214,7 +196,7 @@ def main() -> None:
         print(f"| {n} | {max(1, round(n * share))} ({share:.0%}) | {med * 1e6:.0f} | {p95 * 1e6:.0f} "
               f"| {med / base:.2f} | {r['proc'] * 100:.1f} | {r['rss_kb'] / 1024:.0f} | "
               f"{statistics.median(r['rows']):.0f} |")
-    c = child(CONFIG, a.checkout, "4000")
+    c = in_netns(CONFIG, a.checkout, "4000", timeout=900)
     print(f"\n4,000 tenants: parse and validate {c['parse'] * 1e3:.0f} ms, first sync of both programs' maps "
           f"{c['sync'] * 1e3:.0f} ms (load+sync {(c['parse'] + c['sync']) * 1e3:.0f} ms); a reload moving one tenant's "
           f"network {c['reload'] * 1e3:.0f} ms, writing {c['reload_writes']}")

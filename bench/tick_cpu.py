@@ -58,21 +58,27 @@ print(json.dumps({"cpu": cpu, "states": states}))
 """
 
 
-def one(checkout: str, n: int, ticks: int) -> dict:
+def in_netns(code: str, *args: str, timeout: int = 600) -> dict:
+    """`python -c code *args PINS` in a network namespace of its own, PINS a bpffs directory of its own, both removed
+    after; its last line of output, as JSON."""
     ns = f"qosbench-{uuid.uuid4().hex[:8]}"
     pins = f"/sys/fs/bpf/{ns}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
         # nsenter, not `ip netns exec`: that remounts /sys, hiding the host's bpffs.
-        out = subprocess.run(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", CHILD, checkout, str(n),
-                              str(ticks), pins], capture_output=True, text=True, timeout=600)
+        out = subprocess.run(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", code, *args, pins],
+                             capture_output=True, text=True, timeout=timeout)
         if out.returncode != 0:
-            raise RuntimeError(f"{checkout} with {n} tenants: {out.stderr[-3000:]}")
+            raise RuntimeError(f"{args}: {out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
         subprocess.run(["rm", "-rf", pins], check=False)
+
+
+def one(checkout: str, n: int, ticks: int) -> dict:
+    return in_netns(CHILD, checkout, str(n), str(ticks))
 
 
 def main() -> None:

@@ -375,9 +375,14 @@ def parse(data: Any, source: str) -> Config:
     return cfg
 
 
+# libyaml's parser where PyYAML was built with it (Debian's python3-yaml, the wheels): the pure-Python one takes
+# about 2 s for 4,000 tenants, a quarter of that here.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def parse_text(text: str, source: str) -> Config:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
