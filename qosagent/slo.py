@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Mapping
+from typing import Collection, Mapping
 
 from qosagent.hist import Histogram
 
@@ -49,11 +49,14 @@ class SloVerdict:
     are asked for, so a tick pays for no half nobody reads."""
 
     def __init__(self, windows: Mapping[str, tuple[str, Histogram]], configured: Mapping[str, float],
-                 tier_slo: Mapping[str, float], signal: str, quantile: float, near_slo: float, healthy_below: float):
+                 tier_slo: Mapping[str, float], signal: str, quantile: float, near_slo: float, healthy_below: float,
+                 busy: Collection[str] | None = None):
         """windows: name -> (tier, its window of `signal`), every tenant measured; configured: the configured
-        tenants' SLOs (only they make up a tier); tier_slo: each configured tier's SLO."""
+        tenants' SLOs (only they make up a tier); tier_slo: each configured tier's SLO; busy: the tenants whose
+        window may hold requests, where the caller knows them (the others' are empty: a tier is merged from these)."""
         self.signal, self.quantile = signal, quantile
         self._windows, self._configured, self._tier_slo = windows, configured, tier_slo
+        self._busy = busy
         self._near, self._healthy = near_slo, healthy_below
 
     @cached_property
@@ -66,7 +69,8 @@ class SloVerdict:
     def tiers(self) -> Mapping[str, TierSlo]:
         # Summed in place: chaining Histogram.__add__ copies the growing tier total once per tenant.
         merged: dict[str, dict[int, int]] = {}
-        for name, (of, window) in self._windows.items():
+        busy = self._windows.items() if self._busy is None else ((n, self._windows[n]) for n in self._busy)
+        for name, (of, window) in busy:
             # An empty window adds nothing (its count is cheap; its counts are a subtraction): idle tenants cost none.
             if name in self._configured and window.count:
                 acc = merged.setdefault(of, {})

@@ -180,7 +180,7 @@ class Latency(Capability):
         runq, runq_window = view.runqueue() if self.runq else (None, None)
         slos, tier_slo = self._slos
         verdict = SloVerdict(dict(view.windows), slos, tier_slo, adm.signal, adm.quantile, adm.near_slo,
-                             adm.healthy_below)
+                             adm.healthy_below, frozenset(view.busy))
         return LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants), runqueue=runq,
                            runqueue_window=runq_window, found_open=self.hooks.found(),
                            unobserved=self.hooks.unobserved(), hooks=self.hooks.view(self.attached(), self.programs),

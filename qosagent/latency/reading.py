@@ -31,6 +31,7 @@ class Tenants:
         self._known: Mapping[int, TenantInfo] = {}
         self.tenants: dict[str, TenantLatency] = {}  # by name, in tenant id order; a copy goes into each part
         self.windows: dict[str, tuple[str, Histogram]] = {}  # name -> (tier, its window of the signal)
+        self.busy: set[str] = set()  # the tenants whose window of the signal holds requests
         self.counted = 0  # connections tracked and requests started, every tenant's (hooks.counted)
 
     def configure(self, current: Mapping[int, TenantInfo], known: Mapping[int, TenantInfo], window_s: float) -> None:
@@ -64,12 +65,16 @@ class Tenants:
                 self._windowed.discard(tid)
         if everything or len(self.tenants) != len(self._built):
             self.tenants = {t.tenant: t for _tid, t in sorted(self._built.items())}
-            self.windows = {n: (t.tier, t.window(signal)) for n, t in self.tenants.items()}
-        else:
-            for tid in rebuild:
-                t = self._built[tid]
-                self.tenants[t.tenant] = t
-                self.windows[t.tenant] = (t.tier, t.window(signal))
+            self.windows, self.busy = {}, set()
+            rebuild = list(self._built)
+        for tid in rebuild:
+            t = self._built[tid]
+            self.tenants[t.tenant] = t
+            window = self.windows[t.tenant] = (t.tier, t.window(signal))
+            if window[1].count:
+                self.busy.add(t.tenant)
+            else:
+                self.busy.discard(t.tenant)
         self._everything, self._signal = False, signal
 
     def runqueue(self) -> tuple[Histogram, Histogram]:
