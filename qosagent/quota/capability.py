@@ -125,7 +125,7 @@ class Quota(Capability):
     def collect(self) -> QuotaPart:
         d = self.datapath
         assert d is not None
-        r = d.read()
+        r = d.read_changed()
         self.rows_read = r.rows_read
         self.view.update(r, self.table, self.specs, self.overrides, self.fleet, self.ctx.config.quota.heartbeat_timeout)
         return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)

@@ -164,8 +164,7 @@ class Reading:
     limits: Mapping[int, Any]  # tenant id -> QuotaLimit
     buckets: Mapping[int, tuple[int, int]]  # tenant id -> (req_tat, conn_tat)
     heartbeat_ns: int
-    rows_read: int = 0  # slots whose counts and buckets were read: those whose generation moved; only they are in
-    # counts and buckets
+    rows_read: int = 0  # slots whose counts and buckets were read (only they are in counts and buckets)
 
 
 class Datapath:
@@ -429,16 +428,26 @@ class Datapath:
 
     # ---- maps -> numbers ---------------------------------------------------------------------------------
     def read(self) -> Reading:
-        """The counts and buckets of the slots whose generation moved (quota_gen: qos_common.h; every slot at the
-        first read), the limits as last written, the stats."""
+        """Every slot's counts and buckets, the limits as the kernel holds them, the stats."""
+        limits = self.maps["quota_limits"]
+        return self._read(set(self.slots.values()) | {0},
+                          {tid: QuotaLimit.from_buffer_copy(bytes(limits.lookup(s))) for tid, s in self.slots.items()})
+
+    def read_changed(self) -> Reading:
+        """The tick's read: the counts and buckets of only the slots whose generation moved (quota_gen: qos_common.h;
+        every slot at the first two reads), the limits as last written, the stats."""
+        self._gens.resize(max(self.slots.values(), default=0) + 1)
+        return self._read(self._gens.changed(), {tid: QuotaLimit.from_buffer_copy(self._limits[slot])
+                                                 for tid, slot in self.slots.items() if slot in self._limits})
+
+    def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit]) -> Reading:
         m = self.maps
         counts, buckets = {}, {}
         counters, bucket_t = m["quota_counters"], m["quota_buckets"]
         by_slot = {slot: tid for tid, slot in self.slots.items()}
         by_slot[0] = UNMATCHED_ID
-        self._gens.resize(max(by_slot) + 1)
-        changed = self._gens.changed() & by_slot.keys()
-        for slot in changed:
+        read = slots & by_slot.keys()
+        for slot in read:
             tid = by_slot[slot]
             per_cpu = counters.lookup(slot)
             counts[tid] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
@@ -451,9 +460,7 @@ class Datapath:
         for i, reason in enumerate(layout.STAT_REASONS):
             stats[reason] = sum(v.packets for v in st.lookup(i))
         conf = m["quota_config"].lookup(0)
-        limits = {tid: QuotaLimit.from_buffer_copy(self._limits[slot]) for tid, slot in self.slots.items()
-                  if slot in self._limits}
-        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns, len(changed))
+        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns, len(read))
 
     def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
         """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""
