@@ -32,7 +32,6 @@ sys.path.insert(0, sys.argv[1])
 from qosagent.config import parse
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
-from qosagent.ebpf.maps import Map
 from qosagent.hist import bucket_index
 from qosagent.hostfs import HostFS
 from qosagent.latency import bpfmaps as bm
@@ -126,6 +125,7 @@ sys.path.insert(0, sys.argv[1])
 import yaml
 from qosagent.config import parse_text
 from qosagent.ebpf import maps
+from qosagent.hostfs import HostFS
 from qosagent.latency.datapath import Datapath as LatencyDatapath
 from qosagent.latency.model import Plan
 from qosagent.quota.datapath import Datapath as QuotaDatapath
@@ -152,7 +152,7 @@ t0 = time.perf_counter()
 cfg = parse_text(first, "bench")
 t_parse = time.perf_counter() - t0
 quota = QuotaDatapath(cfg)
-lat = LatencyDatapath.load(cfg, Plan("tracepoint", arrival=False, egress=False, runq=False))
+lat = LatencyDatapath.load(cfg, Plan("tracepoint", arrival=False, egress=False, runq=False), HostFS("/"))
 try:
     t0 = time.perf_counter()
     quota.write_config(cfg, baseline_buckets(cfg))
