@@ -4,8 +4,9 @@ Why this client: the `etcd3` package is unmaintained (0.12, 2020) and pins an ol
 grpcio's (already a dependency, for the container runtime); grpcio with etcd's protos would mean vendoring and
 building etcd's .proto files and their gogoproto/googleapis imports. The JSON gateway is part of every etcd >= 3.4
 server (no proxy to run), speaks the same KV, lease and txn API, and needs only an HTTP client the project
-already uses and that is well kept (httpx). Nothing waits on a stream: agents and the allocator poll once per
-report interval, so a dead connection costs one failed round, never a hung watch.
+already uses and that is well kept (httpx). One stream: an agent watches the round record (the gateway's watch,
+a long POST answered by a line of JSON per event), so it reads its grant when it is written; the watch gives up
+after a silence and the agent polls while it is down, so a dead connection costs latency, never a hung agent.
 
 The face is narrow so that another engine (a Kubernetes Lease) could stand behind it: leases (grant, keep alive,
 revoke), put and get under a prefix, an election (campaign on one key under the candidate's lease), and writes
@@ -15,9 +16,10 @@ fenced by the election's revision (a deposed leader's writes fail instead of lan
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 
 class EtcdError(Exception):
@@ -68,14 +70,19 @@ class Etcd:
         import httpx
 
         self._http_error = httpx.HTTPError
+        self._stream_error = (httpx.HTTPError, httpx.StreamError)  # StreamClosed: closed by close() meanwhile
+        self._timeout = httpx.Timeout
         self.endpoints = list(endpoints)
         self._at = 0  # the endpoint that answered last: tried first
         self.client = httpx.Client(timeout=timeout)
+        # The watch's own: a stream holds its connection, and closing this client ends a watch from another thread.
+        self.stream_client = httpx.Client(timeout=timeout)
         # httpx logs every request at info: several a second per node would bury the agent's own log.
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
     def close(self) -> None:
         self.client.close()
+        self.stream_client.close()
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         errors = []
@@ -153,6 +160,34 @@ class Etcd:
         doc = self._call("/v3/kv/range", {"key": _b64(key)})
         kvs = doc.get("kvs") or []
         return _kv(kvs[0]) if kvs else None
+
+    def watch(self, key: str, idle: float) -> Iterator[int]:
+        """Until the stream breaks: the store's revision when the watch is set up, then the mod revision of each
+        change of key, as etcd sends them. Raises EtcdError when the stream breaks, is refused or cancelled, or
+        stays silent for idle seconds (a healthy writer of key writes more often: see the caller)."""
+        url = self.endpoints[self._at] + "/v3/watch"
+        try:
+            with self.stream_client.stream("POST", url, json={"create_request": {"key": _b64(key)}},
+                                           timeout=self._timeout(self.client.timeout.connect, read=idle)) as r:
+                if r.status_code != 200:
+                    raise EtcdError(f"{url}: HTTP {r.status_code}")
+                for line in r.iter_lines():
+                    if not line.strip():
+                        continue
+                    try:
+                        doc = json.loads(line)
+                        res = doc["result"]
+                        if res.get("canceled"):
+                            raise EtcdError(f"{url}: watch cancelled ({res.get('cancel_reason', 'no reason')})")
+                        if res.get("created"):
+                            yield int(res["header"]["revision"])
+                        for ev in res.get("events") or []:
+                            yield int(ev["kv"]["mod_revision"])
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise EtcdError(f"{url}: unexpected watch answer {line[:200]!r} ({e})") from None
+        except self._stream_error as e:
+            raise EtcdError(f"{url}: watch: {type(e).__name__} {e}") from None
+        raise EtcdError(f"{url}: the watch stream ended")
 
     # ---- election and fenced writes ----------------------------------------------------------------------
     def campaign(self, key: str, me: str, lease: int) -> Leadership:

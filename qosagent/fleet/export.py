@@ -22,6 +22,9 @@ FAMILIES: tuple[Family[FleetPart], ...] = (
            ("tenant", "source"), lambda p: (([t, s.source], s.node_rps) for t, s in _tenants(p))),
     Family("qosagent_fleet_quota_rps", "gauge", "The tenant's fleet quota (quota.fleet_rps)", ("tenant",),
            lambda p: (([t], s.fleet_rps) for t, s in _tenants(p))),
+    Family("qosagent_fleet_share_ratio", "gauge", "The part of the tenant's fleet quota this node holds "
+           "(share_rps / quota_rps, 0 to 1)", ("tenant",),
+           lambda p: (([t], s.node_rps / s.fleet_rps if s.fleet_rps > 0 else 0.0) for t, s in _tenants(p))),
     Family("qosagent_fleet_on_safe_share", "gauge", "1 while the tenant runs on the safe share (no live grant)",
            ("tenant",), lambda p: (([t], 1.0 if s.source == "safe" else 0.0) for t, s in _tenants(p))),
     Family("qosagent_fleet_lease_age_seconds", "gauge", "Since the tenant's grant was last renewed", ("tenant",),
@@ -31,6 +34,10 @@ FAMILIES: tuple[Family[FleetPart], ...] = (
     Family("qosagent_fleet_reports", "counter", "Reports written to etcd", (), one(lambda p: p.seen.reports)),
     Family("qosagent_fleet_etcd_up", "gauge", "1 when the last report reached etcd", (),
            one(lambda p: 1.0 if p.seen.etcd_up else 0.0)),
+    Family("qosagent_fleet_watch_up", "gauge", "1 while the watch on the round record is up (else the grant is "
+           "polled)", (), one(lambda p: 1.0 if p.seen.watching else 0.0)),
+    Family("qosagent_fleet_watch_breaks", "counter", "Times the watch on the round record broke or went silent",
+           (), one(lambda p: p.seen.watch_breaks)),
 )
 
 

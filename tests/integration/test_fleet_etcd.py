@@ -4,7 +4,7 @@ absurd demand, a fleet quota below nodes x the minimum), tiers sharing fleet.cap
 when they change, and `qosagent allocator`'s listener under the agent's metrics TLS and basic auth settings.
 
 Rounds are driven one by one (Allocator.round), the new leader's wait of one lease moved back as the bench does;
-each test uses a prefix of its own on the module's etcd. About 15 s in all."""
+each test uses a prefix of its own on the module's etcd. About 25 s in all."""
 
 from __future__ import annotations
 
@@ -244,6 +244,57 @@ def test_a_report_refused_for_an_expired_lease_keeps_the_renewal_and_takes_a_new
     assert seen.grant == {"acme": 60.0} and seen.renewed_at is not None and seen.report_errors == 1
     r.cycle(full=False)  # a new lease, and the report is back
     assert r.seen().etcd_up and etcd.get(records.nodes_prefix(p) + "n1") is not None
+    a.resign()
+    r.stop()
+
+
+def wait_for(what: str, ok: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(0.05)
+
+
+def started_reporter(etcd_url: str, p: str, interval: float) -> Reporter:
+    """A running reporter for n1 whose grant polls (interval / 4 apart while its watch is down) and full reports
+    (interval) are far apart from what the test waits for."""
+    cfg = parse(fleet_config(etcd_url, p, {"acme": ("gold", 60.0)}, node="n1", report_interval=f"{interval}s",
+                             lease=f"{2 * interval}s"), "test")
+    r = Reporter(cfg.fleet, Etcd([etcd_url]))
+    r.offer({"acme": Want(30, 20)})
+    r.start()
+    wait_for("the first report", lambda: r.seen().etcd_up, 5)
+    return r
+
+
+def test_a_node_reads_its_grant_when_the_round_writes_it_through_the_watch(etcd_url, etcd):
+    p = "/watch"
+    r = started_reporter(etcd_url, p, 40.0)  # a poll every 10 s, were the watch down
+    wait_for("the watch", lambda: r._watching, 5)
+    a = leader(etcd_url, p, {"acme": ("gold", 60.0)})
+    a.round()  # the first grant
+    wait_for("the grant, woken by the watch", lambda: r.seen().grant.get("acme") is not None, 5)
+    first = r.seen()
+    assert first.watching and first.watch_breaks == 0 and first.renewed_at is not None
+    a.round()  # nothing moved: the round record alone, and the watch wakes the node to renew
+    wait_for("the renewal", lambda: r.seen().renewed_at > first.renewed_at, 5)
+    a.resign()
+    r.stop()
+
+
+def test_a_node_whose_watch_breaks_polls_its_grant(etcd_url, etcd, monkeypatch):
+    p = "/nowatch"
+
+    def refused(self: Etcd, key: str, idle: float) -> Any:
+        raise EtcdError("watch refused (a proxy that does not stream)")
+
+    monkeypatch.setattr(Etcd, "watch", refused)
+    r = started_reporter(etcd_url, p, 8.0)  # a poll every 2 s while the watch is down, a full report every 8
+    wait_for("the break counted", lambda: r._watch_breaks >= 1, 5)
+    a = leader(etcd_url, p, {"acme": ("gold", 60.0)})
+    a.round()
+    wait_for("the grant, polled", lambda: r.seen().grant.get("acme") is not None, 5)
+    assert not r.seen().watching and r.seen().watch_breaks >= 1
     a.resign()
     r.stop()
 

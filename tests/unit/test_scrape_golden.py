@@ -110,7 +110,8 @@ def parts() -> dict[str, Any]:
                            "", "no actuator")),
             gpu_bands={0: "cool", 1: None}, gpu_off={}, bad_readings={("nvme", "range"): 2},
             writes={"ok": 3, "same": 1}),
-        "fleet": FleetPart("node-a", Seen(leader="node-b", etcd_up=True, report_errors=1, reports=40), 100.0, {
+        "fleet": FleetPart("node-a", Seen(leader="node-b", etcd_up=True, report_errors=1, reports=40, watching=True,
+                                          watch_breaks=2), 100.0, {
             "chat": TenantShare("chat", 500.0, 125.5, "lease", 2.5, 110.0),
             "batch": TenantShare("batch", 40.0, 4.0, "safe", None, None)}),
         "placement": PlacementPart(
