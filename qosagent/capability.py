@@ -180,6 +180,11 @@ class Capability:
         """Whether this host supports the capability, and its plan for start; changes neither the host nor self."""
         raise NotImplementedError
 
+    def begin(self, features: "Features") -> None:
+        """Begin, before any capability starts, slow work of start's that needs nothing of the capabilities before
+        it (a compile child: qosagent/ebpf/pinned.begin), so that it runs beside their starts; start waits for it.
+        Changes nothing on the host that start would not."""
+
     def start(self, plan: Any = None) -> None:
         """Load, attach, save originals, as the probe's verdict planned (`plan`). Raise CapabilityError with an
         operator-facing message. The daemon sets self.verdict to the probe's before, and reports self.verdict after:

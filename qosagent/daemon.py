@@ -119,13 +119,17 @@ class Agent:
         nvml_state = f"{self.gpu.name}: {'no GPU data' if isinstance(self.gpu, NoGpu) else 'open'}"
         self.features = features_mod.probe(self.hostfs, nvml_state)
         self.services = [self.ctx.service(kind) for kind in capabilities.services(enabled)]
+        # What the sandbox (the unit, a container) refuses a capability is said before it tries.
+        refusals = {cls: sandbox.refusal(cls.sandbox_needs(self.config)) for cls in enabled}
+        made = {cls: cls(self.ctx) for cls in enabled}
+        for cls, cap in made.items():
+            if refusals[cls] is None:
+                cap.begin(self.features)
         for cls in self.kinds:
             if cls not in enabled:
                 self.verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
                 continue
-            cap = cls(self.ctx)
-            # What the sandbox (the unit, a container) refuses this capability is said before it tries.
-            refused = sandbox.refusal(cls.sandbox_needs(self.config))
+            cap, refused = made[cls], refusals[cls]
             verdict = Verdict(State.UNAVAILABLE, refused) if refused is not None else cap.probe(self.features)
             if verdict.state is State.UNAVAILABLE:
                 log.warning("%s unavailable: %s", cls.name, verdict.reason)

@@ -327,11 +327,39 @@ def builds(pin_dir: str, name: str) -> list[str]:
     return sorted(os.path.join(pin_dir, e) for e in entries if e.startswith(f"{name}-"))
 
 
-def load(spec: Spec, pin_dir: str) -> Program:
-    """The build of spec: opened from its pins under pin_dir when a finished one is there, else made by a compile
-    child and opened. Other builds of the same name are removed. BpfError with the cause."""
+# Compile children begun ahead of their load (begin): final directory -> the child and when it began.
+_ahead: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+
+
+def begin(spec: Spec, pin_dir: str) -> None:
+    """Start spec's compile child now, in the background, where no finished build is there and a CPU is left for
+    it beside one compile in the foreground: load() of the same spec then waits for it instead of starting its own.
+    So a build that needs nothing of another capability's start runs beside that start's compile."""
     digest = spec.digest()
     final = os.path.join(pin_dir, f"{spec.name}-{digest}")
+    if final in _ahead or os.path.isdir(final) or len(_ahead) + 2 > len(os.sched_getaffinity(0)):
+        return
+    if not headers_present():
+        return  # load says why
+    for other in builds(pin_dir, spec.name):
+        if not _building(other):
+            remove(other)
+    try:
+        _ahead[final] = (_spawn(spec, digest, _tmp(pin_dir, spec, digest), final), time.monotonic())
+    except BpfError as e:
+        log.warning("%s: building it at start instead", e)
+
+
+def load(spec: Spec, pin_dir: str) -> Program:
+    """The build of spec: opened from its pins under pin_dir when a finished one is there, else made by a compile
+    child (one begun ahead, or one started now) and opened. Other builds of the same name are removed. BpfError
+    with the cause."""
+    digest = spec.digest()
+    final = os.path.join(pin_dir, f"{spec.name}-{digest}")
+    tmp = _tmp(pin_dir, spec, digest)
+    if final in _ahead:
+        _finish(spec, *_ahead.pop(final), tmp, final)
+        return _open_new(final, digest)
     prog = None
     if os.path.isdir(final):
         try:
@@ -348,8 +376,15 @@ def load(spec: Spec, pin_dir: str) -> Program:
     if not headers_present():
         raise BpfError(f"no kernel headers at /lib/modules/{os.uname().release}/build: run `make setup` "
                        "(or install linux-headers and link them there)")
-    tmp = os.path.join(pin_dir, f"{spec.name}-{digest}-tmp{os.getpid()}")  # bpffs refuses names with a dot
-    _run_child(spec, digest, tmp, final)
+    _finish(spec, _spawn(spec, digest, tmp, final), time.monotonic(), tmp, final)
+    return _open_new(final, digest)
+
+
+def _tmp(pin_dir: str, spec: Spec, digest: str) -> str:
+    return os.path.join(pin_dir, f"{spec.name}-{digest}-tmp{os.getpid()}")  # bpffs refuses names with a dot
+
+
+def _open_new(final: str, digest: str) -> Program:
     try:
         return Program.open(final, digest)
     except BpfError:
@@ -357,7 +392,7 @@ def load(spec: Spec, pin_dir: str) -> Program:
         raise
 
 
-def _run_child(spec: Spec, digest: str, tmp: str, final: str) -> None:
+def _spawn(spec: Spec, digest: str, tmp: str, final: str) -> subprocess.Popen[bytes]:
     os.makedirs(os.path.dirname(tmp), exist_ok=True)
     req = {"sources": list(spec.sources), "defines": {k: str(v) for k, v in spec.defines.items()},
            "programs": spec.programs, "kprobes": spec.kprobes, "digest": digest, "tmp": tmp, "dir": final}
@@ -366,21 +401,32 @@ def _run_child(spec: Spec, digest: str, tmp: str, final: str) -> None:
     # so it runs there.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    t0 = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "qosagent.ebpf.compile"], input=json.dumps(req).encode(),
-                              capture_output=True, env=env, cwd=root, check=False)
+        child = subprocess.Popen([sys.executable, "-m", "qosagent.ebpf.compile"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root)
     except OSError as e:
         raise BpfError(f"the compile child for {spec.name} could not start: {e}") from None
+    # The request is far below a pipe's buffer: written whole now, the child reads it when it is up.
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(req).encode())
+    child.stdin.close()
+    child.stdin = None  # so communicate() does not flush it
+    return child
+
+
+def _finish(spec: Spec, child: subprocess.Popen[bytes], t0: float, tmp: str, final: str) -> None:
+    """Wait for the compile child and say how it ended; what a failed one left is removed."""
+    try:
+        out, err = child.communicate()
     finally:
         if os.path.isdir(tmp):
             remove(tmp)
-    if done.returncode:  # a child killed after its rename leaves a whole build, reported failed all the same
+    if child.returncode:  # a child killed after its rename leaves a whole build, reported failed all the same
         remove(final)
-    if done.returncode < 0:
-        raise BpfError(f"the compile child for {spec.name} was killed by signal {-done.returncode}")
-    if done.returncode:
-        err = done.stderr.decode(errors="replace").strip().splitlines()
-        raise BpfError(err[-1] if err else f"the compile child for {spec.name} exited with {done.returncode}")
+    if child.returncode < 0:
+        raise BpfError(f"the compile child for {spec.name} was killed by signal {-child.returncode}")
+    if child.returncode:
+        lines = err.decode(errors="replace").strip().splitlines()
+        raise BpfError(lines[-1] if lines else f"the compile child for {spec.name} exited with {child.returncode}")
     log.info("built %s in a compile child in %.2f s (%s)", spec.name, time.monotonic() - t0,
-             done.stdout.decode(errors="replace").strip())
+             out.decode(errors="replace").strip())

@@ -9,8 +9,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
 from qosagent import netns
-from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, Verdict,
-                                 rewrite)
+from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, State,
+                                 Verdict, rewrite)
 from qosagent.ebpf import pinned
 from qosagent.latency import datapath, export, hooks, planning, reading, runq
 from qosagent.latency.datapath import Datapath
@@ -74,6 +74,11 @@ class Latency(Capability):
     # ---- probe and start ---------------------------------------------------------------------------------
     def probe(self, features: "Features") -> Verdict:
         return planning.verdict(self.ctx.config.latency, features)
+
+    def begin(self, features: "Features") -> None:
+        verdict = self.probe(features)
+        if verdict.state is not State.UNAVAILABLE:
+            Datapath.begin(self.ctx.config, verdict.plan)
 
     def start(self, plan: Plan) -> None:
         self.mode, self.arrival, self.runq = plan.mode, plan.arrival, plan.runq

@@ -52,31 +52,27 @@ class Datapath:
         self._gens: Generations | None = None
         self._runq_gen: Generations | None = None
 
+    @staticmethod
+    def begin(cfg: "Config", plan: Plan) -> None:
+        """Begin the build load() will open, in a compile child beside what starts before latency, unless it reads
+        quota's flow map, which quota's start makes."""
+        if _flows_pin(cfg) is None:
+            pinned.begin(build(cfg, plan), cfg.bpf.pin_root)
+
     @classmethod
     def load(cls, cfg: "Config", plan: Plan, fs: "HostFS") -> "Datapath":
         """Build the program for plan, sized for cfg's tenants, in a compile child, and attach its tracepoints (and
         kprobes, kprobe mode). CapabilityError, with nothing left loaded, where that fails."""
-        defines: dict[str, object] = {}
-        if plan.mode != "sockops":
-            if plan.mode == "kprobe":
-                defines["QOS_KPROBE"] = 1
-            if plan.arrival:
-                defines["QOS_ARRIVAL"] = 1
-            if plan.egress:
-                defines["QOS_EGRESS"] = 1
-            defines["LAT_SOCK_BUCKETS_LOG2"] = (cfg.latency.socket_slots // 4).bit_length() - 1
         nslots = bm.slots_for(len(cfg.tenants))
-        defines["LAT_SLOTS"] = nslots
-        defines.update(_flows_defines(cfg))
-        build = spec(plan, defines, _flows_pin(cfg))
+        wanted = build(cfg, plan)
         try:
-            prog = pinned.load(build, cfg.bpf.pin_root)
+            prog = pinned.load(wanted, cfg.bpf.pin_root)
         except BpfError as e:
             raise CapabilityError(str(e)) from None
         try:
             if prog.reused:
                 # An earlier agent's maps hold its sockets, rows and settings: emptied, the build is as new.
-                prog.reset(keep=(RUN, *build.shared))
+                prog.reset(keep=(RUN, *wanted.shared))
             if prog.has_map(RUN):
                 run = prog.map(RUN)
                 cur = run.lookup(0)
@@ -203,6 +199,22 @@ def map_sizes(cfg: "Config", plan: Plan) -> list[mapsize.MapSize]:
         if plan.egress:  # the responses' flows back to their sockets (bpf/include/lat_socktable.h)
             out.append(M("lat_flows", mapsize.BUCKETS, socks, 36, 8))
     return [m for m in out if m is not None]
+
+
+def build(cfg: "Config", plan: Plan) -> pinned.Spec:
+    """The build of plan's program for cfg: its sources and compile-time settings."""
+    defines: dict[str, object] = {}
+    if plan.mode != "sockops":
+        if plan.mode == "kprobe":
+            defines["QOS_KPROBE"] = 1
+        if plan.arrival:
+            defines["QOS_ARRIVAL"] = 1
+        if plan.egress:
+            defines["QOS_EGRESS"] = 1
+        defines["LAT_SOCK_BUCKETS_LOG2"] = (cfg.latency.socket_slots // 4).bit_length() - 1
+    defines["LAT_SLOTS"] = bm.slots_for(len(cfg.tenants))
+    defines.update(_flows_defines(cfg))
+    return spec(plan, defines, _flows_pin(cfg))
 
 
 def spec(plan: Plan, defines: dict[str, object], flows_pin: str | None = None) -> pinned.Spec:

@@ -196,28 +196,62 @@ def test_foreign_or_corrupted_pins_are_replaced(env: Env) -> None:
     assert agent.stop() == 0
 
 
-def test_killed_compile_child_leaves_nothing(env: Env) -> None:
-    """kill -9 of the compile child: the agent runs on with quota unavailable, saying so, and no pin of the
-    half-made build is left."""
+def compile_children(pid: int) -> list[int]:
+    out = []
+    for child in children(pid):
+        try:
+            if b"qosagent.ebpf.compile" in open(f"/proc/{child}/cmdline", "rb").read():
+                out.append(child)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def test_latency_builds_beside_quota(env: Env) -> None:
+    """A cold start with quota and latency: latency's compile child, begun before the first capability starts,
+    runs beside quota's where there are two CPUs; both builds are opened."""
+    require(len(os.sched_getaffinity(0)) >= 2, "one CPU: the builds run one after the other")
+    env.write(latency=True)
     agent = env.agent()
     agent.launch()
     assert agent.proc is not None
+    most = 0
     deadline = time.monotonic() + READY_S
-    child = None
-    while child is None and time.monotonic() < deadline:
-        for pid in children(agent.proc.pid):
-            try:
-                if b"qosagent.ebpf.compile" in open(f"/proc/{pid}/cmdline", "rb").read():
-                    child = pid
-            except FileNotFoundError:
-                pass
+    while time.monotonic() < deadline and "ready in" not in agent.output():
+        most = max(most, len(compile_children(agent.proc.pid)))
         time.sleep(0.02)
-    assert child is not None, agent.output()
-    time.sleep(0.3)  # into its compile
-    os.kill(child, signal.SIGKILL)
     st = agent.wait_ready()
-    state, reason = states(st)["quota"]
-    assert state == "unavailable" and "killed by signal 9" in reason, st["capabilities"]
+    assert states(st)["quota"][0] == "active" and states(st)["latency"][0] == "active", st["capabilities"]
+    assert most == 2, agent.output()
+    out = agent.output()
+    assert "built quota in a compile child" in out and "built latency in a compile child" in out, out
+    assert agent.stop() == 0
+
+
+def test_killed_compile_child_leaves_nothing(env: Env) -> None:
+    """kill -9 of each compile child (latency's, begun ahead, and quota's): the agent runs on with both
+    unavailable, saying so, and no pin of a half-made build is left."""
+    env.write(latency=True)
+    agent = env.agent()
+    agent.launch()
+    assert agent.proc is not None
+    seen: dict[int, float] = {}
+    killed: set[int] = set()
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline and "ready in" not in agent.output():
+        now = time.monotonic()
+        for child in compile_children(agent.proc.pid):
+            seen.setdefault(child, now)
+            if child not in killed and now - seen[child] > 0.3:  # into its compile
+                os.kill(child, signal.SIGKILL)
+                killed.add(child)
+        time.sleep(0.02)
+    assert len(killed) == 2, agent.output()
+    st = agent.wait_ready()
+    for name in ("quota", "latency"):
+        state, reason = states(st)[name]
+        assert state == "unavailable" and "killed by signal 9" in reason, st["capabilities"]
     d = quota_dir(env.pin_root)
     assert not os.path.exists(d) or os.listdir(d) == [], os.listdir(d)
+    assert env.builds("latency") == [], env.builds("latency")
     assert agent.stop() == 0

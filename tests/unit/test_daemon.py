@@ -42,6 +42,9 @@ def make_cap(name: str, *, fail_start: bool = False, fail_collect: bool = False,
         def probe(self, features: Any) -> Verdict:
             return Verdict(State.ACTIVE, plan=("planned", name))
 
+        def begin(self, features: Any) -> None:
+            EVENTS.append(f"begin {name}")
+
         def start(self, plan: Any) -> None:
             assert plan == ("planned", name), "start gets what its probe planned"
             EVENTS.append(f"start {name}")
@@ -94,6 +97,19 @@ def test_failed_start_leaves_others_running_and_is_reported(scripted, tmp_path) 
     assert a.verdicts["b"] == Verdict(State.UNAVAILABLE, "no luck")
     # The failed one was still asked to undo what it may have half done.
     assert "stop b" in EVENTS
+
+
+def test_each_capability_begins_before_the_first_starts_unless_refused(scripted, tmp_path, monkeypatch) -> None:
+    """What a start can run beside the starts before it (a compile child) is begun before any starts; a capability
+    the sandbox refuses begins nothing."""
+    refused = make_cap("b")
+    refused.sandbox_needs = classmethod(lambda cls, cfg: ["refused"])  # type: ignore[attr-defined]
+    monkeypatch.setattr("qosagent.daemon.sandbox.refusal", lambda needs: "not here" if needs == ["refused"] else None)
+    scripted(make_cap("a"), refused, make_cap("c"))
+    a = agent(tmp_path)
+    a.start()
+    assert EVENTS == ["begin a", "begin c", "start a", "start c"]
+    assert a.verdicts["b"] == Verdict(State.UNAVAILABLE, "not here")
 
 
 def test_stop_runs_in_reverse_even_when_one_fails(scripted, tmp_path) -> None:
