@@ -1,7 +1,7 @@
 """The agent's own footprint with latency, quota and admission (dry-run) on: resident memory when steady, the peak
-during start (the agent and its compile children together), time to ready on a cold start (no pins) and on a
-restart with nothing changed (warm), idle CPU, and the pages of LLVM, clang and BCC mapped into the agent; for two
-checkouts in interleaved rounds on the same machine.
+during start (the agent and its compile children together, resident and proportional), time to ready on a cold
+start (no pins) and on a restart with nothing changed (warm), idle CPU, and the pages of LLVM, clang and BCC mapped
+into the agent; for two checkouts in interleaved rounds on the same machine.
 
 Run as root: `python bench/lean_agent.py BEFORE_CHECKOUT AFTER_CHECKOUT [--rounds 3] [--idle 10]`, e.g. a
 `git worktree` of the commit before and this checkout. Each round starts, per checkout, `qosagent run` of that
@@ -62,6 +62,19 @@ def rss_kb(pid: int) -> int:
     return 0
 
 
+def pss_kb(pid: int) -> int:
+    """Proportional set size: a page shared by n processes counts 1/n in each, so a sum over processes counts
+    the compile children's LLVM once (resident memory counts it in each child)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def compiler_kb(pid: int) -> int:
     """Resident kB of the agent's mappings of LLVM, clang and BCC."""
     total, counting = 0, False
@@ -82,12 +95,12 @@ def cpu_s(pid: int) -> float:
 
 
 class Peak(threading.Thread):
-    """The largest resident total of the agent and its children, and the largest of any child alone, sampled every
-    20 ms until stopped."""
+    """The largest resident total of the agent and its children, the largest of any child alone and the largest
+    proportional total, sampled every 20 ms until stopped."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.kb, self.child_kb, self.done = pid, 0, 0, threading.Event()
+        self.pid, self.kb, self.child_kb, self.pss_kb, self.done = pid, 0, 0, 0, threading.Event()
         self.start()
 
     def run(self) -> None:
@@ -96,6 +109,7 @@ class Peak(threading.Thread):
             sizes = [rss_kb(p) for p in procs]
             self.kb = max(self.kb, sum(sizes))
             self.child_kb = max([self.child_kb, *sizes[1:]])
+            self.pss_kb = max(self.pss_kb, sum(pss_kb(p) for p in procs))
             self.done.wait(0.02)
 
 
@@ -120,7 +134,7 @@ def start(checkout: str, ns: str, tmp: Path, extra: tuple[str, ...], idle: float
         time.sleep(idle)
         idle_pct = 100 * (cpu_s(pid) - c0) / (time.monotonic() - t0)
         out = {"ready_s": agent.ready_s, "rss_mb": rss_kb(pid) / 1024, "peak_mb": peak.kb / 1024,
-               "child_peak_mb": peak.child_kb / 1024,
+               "child_peak_mb": peak.child_kb / 1024, "peak_pss_mb": peak.pss_kb / 1024,
                "compiler_mb": compiler_kb(pid) / 1024, "idle_cpu_pct": idle_pct}
     finally:
         peak.done.set()
@@ -166,6 +180,7 @@ def one(checkout: str, idle: float) -> dict[str, dict[str, float]]:
 
 ROWS = (("steady RSS (MB)", "warm", "rss_mb"), ("LLVM/clang/BCC pages (MB)", "warm", "compiler_mb"),
         ("peak RSS during a cold start, agent + children (MB)", "cold", "peak_mb"),
+        ("peak PSS during a cold start, agent + children (MB; shared pages counted once)", "cold", "peak_pss_mb"),
         ("peak RSS of a child alone (the compile child; MB)", "cold", "child_peak_mb"),
         ("cold ready (s)", "cold", "ready_s"), ("warm ready (s)", "warm", "ready_s"),
         ("of which interpreter and imports (s)", "warm", "import_s"),
