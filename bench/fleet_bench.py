@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qosagent.config import parse  # noqa: E402
 from qosagent.fleet import records  # noqa: E402
 from qosagent.fleet.agent import Reporter  # noqa: E402
-from qosagent.fleet.alloc import Want  # noqa: E402
 from qosagent.fleet.allocator import Allocator  # noqa: E402
 from qosagent.fleet.etcd import Etcd, EtcdError  # noqa: E402
 from qosagent.fleet.model import shares  # noqa: E402
 from qosagent.fleet.quotas import fleet_quotas  # noqa: E402
+from qosagent.fleet.records import Want  # noqa: E402
 
 PORT = 23791
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from qosagent.fleet import records
-from qosagent.fleet.alloc import Want
 from qosagent.fleet.config import FleetConfig
 from qosagent.fleet.etcd import Etcd, EtcdError
 
@@ -71,7 +70,7 @@ class Reporter:
         self.clock = clock
         self.lease_id = 0
         self._lock = threading.Lock()
-        self._wants: dict[str, Want] = {}
+        self._wants: dict[str, records.Want] = {}
         self._seen = Seen()
         self._rev = 0  # mod revision of the round record at the last renewal
         self._sent = b""  # the last report written under self.lease_id
@@ -88,7 +87,7 @@ class Reporter:
         self._thread.start()
         self._watcher.start()
 
-    def offer(self, wants: Mapping[str, Want]) -> None:
+    def offer(self, wants: Mapping[str, records.Want]) -> None:
         with self._lock:
             self._wants = dict(wants)
 
@@ -127,7 +126,7 @@ class Reporter:
             self._watching = False
             self._stop.wait(self.cfg.report_interval)
 
-    def _moved(self, wants: Mapping[str, Want]) -> bool:
+    def _moved(self, wants: Mapping[str, records.Want]) -> bool:
         """A tenant's demand moved by more than EARLY_MOVE (and at least 1 rps) since the last report."""
         for t, w in wants.items():
             old = self._reported.get(t, 0.0)
@@ -167,9 +166,9 @@ class Reporter:
             self._raised = {t: v for t, v in self._raised.items() if v[0] > now}
             if renewed is not None and now - renewed < self.cfg.report_interval:
                 # What the tick enforces from its next run on (the lease has at least an interval to run).
-                wants = {t: Want(w.demand, grant[t]) if t in grant else w for t, w in wants.items()}
+                wants = {t: records.Want(w.demand, grant[t]) if t in grant else w for t, w in wants.items()}
             if self._raised:
-                wants = {t: Want(max(w.demand, self._raised[t][1]), w.held) if t in self._raised else w
+                wants = {t: records.Want(max(w.demand, self._raised[t][1]), w.held) if t in self._raised else w
                          for t, w in wants.items()}
             report = records.encode_report(self.node, wants)
             wrote = 0

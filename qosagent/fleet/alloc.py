@@ -22,21 +22,13 @@ nodes that lost their lease in the last report interval, plus those of nodes the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, NamedTuple
+from typing import Iterator, Mapping
 
 import numpy as np
 
 # The per-node minimum: at least this many request starts per second, or this fraction of an even split.
 MIN_NODE_RPS = 1.0
 MIN_NODE_FRACTION = 0.05
-
-
-class Want(NamedTuple):
-    """One node's report for one tenant: request starts per second it saw (admitted + dropped) and the rate it
-    enforces now (its grant, or its safe share). A tuple: the allocator makes 100,000 a round."""
-
-    demand: float
-    held: float
 
 
 @dataclass(frozen=True)
@@ -291,7 +283,7 @@ class Ledger:
 
 def allocate(quotas: Mapping[str, float], reports: Mapping[str, Mapping[str, tuple[float, float]]],
              capacity: float | None = None, weights: Mapping[str, int] | None = None) -> Round:
-    """One round from scratch. quotas: tenant -> fleet rps; reports: node -> tenant -> Want or (demand, held),
+    """One round from scratch. quotas: tenant -> fleet rps; reports: node -> tenant -> records.Want or (demand, held),
     already validated, each value in [0, quota]; capacity: fleet.capacity_rps (None: tenants never compete);
     weights: tenant -> its tier's weight. Every reporting node gets a grant for every tenant with a fleet quota."""
     return Ledger(quotas, capacity, weights).round(list(reports), reports)[0]

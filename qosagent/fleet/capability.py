@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Container, Iterable
 from qosagent.capability import Capability, CapabilityError, State, Verdict
 from qosagent.retention import EVERYONE
 from qosagent.fleet.agent import Reporter
-from qosagent.fleet.alloc import Want
+from qosagent.fleet.records import Want
 from qosagent.fleet.etcd import Etcd, EtcdError
 from qosagent.fleet import export
 from qosagent.fleet.model import FLEET, FleetPart, TenantShare, shares

@@ -23,13 +23,13 @@ not a finite number >= 0) is foreign or malformed: counted and skipped, never fa
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, Sequence
 
-import numpy as np
-
-from qosagent.fleet.alloc import Want
+if TYPE_CHECKING:
+    import numpy as np  # imported where used: only the allocator decodes reports, and an agent never loads numpy
 
 VERSION = 2  # of the packed reports and grants; v1 was JSON (a v1 record is refused: docs/fleet.md, upgrades)
 ROUND_VERSION = 1
@@ -38,6 +38,14 @@ GRANT_MAGIC = b"QFG"
 _STR = struct.Struct("<H")
 _NAMES = struct.Struct("<II")
 _ROUND = struct.Struct("<Q")
+
+
+class Want(NamedTuple):
+    """One node's report for one tenant: request starts per second it saw (admitted + dropped) and the rate it
+    enforces now (its grant, or its safe share)."""
+
+    demand: float
+    held: float
 
 
 def leader_key(prefix: str) -> str:
@@ -101,19 +109,15 @@ class _Reader:
         self.take(length)
         return n, self.raw[start:self.at]
 
-    def rates(self, names: Sequence[str], columns: int = 1) -> np.ndarray:
-        """columns x len(names) rates, each a finite number >= 0 (else Malformed, naming the tenants)."""
-        a = np.frombuffer(self.take(8 * columns * len(names)), dtype="<f8").reshape(columns, len(names))
-        ok = (a >= 0) & (a < np.inf)  # NaN fails both
-        if not ok.all():
-            bad = [t for t, good in zip(names, ok.all(axis=0)) if not good]
-            raise Malformed(f"tenants {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: a rate that is not a "
-                            "finite number >= 0")
-        return a
-
     def end(self) -> None:
         if self.at != len(self.raw):
             raise Malformed(f"{len(self.raw) - self.at} bytes past the end")
+
+
+def _not_rates(names: Sequence[str], good: Iterable[bool]) -> Malformed:
+    bad = [t for t, ok in zip(names, good) if not ok]
+    return Malformed(f"tenants {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: a rate that is not a finite "
+                     "number >= 0")
 
 
 def _parse_names(block: bytes, n: int) -> list[str]:
@@ -129,8 +133,8 @@ def _parse_names(block: bytes, n: int) -> list[str]:
 def encode_report(node: str, tenants: Mapping[str, Want]) -> bytes:
     names = sorted(tenants)
     return b"".join((REPORT_MAGIC, bytes((VERSION,)), _str(node), names_block(names),
-                     np.array([tenants[t].demand for t in names] + [tenants[t].held for t in names],
-                              dtype="<f8").tobytes()))
+                     struct.pack(f"<{2 * len(names)}d", *(tenants[t].demand for t in names),
+                                 *(tenants[t].held for t in names))))
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,8 @@ class Reports:
     costs one dict lookup: every report of a fleet with the same config carries the same one."""
 
     def __init__(self, quotas: Mapping[str, float]):
+        import numpy as np
+
         self.names = sorted(quotas)
         self.quota = np.array([quotas[t] for t in self.names], dtype=float)
         self._blocks: dict[bytes, tuple[np.ndarray | None, list[str], list[str]]] = {}
@@ -156,6 +162,8 @@ class Reports:
         names as written (for messages)."""
         got = self._blocks.get(block)
         if got is None:
+            import numpy as np
+
             names = _parse_names(block, n)
             where = {t: i for i, t in enumerate(self.names)}
             idx = None if names == self.names else np.array([where.get(t, -1) for t in names], dtype=np.intp)
@@ -168,14 +176,20 @@ class Reports:
     def decode(self, key_node: str, raw: bytes) -> tuple[Report, list[str]]:
         """The report, its rates clamped to [0, quota]; tenants without a fleet quota here are skipped (the second
         value). Raises Malformed when the record cannot be trusted at all."""
+        import numpy as np
+
         r = _Reader(raw, REPORT_MAGIC)
         node = r.str()
         if node != key_node:
             raise Malformed(f"node {node!r} under the key of {key_node!r}")
         n, block = r.names()
         idx, foreign, names = self._layout(block, n)
-        demand, held = r.rates(names, 2)
+        both = np.frombuffer(r.take(16 * n), dtype="<f8").reshape(2, n)
+        ok = (both >= 0) & (both < np.inf)  # NaN fails both
+        if not ok.all():
+            raise _not_rates(names, ok.all(axis=0))
         r.end()
+        demand, held = both
         if idx is not None:
             known = idx >= 0
             d, h = np.zeros(len(self.names)), np.zeros(len(self.names))
@@ -196,20 +210,18 @@ def grant_head(leader: str, round_: int) -> bytes:
     return GRANT_MAGIC + bytes((VERSION,)) + _str(leader) + _ROUND.pack(round_)
 
 
-def encode_grant(leader: str, round_: int, tenants: Sequence[str], rates: Sequence[float]) -> bytes:
-    """tenants and rates in the same order."""
-    return grant_head(leader, round_) + names_block(tenants) + np.asarray(rates, dtype="<f8").tobytes()
-
-
 def decode_grant(raw: bytes) -> Grant:
     r = _Reader(raw, GRANT_MAGIC)
     leader = r.str()
     (round_,) = _ROUND.unpack(r.take(_ROUND.size))
     n, block = r.names()
     names = _parse_names(block, n)
-    rates = r.rates(names)[0]
+    rates = struct.unpack(f"<{n}d", r.take(8 * n))
+    good = [0 <= x < math.inf for x in rates]  # NaN fails
+    if not all(good):
+        raise _not_rates(names, good)
     r.end()
-    return Grant(leader, round_, dict(zip(names, rates.tolist())))
+    return Grant(leader, round_, dict(zip(names, rates)))
 
 
 def _load(raw: bytes) -> dict[str, Any]:

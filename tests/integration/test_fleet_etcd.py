@@ -22,7 +22,8 @@ import yaml
 from qosagent.config import parse
 from qosagent.fleet import records
 from qosagent.fleet.agent import Reporter
-from qosagent.fleet.alloc import Want, minimum
+from qosagent.fleet.alloc import minimum
+from qosagent.fleet.records import Want
 from qosagent.fleet.allocator import Allocator
 from qosagent.fleet.etcd import Etcd, EtcdError, Leadership
 from testkit.agent import agent_argv, agent_env

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from qosagent.fleet import records
-from qosagent.fleet.alloc import MIN_NODE_RPS, Ledger, Want, allocate, level, minimum, pools, split, stage
+from qosagent.fleet.alloc import MIN_NODE_RPS, Ledger, allocate, level, minimum, pools, split, stage
+from qosagent.fleet.records import Want
 
 
 def one_level(total: float, wants: list[float]) -> float:
@@ -177,10 +178,15 @@ def test_foreign_tenants_in_a_report_are_named_and_skipped_and_missing_ones_are_
         assert (rep.demand.tolist(), rep.held.tolist()) == ([5, 0], [4, 0]) and foreign == ["zzz"]
 
 
+def grant(leader: str, round_: int, tenants: list[str], rates: list[float]) -> bytes:
+    """As the allocator writes one: the round's head, then the node's rates."""
+    return records.grant_head(leader, round_) + records.names_block(tenants) + struct.pack(f"<{len(rates)}d", *rates)
+
+
 def test_grants_round_trip_and_bad_ones_are_refused() -> None:
-    g = records.decode_grant(records.encode_grant("alloc-1", 7, ["a", "b"], [12.3456, 0.0]))
+    g = records.decode_grant(grant("alloc-1", 7, ["a", "b"], [12.3456, 0.0]))
     assert g.leader == "alloc-1" and g.round == 7 and g.tenants == {"a": 12.3456, "b": 0.0}
-    good = records.encode_grant("alloc-1", 7, ["a"], [1.0])
+    good = grant("alloc-1", 7, ["a"], [1.0])
     for bad in (good[:-1], good + b"\0", good[:-8] + struct.pack("<d", math.inf), b"QFR" + good[3:],
                 b'{"v": 1, "round": 1, "tenants": {"a": 1}}'):
         with pytest.raises(records.Malformed):

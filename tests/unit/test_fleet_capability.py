@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from qosagent.capability import AgentContext
 from qosagent.config import parse
 from qosagent.fleet.agent import Seen
-from qosagent.fleet.alloc import Want
+from qosagent.fleet.records import Want
 from qosagent.fleet.capability import Fleet
 from qosagent.gpu.fake import FakeBackend
 from qosagent.hostfs import HostFS

@@ -1,6 +1,6 @@
 """A capability that is off loads none of its dependencies: an agent started, ticked and stopped with each one off
-has none of their heavy modules in sys.modules (BCC and its LLVM, pyroute2, httpx, the servers' metrics parser,
-NVML with `gpu.backend: none`, gRPC)."""
+has none of their heavy modules in sys.modules (BCC and its LLVM, pyroute2, httpx and numpy, the servers' metrics
+parser, NVML with `gpu.backend: none`, gRPC)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 HEAVY = {
     "latency": ("bcc",),
     "quota": ("bcc", "pyroute2"),
-    "fleet": ("httpx",),
+    "fleet": ("httpx", "numpy"),  # numpy: the allocator's, never an agent's
     "servers": ("prometheus_client.parser",),
     "placement": ("pynvml",),
 }
