@@ -87,6 +87,12 @@ class Store:
         })
 
 
+def _of(path: str, directory: str, controller: str) -> bool:
+    """Whether a file is one of a controller's in a cgroup: on cgroup v2 one directory holds every controller's
+    files, so a group (one controller's) owns only those named after it (cpu.max, memory.min)."""
+    return posixpath.dirname(path) == directory and posixpath.basename(path).startswith(controller + ".")
+
+
 def tids(fs: HostFS, pid: int) -> list[int]:
     return sorted(int(t) for t in fs.listdir(f"/proc/{pid}/task") if t.isdigit())
 
@@ -204,7 +210,7 @@ class Applier:
             for path in reversed(done):
                 self._put_back(path)
             raise Refused(e.filename or g.directory, e) from None
-        for path in sorted(p for p in self.store.files if posixpath.dirname(p) == g.directory and p not in paths):
+        for path in sorted(p for p in self.store.files if _of(p, g.directory, g.controller) and p not in paths):
             self._put_back(path)
         self.counters["writes"][g.controller] += len(done)
         return want
@@ -224,17 +230,18 @@ class Applier:
         del self.store.files[path]
         self.save()
 
-    def release(self, directory: str) -> None:
-        """Every file we set in a cgroup back to its original (its processes left it, or its tier lost
-        `resources:`)."""
-        for path in sorted(p for p in self.store.files if posixpath.dirname(p) == directory):
+    def release(self, directory: str, controller: str) -> None:
+        """Every file we set in a cgroup for a controller back to its original (its processes left it, or its tier
+        lost `resources:`)."""
+        for path in sorted(p for p in self.store.files if _of(p, directory, controller)):
             self._put_back(path)
 
-    def rewritten(self, directory: str) -> list[str]:
-        """Files of a cgroup that no longer read what we wrote: someone else (the kubelet, systemd) set them."""
+    def rewritten(self, directory: str, controller: str) -> list[str]:
+        """A controller's files of a cgroup that no longer read what we wrote: someone else (the kubelet, systemd)
+        set them."""
         out = []
         for path, value in self.written.items():
-            if posixpath.dirname(path) == directory:
+            if _of(path, directory, controller):
                 now = self.fs.try_read(path)
                 if now is not None and now.split() != value.split():
                     out.append(path)
@@ -335,7 +342,7 @@ def carry_out(a: Applier, mem: Memory, enforce: bool, c: Any) -> None:
         mem.decided.pop(c.group.key, None)
         mem.reports.pop(c.group.key, None)
         if enforce:
-            a.release(c.group.directory)
+            a.release(c.group.directory, c.group.controller)
     elif isinstance(c, Move):
         _apply_move(a, mem, enforce, c)
     elif isinstance(c, BackOff):

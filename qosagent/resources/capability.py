@@ -183,7 +183,7 @@ class Resources(Capability):
             found = tuple(discovery.groups(self.ctx.hostfs, self.cgroups, self.plan.layout, serving,
                                            self.cfg.kubelet_cgroups == "report", os.getpid()))
             for g in found:
-                paths = self.applier.rewritten(g.directory)
+                paths = self.applier.rewritten(g.directory, g.controller)
                 if paths:
                     rewritten[g.key] = tuple(paths)
             self.cpu.measure(self.ctx.hostfs, self.ctx.clock(), serving)

@@ -85,8 +85,10 @@ class Lab:
                     os.mkdir(d)
                     self.dirs.append(d)
             if self.layout.versions[c] == V2:
-                with open(f"{self.dir(c, top)}/cgroup.subtree_control", "w") as f:
-                    f.write(f"+{c}")
+                # The root's too: a pure-v2 guest without systemd enables no controller for its children.
+                for parent in (self.dir(c, ""), self.dir(c, top)):
+                    with open(f"{parent}/cgroup.subtree_control", "w") as f:
+                        f.write(f"+{c}")
         return path
 
     def serve(self, port: int, path: str | None, mib: int = 1) -> subprocess.Popen[str]:

@@ -3,6 +3,7 @@ the shared-cgroup rule and the rendering."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -14,13 +15,13 @@ from qosagent.config import ConfigError
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.resources import planner, policy
-from qosagent.resources.applier import Moved, Store, Thread
+from qosagent.resources.applier import Applier, Moved, Store, Thread
 from qosagent.resources.capability import Resources
 from qosagent.resources.reading import node_problems
 from qosagent.resources.config import SuppressConfig
 from qosagent.resources.sched import Attr
 from qosagent.resources.discovery import Layout, groups, is_shared
-from qosagent.resources.model import Serving
+from qosagent.resources.model import Files, Group, Serving
 from qosagent.slo import tier
 from qosagent.statefile import StateFileError
 from qosagent.units import parse_size
@@ -235,3 +236,25 @@ def test_groups_and_their_states_on_a_hybrid_tree(tmp_path) -> None:
         "/sys/fs/cgroup/memory/system.slice/vllm.service"
     again = groups(fs, HostCgroups(fs, pid=1), layout, serving, False, own_pid=1)
     assert {g.path: g.state for g in again if g.controller == "cpu"}["/kubepods.slice/pod-a/cri-1.scope"] == "ok"
+
+
+def test_on_cgroup_v2_the_cpu_and_memory_groups_of_one_directory_keep_to_their_own_files(tmp_path) -> None:
+    """One v2 directory holds both controllers' files: setting, releasing or checking one group leaves the other's
+    (found on a pure-v2 guest, where memory's set put cpu.max and cpu.weight back the moment after they were set)."""
+    d = tmp_path / "sys/fs/cgroup/app"
+    d.mkdir(parents=True)
+    original = {"cpu.max": "max 100000", "cpu.weight": "100", "memory.min": "0", "memory.high": "max"}
+    for f, v in original.items():
+        (d / f).write_text(v + "\n")
+    fs = HostFS(tmp_path)
+    a = Applier(fs, Store(str(tmp_path / "state")), {k: collections.Counter() for k in ("writes", "errors")})
+    cpu, mem = (Group(c, "v2", "/app", "/sys/fs/cgroup/app", ("gold",), (10,), "ok") for c in ("cpu", "memory"))
+    a.files(Files(cpu, (("cpu.max", "150000 100000"), ("cpu.weight", "1000"))))
+    a.files(Files(mem, (("memory.min", "4096"),)))
+    now = {f: (d / f).read_text().strip() for f in original}
+    assert now == {"cpu.max": "150000 100000", "cpu.weight": "1000", "memory.min": "4096", "memory.high": "max"}
+    (d / "memory.min").write_text("8192\n")
+    assert a.rewritten(cpu.directory, "cpu") == []
+    assert a.rewritten(mem.directory, "memory") == ["/sys/fs/cgroup/app/memory.min"]
+    a.release(cpu.directory, "cpu")
+    assert {f: (d / f).read_text().strip() for f in original} == {**original, "memory.min": "8192"}
