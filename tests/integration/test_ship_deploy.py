@@ -4,8 +4,10 @@ headers like scripts/setup.sh; the Dockerfile passes hadolint."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
+import importlib.metadata
 import os
 import re
 import shutil
@@ -506,6 +508,38 @@ def test_dockerfile_passes_hadolint() -> None:
     r = subprocess.run([hadolint, "--no-color", str(REPO / "deploy" / "Dockerfile")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _third_party_imports() -> dict[str, str]:
+    """Top-level third-party module the package imports -> one file that imports it."""
+    out: dict[str, str] = {}
+    for f in sorted((REPO / "qosagent").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top != "qosagent" and top not in sys.stdlib_module_names:
+                    out.setdefault(top, str(f.relative_to(REPO)))
+    return out
+
+
+def test_every_module_the_package_imports_is_a_declared_dependency() -> None:
+    """What the package imports, pyproject declares (runtime or the pods extra), so the image pins it: a module
+    imported only under one command (numpy, by `qosagent allocator`) is still in the image that command runs from.
+    The suite's venv holds the test extras, so a missing declaration shows nowhere else before a user's ImportError.
+    bcc is Debian's python3-bpfcc (no wheel exists): scripts/setup.sh and the Dockerfile install it."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {canonicalize_name(Requirement(r).name)
+                for r in project["dependencies"] + project["optional-dependencies"]["pods"]}
+    dists = importlib.metadata.packages_distributions()
+    missing = {module: (where, dists.get(module)) for module, where in _third_party_imports().items()
+               if module != "bcc" and not {canonicalize_name(d) for d in dists.get(module, [module])} & declared}
+    assert not missing, f"imported but not declared in pyproject (dependencies or the pods extra): {missing}"
 
 
 def test_image_requirements_pin_every_dependency_with_hashes() -> None:
