@@ -45,6 +45,22 @@ def state_dir(cfg: "Config") -> list[Need]:
     return [Need("ReadWritePaths", cfg.state_dir, "originals saved for the rollback (state_dir)")]
 
 
+PERF_PARANOID = "/proc/sys/kernel/perf_event_paranoid"
+
+
+def perf_events(why: str) -> list[Need]:
+    """What opening perf events (tracepoints, kprobes) needs beyond CAP_PERFMON on this host: nothing where
+    kernel.perf_event_paranoid is at most 2, mainline's highest level; CAP_SYS_ADMIN above it, where Debian's and
+    Ubuntu's kernels (3 is Debian's default) refuse perf_event_open to everyone else with EACCES, CAP_PERFMON or not.
+    Setting it to 2 (a file in /etc/sysctl.d) is the other way, and leaves this need out."""
+    level = _read(PERF_PARANOID).strip()
+    if not (level.lstrip("-").isdigit() and int(level) > 2):
+        return []
+    return [Need("CapabilityBoundingSet", "CAP_SYS_ADMIN",
+                 f"{why}: kernel.perf_event_paranoid is {level} here, above 2 only CAP_SYS_ADMIN may; "
+                 "or set it to 2 in /etc/sysctl.d")]
+
+
 def bpffs_of(pin_root: str) -> str:
     return "/sys/fs/bpf" if _under(pin_root, "/sys/fs/bpf") else pin_root
 

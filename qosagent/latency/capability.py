@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping
 
-from qosagent import netns
+from qosagent import netns, sandbox
 from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, State,
                                  Verdict, rewrite)
 from qosagent.ebpf import pinned
@@ -48,6 +48,7 @@ class Latency(Capability):
             Need("CapabilityBoundingSet", "CAP_PERFMON", "attach tracepoints and kprobes"),
             Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "attach sock_ops and cgroup_skb programs"),
             Need("RequiresMountsFor", "/sys/kernel/tracing", "tracefs: the tracepoints' and kprobes' ids"),
+            *sandbox.perf_events("attach tracepoints and kprobes (perf_event_open)"),
         ]
 
     def __init__(self, ctx: Any):

@@ -18,6 +18,14 @@ ALL = {
 }
 
 
+@pytest.fixture(autouse=True)
+def mainline_perf_events(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel.perf_event_paranoid at mainline's default (2): what a Debian kernel's 3 adds is tested on its own."""
+    level = tmp_path / "perf_event_paranoid"
+    level.write_text("2\n")
+    monkeypatch.setattr(sandbox, "PERF_PARANOID", str(level))
+
+
 def dropin(cfg: Config) -> str:
     return sandbox.dropin(capabilities.sandbox_needs(cfg))
 
@@ -138,3 +146,23 @@ def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
     ro = sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"}, readonly=("/sys/fs/cgroup",)))
     assert ro is not None and "ProtectControlGroups=yes" in ro and "ReadWritePaths=/sys/fs/cgroup" in ro
     assert sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"})) is None
+
+
+@pytest.mark.parametrize("level", ["3", "4"])
+def test_perf_events_above_paranoid_2_need_sys_admin(tmp_path, monkeypatch: pytest.MonkeyPatch, level: str) -> None:
+    """Debian's and Ubuntu's kernels refuse perf_event_open to all but CAP_SYS_ADMIN above level 2 (3 is Debian's
+    default): latency, which attaches its tracepoints and kprobes through it, needs CAP_SYS_ADMIN there; the drop-in
+    grants it under latency's name with the reason, and a unit without it is named, with the other way out."""
+    (tmp_path / "perf_event_paranoid").write_text(f"{level}\n")
+    text = dropin(parse({}, "test"))
+    assert "# latency\nCapabilityBoundingSet=CAP_SYS_ADMIN\n" in text
+    why = sandbox.refusal(needs("latency", parse({}, "test")), sandboxed(set(sandbox.BASE["CapabilityBoundingSet"])))
+    assert why is not None
+    assert "the unit's CapabilityBoundingSet lacks CAP_SYS_ADMIN" in why
+    assert f"kernel.perf_event_paranoid is {level} here" in why and "set it to 2 in /etc/sysctl.d" in why
+    # Quota opens no perf events: its needs are the same at any level.
+    assert not [n for n in needs("quota", parse({"quota": {"enabled": True}}, "test")) if n.value == "CAP_SYS_ADMIN"]
+
+
+def test_perf_events_at_mainline_levels_need_nothing_more() -> None:
+    assert not [n for n in needs("latency", parse({}, "test")) if n.value == "CAP_SYS_ADMIN"]
