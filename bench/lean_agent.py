@@ -51,28 +51,26 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def rss_kb(pid: int) -> int:
+def _kb(path: str, field: str) -> int:
+    """The kB of `field` in a /proc file of `field: N kB` lines; 0 once the process is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def rss_kb(pid: int) -> int:
+    return _kb(f"/proc/{pid}/status", "VmRSS:")
 
 
 def pss_kb(pid: int) -> int:
     """Proportional set size: a page shared by n processes counts 1/n in each, so a sum over processes counts
     the compile children's LLVM once (resident memory counts it in each child)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return _kb(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
 def compiler_kb(pid: int) -> int:
