@@ -14,6 +14,7 @@ request is dropped, CPU is the only lever); its run-queue histogram covers both 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -24,12 +25,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.conftest import netns  # noqa: E402
 from tests.integration.resources_lab import Lab, cgroup_lab, free_port, run_in  # noqa: E402
-from testkit.agent import AgentProcess  # noqa: E402
+from testkit.agent import AgentProcess, agent_argv, agent_env  # noqa: E402
 
 SERVER = str(REPO / "tests/integration/resources_load.py")
 GOLD_SLO_MS = 20.0
@@ -63,14 +65,14 @@ def clients(ns: str, port: int, threads: int, pause_ms: int, seconds: float, out
                       str(threads), str(pause_ms), str(seconds), "5", str(out)], cwd=str(REPO))
 
 
-def phase(ns: str, tmp: Path, name: str, n: int, gp: int, bp: int, seconds: float) -> dict:
-    """One phase: an agent of its own, gold's clients for `seconds`, bronze flooded throughout unless alone."""
+def phase(ns: str, tmp: Path, pins: str, name: str, n: int, gp: int, bp: int, seconds: float) -> dict:
+    """One phase: an agent of its own (the build pinned under `pins` by the first, reused by the rest), gold's
+    clients for `seconds`, bronze flooded throughout unless alone."""
     d = tmp / f"{name}-{n}"
     d.mkdir()
     sock = str(d / "s.sock")
     cfg = d / "qosagent.yaml"
-    cfg.write_text(AGENT_CONF.format(state=d / "state", sock=sock, pins=f"/sys/fs/bpf/qosagent-bench-"
-                                     f"{secrets.token_hex(4)}", slo=GOLD_SLO_MS, gp=gp, bp=bp,
+    cfg.write_text(AGENT_CONF.format(state=d / "state", sock=sock, pins=pins, slo=GOLD_SLO_MS, gp=gp, bp=bp,
                                      mode="enforce" if name == "on" else "dry-run"))
     agent = AgentProcess(cfg, sock, d / "agent.log", prefix=["nsenter", f"--net=/run/netns/{ns}"])
     try:
@@ -92,6 +94,19 @@ def phase(ns: str, tmp: Path, name: str, n: int, gp: int, bp: int, seconds: floa
     return {"ms": ms, "cuts": len(cuts), "runq_p99_ms": (rq.get("p99") or 0) * 1000}
 
 
+@contextlib.contextmanager
+def detached(pins: str) -> Iterator[None]:
+    """`qosagent detach` of the pinned build at the end: the host is left as it was."""
+    try:
+        yield
+    finally:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as cfg:
+            cfg.write(f"bpf: {{pin_root: {pins}}}\nlatency: {{enabled: true}}\n")
+            cfg.flush()
+            subprocess.run(agent_argv("detach", "--config", cfg.name), env=agent_env(), capture_output=True,
+                           timeout=60, check=False)
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000, method="inclusive")[round(q * 1000) - 1] if len(xs) > 1 else xs[0]
 
@@ -104,7 +119,8 @@ def main() -> None:
     gp, bp = free_port(), free_port()
     got: dict[str, list[dict]] = {p: [] for p in PHASES}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    with cgroup_lab() as lab, netns("resbench") as ns, tempfile.TemporaryDirectory() as tmp:
+    pins = f"/sys/fs/bpf/qosagent-bench-{secrets.token_hex(4)}"
+    with cgroup_lab() as lab, netns("resbench") as ns, tempfile.TemporaryDirectory() as tmp, detached(pins):
         lab_: Lab = lab
         gold, bronze = lab_.cgroup("gold"), lab_.cgroup("bronze")
         for port, path, n, ms in ((gp, gold, 1, 10), (bp, bronze, 4, 50)):
@@ -116,7 +132,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = PHASES[r % 3:] + PHASES[:r % 3]  # interleaved: each phase in every position
             for name in order:
-                got[name].append(phase(ns, Path(tmp), name, r, gp, bp, args.seconds))
+                got[name].append(phase(ns, Path(tmp), pins, name, r, gp, bp, args.seconds))
                 print(f"round {r} {name}: p99 {pct(got[name][-1]['ms'], 0.99):.1f} ms", file=sys.stderr)
     pooled = {p: [x for run in got[p] for x in run["ms"]] for p in PHASES}
     p50 = {p: statistics.median(pooled[p]) for p in PHASES}
