@@ -226,7 +226,7 @@ def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
     for cls in capabilities.CAPABILITIES:
         if cls not in enabled:
             verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
-        elif (refused := sandbox.refusal(cls.sandbox_needs(cfg))) is not None:
+        elif (refused := sandbox.refusal(cls.sandbox_needs(cfg), hostfs=fs)) is not None:
             verdicts[cls.name] = Verdict(State.UNAVAILABLE, refused)
         else:
             ctx.record(cls, cls(ctx).probe(feats))

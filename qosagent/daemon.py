@@ -120,7 +120,8 @@ class Agent:
         self.features = features_mod.probe(self.hostfs, nvml_state)
         self.services = [self.ctx.service(kind) for kind in capabilities.services(enabled)]
         # What the sandbox (the unit, a container) refuses a capability is said before it tries.
-        refusals = {cls: sandbox.refusal(cls.sandbox_needs(self.config)) for cls in enabled}
+        refusals = {cls: sandbox.refusal(cls.sandbox_needs(self.config), hostfs=self.hostfs)
+                    for cls in enabled}
         made = {cls: cls(self.ctx) for cls in enabled}
         for cls, cap in made.items():
             if refusals[cls] is None:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from qosagent.hostfs import HostFS
+
 if TYPE_CHECKING:
     from qosagent.config import Config
 
@@ -26,6 +28,9 @@ class Need:
     setting: str  # the unit setting that grants it
     value: str  # a capability (CAP_SYS_NICE), a path (- prefix: only where it exists), a mount point, a switch (no)
     why: str
+    # A host file the agent writes through its host root (HostFS, --host-root: /host/sys in the DaemonSet), so checked
+    # there; False for what the agent writes in its own mount namespace (its state dir, its pins on bpffs).
+    host: bool = False
 
 
 # What the shipped unit itself grants; tests/unit/test_sandbox.py checks it against systemd/qosagent.service.
@@ -124,10 +129,12 @@ def this_process() -> Process:
                    under_systemd="INVOCATION_ID" in os.environ)
 
 
-def refusal(needs: list[Need], proc: Process | None = None) -> str | None:
+def refusal(needs: list[Need], proc: Process | None = None, hostfs: HostFS | None = None) -> str | None:
     """Why the sandbox refuses a capability what it needs (its `sandbox_needs`), naming the setting; None when
-    nothing is refused (or when not root: an unprivileged agent is told so by each capability's own probe)."""
+    nothing is refused (or when not root: an unprivileged agent is told so by each capability's own probe). A host
+    path is checked, and named, where the agent writes it: under `hostfs`'s root."""
     proc = proc or this_process()
+    hostfs = hostfs or HostFS("/")
     eff = proc.effective()
     if eff is None:
         return None
@@ -137,12 +144,12 @@ def refusal(needs: list[Need], proc: Process | None = None) -> str | None:
         if n.setting == "CapabilityBoundingSet" and n.value not in eff:
             problems.append(f"{where} CapabilityBoundingSet lacks {n.value} ({n.why})")
         elif n.setting == "ReadWritePaths":
-            path = n.value.lstrip("-")
+            path = str(hostfs.path(n.value.lstrip("-"))) if n.host else n.value.lstrip("-")
             probe = _existing(path)
             if n.value.startswith("-") and probe != path:
                 continue
             if probe is not None and not proc.writable(probe):
-                problems.append(f"{path} is read-only here ({n.why}): " + _read_only_by(path, needs, proc))
+                problems.append(f"{path} is read-only here ({n.why}): " + _read_only_by(n, needs, proc, hostfs))
         elif n.setting == "RequiresMountsFor" and n.value in ("/sys/fs/bpf", "/sys/kernel/tracing"):
             want = "bpf" if n.value == "/sys/fs/bpf" else "tracefs"
             if proc.mounted(n.value) != want:
@@ -154,9 +161,14 @@ def refusal(needs: list[Need], proc: Process | None = None) -> str | None:
     return "; ".join(problems) + hint
 
 
-def _read_only_by(path: str, needs: list[Need], proc: Process) -> str:
-    """The settings that make a needed path read-only: those the needs relax, as the unit sets them."""
+def _read_only_by(need: Need, needs: list[Need], proc: Process, hostfs: HostFS) -> str:
+    """The settings that make a needed path read-only: those the needs relax, as the unit sets them; outside systemd,
+    for a host file under a host root, the mount of the host's /sys there."""
+    path = need.value.lstrip("-")
     if not proc.under_systemd:
+        if need.host and str(hostfs.root) != "/":
+            return (f"the host's /sys is mounted read-only at {hostfs.path('/sys')} (on Kubernetes, add the "
+                    "component deploy/kubernetes/components/writable-sys)")
         return "mounted read-only"
     why = f"ReadOnlyPaths=/sys without ReadWritePaths={path}"
     if _under(path, CGROUP_FS) and any(n.setting == "ProtectControlGroups" for n in needs):

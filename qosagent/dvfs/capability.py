@@ -63,7 +63,7 @@ class Dvfs(Capability):
     def sandbox_needs(cls, config: "Config") -> list[Need]:
         if config.dvfs.mode != "enforce":
             return []
-        return ([Need("ReadWritePaths", p, "CPU frequency limits") for p in sandbox.CPUFREQ]
+        return ([Need("ReadWritePaths", p, "CPU frequency limits", host=True) for p in sandbox.CPUFREQ]
                 + sandbox.state_dir(config))
 
     def __init__(self, ctx: AgentContext):

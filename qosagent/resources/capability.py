@@ -54,7 +54,7 @@ class Resources(Capability):
             Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
             # Both: ReadOnlyPaths=/sys covers the cgroup tree, and ProtectControlGroups=yes keeps it read-only even
             # under ReadWritePaths=/sys/fs/cgroup (systemd keeps the stricter of two entries for one path).
-            Need("ReadWritePaths", sandbox.CGROUP_FS, "write the serving cgroups' cpu and memory files"),
+            Need("ReadWritePaths", sandbox.CGROUP_FS, "write the serving cgroups' cpu and memory files", host=True),
             Need("ProtectControlGroups", "no", "write the serving cgroups' cpu and memory files"),
         ] + sandbox.state_dir(config)
 

@@ -104,7 +104,8 @@ def test_each_capability_begins_before_the_first_starts_unless_refused(scripted,
     the sandbox refuses begins nothing."""
     refused = make_cap("b")
     refused.sandbox_needs = classmethod(lambda cls, cfg: ["refused"])  # type: ignore[attr-defined]
-    monkeypatch.setattr("qosagent.daemon.sandbox.refusal", lambda needs: "not here" if needs == ["refused"] else None)
+    monkeypatch.setattr("qosagent.daemon.sandbox.refusal",
+                        lambda needs, hostfs: "not here" if needs == ["refused"] else None)
     scripted(make_cap("a"), refused, make_cap("c"))
     a = agent(tmp_path)
     a.start()

@@ -7,6 +7,7 @@ import pytest
 
 from qosagent import capabilities, sandbox
 from qosagent.config import Config, parse
+from qosagent.hostfs import HostFS
 from tests.conftest import REPO
 
 UNIT = REPO / "systemd" / "qosagent.service"
@@ -146,6 +147,45 @@ def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
     ro = sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"}, readonly=("/sys/fs/cgroup",)))
     assert ro is not None and "ProtectControlGroups=yes" in ro and "ReadWritePaths=/sys/fs/cgroup" in ro
     assert sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"})) is None
+
+
+POD_CAPS = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_NICE"}
+
+
+def host_tree(tmp_path) -> HostFS:
+    """A host root (the DaemonSet's /host) with the host files dvfs and resources write."""
+    for d in ("sys/fs/cgroup", "sys/devices/system/cpu/cpufreq"):
+        (tmp_path / d).mkdir(parents=True)
+    return HostFS(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["resources", "dvfs"])
+def test_host_files_are_checked_under_the_host_root(tmp_path, name: str) -> None:
+    """In a pod the container's own /sys is read-only while the host's, mounted at /host/sys, may be writable: the
+    agent writes cgroup and cpufreq files there, so that is where they are checked, and named."""
+    cfg = parse({name: {"enabled": True, "mode": "enforce"}}, "test")
+    host = host_tree(tmp_path)
+    own_sys_ro = sandboxed(POD_CAPS, readonly=("/sys",), systemd=False)
+    assert sandbox.refusal(needs(name, cfg), own_sys_ro, host) is None
+    host_sys_ro = sandboxed(POD_CAPS, readonly=(str(tmp_path / "sys"),), systemd=False)
+    why = sandbox.refusal(needs(name, cfg), host_sys_ro, host)
+    assert why is not None and f"{tmp_path}/sys/" in why and " /sys/" not in why, why
+    assert "components/writable-sys" in why
+    # Under systemd the unit's settings are named, not the component.
+    unit = sandbox.refusal(needs(name, cfg), sandboxed(POD_CAPS, readonly=(str(tmp_path / "sys"),)), host)
+    assert unit is not None and "ReadOnlyPaths=/sys without ReadWritePaths=" in unit and "writable-sys" not in unit
+
+
+def test_the_agents_own_paths_are_not_under_the_host_root(tmp_path) -> None:
+    """Pins and the state dir are the agent's own (bpffs mounted into the container, its /run/qosagent): a
+    read-only host /sys refuses neither, a read-only own one does."""
+    cfg = parse({"quota": {"enabled": True}, "state_dir": "/var/lib/qosagent"}, "test")
+    host = host_tree(tmp_path)
+    caps = POD_CAPS - {"CAP_SYS_NICE"}
+    assert sandbox.refusal(needs("quota", cfg), sandboxed(caps, readonly=(str(tmp_path),), systemd=False),
+                           host) is None
+    why = sandbox.refusal(needs("quota", cfg), sandboxed(caps, readonly=("/sys",), systemd=False), host)
+    assert why is not None and "/sys/fs/bpf is read-only here" in why and "writable-sys" not in why
 
 
 @pytest.mark.parametrize("level", ["3", "4"])
