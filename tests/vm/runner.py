@@ -130,8 +130,8 @@ def run(script: str, kernel: str | None = None, cpus: int = 2, memory: str = "3G
         rw: tuple[str, ...] = ()) -> VmResult:
     """Run `script` (bash) in the repository's directory inside a VM booted from `kernel` (default: the newest
     cached), as root with CI=true. numa: two NUMA nodes, half the memory and CPUs each. systemd: systemd is the
-    guest's PID 1 and the script runs as one of its services' children (virtme-ng's --systemd). rw: directories
-    the guest may write (an overlay: the host's stay as they are)."""
+    guest's PID 1 and the script is the service it boots into (SYSTEMD_RUN below). rw: directories the guest may
+    write (an overlay: the host's stay as they are)."""
     why = missing()
     if why:
         raise RuntimeError(f"cannot start a VM: {why}")
@@ -152,6 +152,41 @@ KVM_ERROR = "KVM internal error"
 KVM_BOOT_S = 60.0
 
 
+# systemd as PID 1: virtme-ng's --systemd runs its command from a serial getty of the host's default target, which
+# the guest never reached here (the host's own units in the way); instead the guest boots into the command itself
+# (systemd-run-generator, systemd >= 240: `systemd.run=` makes it a oneshot service and the boot's target), which
+# powers the VM off when it ends, either way. virtme-ng's guest set-up does not run then: the wrapper sends the
+# output to the serial console, makes the rw directories writable (overlays on tmpfs) and prints the exit status,
+# which virtme-ng cannot return from there.
+# The host's root has a /.dockerenv (it was built in a container), so systemd takes the VM for a container, and a
+# container's systemd and generators read their settings from PID 1's argv instead of /proc/cmdline: none of them
+# took effect. `container=` (empty; the kernel passes it to init's environment) tells PID 1 it is in none. Its
+# generators still see a container (PID 1 has the variable), so theirs come in SYSTEMD_PROC_CMDLINE, set for them by
+# PID 1 (systemd.setenv=, quoted whole). Not systemd-tmpfiles-setup: with --remove at boot it empties the guest's
+# view of the host's /tmp (gigabytes over 9p; the boot never got past it under emulation), and nothing the unit uses
+# comes from it (RuntimeDirectory= and PrivateTmp= are systemd's own); nor timesyncd (no network: it fails, again and
+# again). Status lines only on errors: the progress
+# spinner is most of the output otherwise.
+GENERATORS = ("systemd.run={wrapper}", "systemd.run_success_action=poweroff-force",
+              "systemd.run_failure_action=poweroff-force", "systemd.mask=systemd-tmpfiles-setup.service",
+              "systemd.mask=systemd-timesyncd.service")
+SYSTEMD_RUN = ("container=", '"systemd.setenv=SYSTEMD_PROC_CMDLINE=' + " ".join(GENERATORS) + '"',
+               "systemd.show_status=error")
+EXIT_MARK = "qosagent-vm: exit "
+SYSTEMD_WRAPPER = """#!/bin/bash
+exec >/dev/console 2>&1
+mkdir -p /run/qosagent-vm
+for d in {rw}; do
+  u=/run/qosagent-vm/$(echo "$d" | tr / _)
+  mkdir -p "$u/upper" "$u/work"
+  mount -t overlay overlay -o "lowerdir=$d,upperdir=$u/upper,workdir=$u/work" "$d" \\
+    || echo "qosagent-vm: no overlay on $d"
+done
+bash {body}
+echo "{mark}$?"
+"""
+
+
 def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout: float, numa: bool,
           echo: Callable[[str], None] | None, systemd: bool, rw: tuple[str, ...]) -> VmResult:
     with tempfile.TemporaryDirectory(prefix="qosagent-vm-") as tmp:
@@ -161,12 +196,21 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
         scale = 2 if accel == "kvm" else 10
         path.write_text(PROLOGUE + f"export QOSAGENT_TEST_TIME_SCALE={scale}\n" + script + "\n")
         argv = ["nice", "-n", str(NICE), str(VENV_BIN / "vng"), "--run", str(kernel_image(kernel)),
-                "--cpus", str(cpus), "--memory", memory, "--name", "qosagent-vm", "--exec", f"bash {path}"]
+                "--cpus", str(cpus), "--memory", memory, "--name", "qosagent-vm"]
         if accel == "tcg":
             argv.append("--disable-kvm")
         if systemd:
+            os.chmod(tmp, 0o755)  # the guest's root reads it through the host's permissions
+            wrapper = Path(tmp) / "systemd-run.sh"
+            wrapper.write_text(SYSTEMD_WRAPPER.format(rw=" ".join(shlex.quote(d) for d in rw), body=path,
+                                                      mark=EXIT_MARK))
+            wrapper.chmod(0o755)
             argv.append("--systemd")
-        argv += [f"--overlay-rwdir={d}" for d in rw]
+            for karg in SYSTEMD_RUN:
+                argv += ["--append", karg.format(wrapper=wrapper)]
+        else:
+            argv += ["--exec", f"bash {path}"]
+            argv += [f"--overlay-rwdir={d}" for d in rw]
         if numa:
             mb = _megabytes(memory)
             half = cpus // 2
@@ -212,6 +256,10 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
             _end_session(proc)
         reader.join(timeout=10)
         wall = time.monotonic() - t0
+    if systemd and not timed_out:
+        # virtme-ng's own status says nothing of the command's there: the wrapper printed it (none: it never ended).
+        marks = [line[len(EXIT_MARK):].strip() for line in lines if line.startswith(EXIT_MARK)]
+        rc = int(marks[-1]) if marks and marks[-1].isdigit() else 1
     return VmResult(kernel=kernel, accel=accel, rc=rc, output="".join(lines), boot_s=up[0] if up else None,
                     wall_s=wall, timed_out=timed_out, kvm_failed=failed.is_set())
 
