@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent.admission import export, policy
-from qosagent.admission.inputs import baseline, tick_input
+from qosagent.admission.inputs import baseline, tick_input, tier_slos
 from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Attention, Capability, Change, State, Verdict
@@ -66,6 +66,8 @@ class Admission(Capability):
         self._for: Any = None
         self._index: dict[str, Any] = {}
         self._at_rest: dict[str, TenantAdmission] = {}
+        self._all_at_rest: tuple[TenantAdmission, ...] = ()  # the report's rows while no tenant is cut or shed
+        self._tier_slo: dict[str, float] = {}  # the SLO of each tier with tenants (inputs.tier_slos), per config
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:
@@ -131,7 +133,9 @@ class Admission(Capability):
             self._at_rest = {t.name: TenantAdmission(t.name, t.tier, self.baseline.get(t.name),
                                                      self.baseline.get(t.name), False, False, policy.BY_CONFIG,
                                                      "baseline", "") for t in cfg.tenants}
-        inp = tick_input(snapshot, cfg, self.baseline, self._index)
+            self._all_at_rest = tuple(self._at_rest.values())
+            self._tier_slo = tier_slos(cfg)
+        inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
         out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state
         self.outcome = out
@@ -196,13 +200,13 @@ class Admission(Capability):
                 name, t.tier, self.baseline.get(name), out.overrides.get(name, self.baseline.get(name)),
                 s.shed, s.limit is not None, by.signal if by else policy.BY_CONFIG, by.rule if by else "baseline",
                 by.detail if by else "")
-        tenants = [moved.get(t.name) or self._at_rest[t.name] for t in cfg.tenants]
+        tenants = tuple(moved.get(n) or t for n, t in self._at_rest.items()) if moved else self._all_at_rest
         return dataclasses.replace(
             out.part, decided=True, gpu=gpu, shed_tiers=state.shed_tiers, escalation=state.escalation,
             healthy_streak=state.healthy_streak, servers_known=tuple(sorted(out.servers)),
             tiers=tuple(TierAdmission(n, v.observed, v.slo, v.breach_streak, v.in_breach, v.near_slo)
                         for n, v in out.tiers.items()),
-            tenants=tuple(tenants),
+            tenants=tenants,
             gpus=tuple(GpuAdmission(v.index, v.ratio, v.evidence, v.counts, v.why, v.conflict) for v in out.gpus),
             gpu_ignored=dict(self.ignored), **common)
 

@@ -124,11 +124,18 @@ def gpu_input(gpu: GpuState | None, serving: list[int], servers: ServersPart | N
     return GpuInput(tuple(out), "" if out else "no serving GPU")
 
 
-def slo_verdict(lat: LatencyPart | None, cfg: Config) -> SloVerdict:
+def tier_slos(cfg: Config) -> dict[str, float]:
+    """The SLO of each tier that has tenants."""
+    return {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
+
+
+def slo_verdict(lat: LatencyPart | None, cfg: Config, tier_slo: Mapping[str, float] | None = None) -> SloVerdict:
     """This tick's SLO verdict, as latency's collect judged it; judged here, by the same rule, only where the part
-    has none for this config (latency off, a part built by hand, the first tick after a reload)."""
+    has none for this config (latency off, a part built by hand, the first tick after a reload). tier_slo: cfg's
+    tier_slos (worked out here when not given; the capability keeps them per config)."""
     adm = cfg.admission
-    tier_slo = {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
+    if tier_slo is None:
+        tier_slo = tier_slos(cfg)
     v = lat.verdict if lat is not None else None
     if v is not None and (v.signal, v.quantile) == (adm.signal, adm.quantile) and v.tiers.keys() == tier_slo.keys():
         return v
@@ -185,14 +192,16 @@ class TenantInputs(Mapping[str, TenantInput]):
 
 
 def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit],
-               index: Mapping[str, TenantConfig] | None = None) -> TickInput:
-    """index: cfg's tenants by name (made here when not given; the capability keeps one per config)."""
+               index: Mapping[str, TenantConfig] | None = None,
+               tier_slo: Mapping[str, float] | None = None) -> TickInput:
+    """index: cfg's tenants by name, tier_slo its tier_slos (each made here when not given; the capability keeps
+    them per config)."""
     policy = cfg.admission
     lat = snap.part(LATENCY)
     quota = snap.part(QUOTA)
     tenants = TenantInputs(cfg, lat.tenants if lat is not None else {}, quota.tenants if quota is not None else {},
                            baseline, index if index is not None else {t.name: t for t in cfg.tenants})
-    verdict = slo_verdict(lat, cfg)
+    verdict = slo_verdict(lat, cfg, tier_slo)
     tiers = {name: TierInput(name, cfg.tiers[name].weight, v, cfg.tiers[name].sheddable)
              for name, v in verdict.tiers.items()}
     rq = lat.runqueue_window if lat is not None else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from qosagent.admission.config import AdmissionConfig
 from qosagent.admission.model import AdmissionPart
@@ -569,7 +569,7 @@ class _Tick:
 
     def outcome(self) -> Outcome:
         overrides = {}
-        set_by = dict.fromkeys(self.inp.tenants, _BASELINE)  # at rest: the config's baseline
+        set_by = {}
         for name in self.in_order([n for n, s in self.states.items() if s.shed or s.limit is not None]):
             t, s = self.inp.tenants[name], self.states[name]
             lim = effective(t, s)
@@ -600,10 +600,32 @@ class _Tick:
         )
         return Outcome(state, tuple(self.changes), MappingProxyType(overrides), part, MappingProxyType(self.views),
                        tuple(self.gpu_views), self.gpu_max, self.inp.gpu.reason, self.run_pre_cleanup,
-                       MappingProxyType(self.servers), MappingProxyType(set_by))
+                       MappingProxyType(self.servers), SetByTenant(self.inp.tenants, set_by))
 
 
 _BASELINE = SetBy(BY_CONFIG, "baseline")
+
+
+class SetByTenant(Mapping[str, SetBy]):
+    """Outcome.set_by: each tenant's SetBy, those of `moved` as given and every other tenant of `tenants` at the
+    config's baseline, answered on lookup rather than written out: a tick at rest costs nothing per tenant."""
+
+    def __init__(self, tenants: Mapping[str, Any], moved: dict[str, SetBy]):
+        self._tenants, self._moved = tenants, moved
+
+    def __getitem__(self, name: str) -> SetBy:
+        got = self._moved.get(name)
+        if got is not None:
+            return got
+        if name in self._tenants:
+            return _BASELINE
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tenants)
+
+    def __len__(self) -> int:
+        return len(self._tenants)
 
 
 def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: AdmissionConfig) -> SetBy:

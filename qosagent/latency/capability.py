@@ -62,6 +62,7 @@ class Latency(Capability):
         self._known: dict[int, TenantInfo] = {}
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
         self._maps: MapsPlan | None = None  # what the tenant and port maps say (the last start or reload)
+        self._tracked: set[int] = set()  # its tracked ports (config.tracked_ports walks every tenant's)
         # What the tick makes of each tenant's rows, kept between ticks (reading.py).
         self._view = reading.Tenants(ctx.config.latency.window)
         self.rows_read = 0  # slots whose rows the last tick read (LatencyPart.rows_read)
@@ -128,6 +129,7 @@ class Latency(Capability):
         self._follow_pods(m)
         self._view.configure(m.tenants, self._known, m.window)
         self._maps = m
+        self._tracked = set(m.tracked)
         self._slos = ({info.name: info.slo_p99 for info in m.tenants.values()},
                       {info.tier: info.slo_p99 for tid, info in m.tenants.items() if tid != UNMATCHED_ID})
 
@@ -167,7 +169,7 @@ class Latency(Capability):
         assert self.dp is not None and self.hooks is not None
         if self.runq:
             runq.refresh_threads(self.dp.map("runq_tgids"), self.dp.map("runq_pids"), self.ctx.hostfs)
-        self.hooks.maintain(set(self.ctx.config.tracked_ports()))
+        self.hooks.maintain(self._tracked)
         assert self._maps is not None
         self._follow_pods(self._maps)
 
@@ -180,7 +182,7 @@ class Latency(Capability):
         adm = cfg.admission
         view = self._view
         view.update(now, changes, adm.signal)
-        seen = self.hooks.verified_by_traffic(view.counted, now, set(cfg.tracked_ports()), cfg.latency.verify_within)
+        seen = self.hooks.verified_by_traffic(view.counted, now, self._tracked, cfg.latency.verify_within)
         if seen is not None:
             self.verdict = seen
         runq, runq_window = view.runqueue() if self.runq else (None, None)

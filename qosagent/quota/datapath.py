@@ -211,6 +211,8 @@ class Datapath:
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
         self.hooked: set[tuple[int, str]] = set()  # (ifindex, hook) this program was attached to
         self._limits: dict[int, bytes] = {}  # slot -> its quota_limits entry as written
+        self._written: dict[int, QuotaLimit] = {}  # tenant id -> the same, as the tick's reading carries it
+        self._by_slot: dict[int, int] = {0: UNMATCHED_ID}  # slot -> tenant id, as of the last assignment
         # Which slots' counts to read each tick; every one at the first (adopted pins hold counts already).
         self._gens = Generations(self.program.map("quota_gen").fd, 0, 1, everything=True)
         fd = self.maps["tenant_ports"].fd
@@ -303,6 +305,7 @@ class Datapath:
             if cur.get(tid) != s:
                 t.update(tid, s)
         self.slots = keep
+        self._by_slot = {s: tid for tid, s in keep.items()} | {0: UNMATCHED_ID}
 
     def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
         self.overrides = dict(overrides)
@@ -316,6 +319,7 @@ class Datapath:
 
     def _write_limits(self) -> None:
         t = self.maps["quota_limits"]
+        written = {}
         for tid, slot in self.slots.items():
             req, conn = self.baseline.get(tid, (None, None))
             lim = QuotaLimit()
@@ -342,6 +346,8 @@ class Datapath:
             if cur != bytes(lim):
                 t.update(slot, bytes(lim))
             self._limits[slot] = bytes(lim)
+            written[tid] = lim
+        self._written = written
 
     def _bump_rules_gen(self) -> None:
         t = self.maps["quota_config"]
@@ -437,15 +443,13 @@ class Datapath:
         """The tick's read: the counts and buckets of only the slots whose generation moved (quota_gen: qos_common.h;
         every slot at the first two reads), the limits as last written, the stats."""
         self._gens.resize(max(self.slots.values(), default=0) + 1)
-        return self._read(self._gens.changed(), {tid: QuotaLimit.from_buffer_copy(self._limits[slot])
-                                                 for tid, slot in self.slots.items() if slot in self._limits})
+        return self._read(self._gens.changed(), dict(self._written))
 
     def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit]) -> Reading:
         m = self.maps
         counts, buckets = {}, {}
         counters, bucket_t = m["quota_counters"], m["quota_buckets"]
-        by_slot = {slot: tid for tid, slot in self.slots.items()}
-        by_slot[0] = UNMATCHED_ID
+        by_slot = self._by_slot
         read = slots & by_slot.keys()
         for slot in read:
             tid = by_slot[slot]
