@@ -51,6 +51,18 @@ FULL_EXTRA = [
     "tests/integration/test_latency_agent.py::test_stop_leaves_no_program_attached_and_detach_unloads_them",
     "tests/integration/test_placement_apply.py::test_issue_example_pins_every_thread_to_cpu1_and_stop_restores",
     "tests/integration/test_placement_apply.py::test_migrate_pages_moves_memory_across_nodes_or_counts_a_noop_on_one",
+] + [
+    # Tier resources on pure cgroup v2 (the guest mounts cgroup2 alone; the host's layout is hybrid v1): v2's files,
+    # one directory shared by the cpu and memory controllers, restored on stop, kill -9 and detach (~170 s). Not the
+    # refused write: v2's memory.high takes any value, so it skips there, and the matrix fails a skip.
+    f"tests/integration/test_resources_cgroups.py::{name}" for name in (
+        "test_enforce_sets_files_and_hints_every_thread_then_stop_restores",
+        "test_dry_run_writes_nothing_and_says_would",
+        "test_a_reload_to_dry_run_restores_what_enforce_wrote",
+        "test_kill9_then_detach_or_the_next_agent_restores",
+        "test_shared_cgroup_is_reported_or_moved_and_two_tiers_in_one_are_reported",
+        "test_a_value_rewritten_by_another_owner_is_left_to_it",
+    )
 ]
 MEMORY_NODES = 2
 # Limits, innermost first, each failing with what the guest was doing rather than hanging CI: one test (pytest-timeout
@@ -58,7 +70,7 @@ MEMORY_NODES = 2
 # prints every process with what it waits on, the kernel's blocked tasks and the pytest process's Python stacks,
 # then ends it); the VM itself (the host kills QEMU and fails with the guest's last output).
 TEST_TIMEOUT_S = 300
-GUEST_TIMEOUT_S = 900
+GUEST_TIMEOUT_S = 1200
 TIMEOUT_S = TEST_TIMEOUT_S + GUEST_TIMEOUT_S + 120  # the ready check, pytest, the boot
 # What is known to fail, per exact kernel version (a new ABI of the same series is a new kernel: it starts with no
 # known failures), per test: (text its failure must contain, why it fails). The matrix passes when exactly these fail,
