@@ -110,7 +110,7 @@ try:
         t0 = time.thread_time()
         snap = agent.tick()
         cpu.append(time.thread_time() - t0)
-        rows.append(lat.rows_read + quota.rows_read)
+        rows.append(snap.part("latency").rows_read + snap.part("quota").rows_read)
         time.sleep(max(0.0, 0.1 - (time.thread_time() - t0)))
     proc = (time.process_time() - p0 - feed) / (time.monotonic() - w0)
     rss = rss_kb()

@@ -65,7 +65,6 @@ class Latency(Capability):
         self._tracked: set[int] = set()  # its tracked ports (config.tracked_ports walks every tenant's)
         # What the tick makes of each tenant's rows, kept between ticks (reading.py).
         self._view = reading.Tenants(ctx.config.latency.window)
-        self.rows_read = 0  # slots whose rows the last tick read (LatencyPart.rows_read)
         # The configured tenants' SLOs and their tiers', as of the last start or reload (SloVerdict's).
         self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
@@ -177,7 +176,6 @@ class Latency(Capability):
         now = self.ctx.clock()
         assert self.dp is not None and self.hooks is not None
         changes = self.dp.read()
-        self.rows_read = changes.rows_read
         cfg = self.ctx.config
         adm = cfg.admission
         view = self._view

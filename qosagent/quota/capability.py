@@ -78,7 +78,6 @@ class Quota(Capability):
         self.others: list[str] = []
         self.namespaces = NamespaceEgress(ctx)
         self.view = reading.Tenants()  # what the tick makes of each tenant, kept between ticks
-        self.rows_read = 0  # slots whose counts the last tick read (QuotaPart.rows_read)
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
         self.table: dict[int, TenantInfo] = {}
@@ -126,7 +125,6 @@ class Quota(Capability):
         d = self.datapath
         assert d is not None
         r = d.read_changed()
-        self.rows_read = r.rows_read
         self.view.update(r, self.table, self.specs, self.overrides, self.fleet, self.ctx.config.quota.heartbeat_timeout)
         return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
 

@@ -306,6 +306,7 @@ class Datapath:
                 t.update(tid, s)
         self.slots = keep
         self._by_slot = {s: tid for tid, s in keep.items()} | {0: UNMATCHED_ID}
+        self._gens.resize(max(keep.values(), default=0) + 1)  # the generations each tick reads: the slots in use
 
     def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
         self.overrides = dict(overrides)
@@ -442,7 +443,6 @@ class Datapath:
     def read_changed(self) -> Reading:
         """The tick's read: the counts and buckets of only the slots whose generation moved (quota_gen: qos_common.h;
         every slot at the first two reads), the limits as last written, the stats."""
-        self._gens.resize(max(self.slots.values(), default=0) + 1)
         return self._read(self._gens.changed(), dict(self._written))
 
     def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit]) -> Reading:
