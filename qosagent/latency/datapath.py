@@ -51,6 +51,7 @@ class Datapath:
         self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the generations each tick reads (_plan_reads)
         self._gens: Generations | None = None
         self._runq_gen: Generations | None = None
+        self._runq_row: ArrayRange | None = None
 
     @staticmethod
     def begin(cfg: "Config", plan: Plan) -> None:
@@ -123,9 +124,8 @@ class Datapath:
                 c = counts[i * self._counters_size:(i + 1) * self._counters_size]
                 tenants[self._by_slot[first + i]] = bm.Cumulative(hist, bm.counters(c))
         runq = None
-        if self._runq_gen is not None and self._runq_gen.changed():
-            runq = bm.histogram(bm.KINDS * self.nslots,
-                                ArrayRange(self._hist_fd, bm.KINDS * self.nslots, 1, bm.ROW_SIZE).data(), self._rows)
+        if self._runq_gen is not None and self._runq_row is not None and self._runq_gen.changed():
+            runq = bm.histogram(bm.KINDS * self.nslots, self._runq_row.data(), self._rows)
         return bm.Changes(tenants, runq, len(slots) + (runq is not None))
 
     def counted(self) -> int:
@@ -144,6 +144,8 @@ class Datapath:
         if self._gens is None:
             self._gens = Generations(self._gen_fd, 0, used)
             self._runq_gen = Generations(self._gen_fd, self.nslots, 1) if self.runq else None
+            # The run-queue histogram's one row, past every tenant's: where it is never changes.
+            self._runq_row = ArrayRange(self._hist_fd, bm.KINDS * self.nslots, 1, bm.ROW_SIZE) if self.runq else None
         self._gens.resize(used)
 
     # ---- its programs ------------------------------------------------------------------------------------
