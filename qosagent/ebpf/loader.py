@@ -32,6 +32,13 @@ def headers_present() -> bool:
     return os.path.isdir(f"/lib/modules/{platform.release()}/build/include")
 
 
+def require_headers() -> None:
+    """BCC compiles against the running kernel's headers: BpfError saying how to get them when they are missing."""
+    if not headers_present():
+        raise BpfError(f"no kernel headers at /lib/modules/{platform.release()}/build: run `make setup` "
+                       "(or install linux-headers and link them there)")
+
+
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[^\n]*$', re.M)
 
 
@@ -68,9 +75,7 @@ def compile_program(sources: str | Sequence[str], defines: dict[str, Any] | None
                     extra_cflags: Iterable[str] = ()) -> Any:
     """Compile and load the entry files bpf/<name>.c of `sources` as one program; returns the bcc.BPF object.
     Raises BpfError with the likely cause."""
-    if not headers_present():
-        raise BpfError(f"no kernel headers at /lib/modules/{platform.release()}/build: run `make setup` "
-                       "(or install linux-headers and link them there)")
+    require_headers()
     try:
         from bcc import BPF
     except ImportError as e:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from qosagent.ebpf import perf
 from qosagent.ebpf.libbpf import (RingBuffer, map_info, obj_get, pinned_map_info, possible_cpus, prog_type,
                                   raw_tracepoint_open)
-from qosagent.ebpf.loader import BpfError, headers_present, program_text
+from qosagent.ebpf.loader import BpfError, headers_present, program_text, require_headers
 from qosagent.ebpf.maps import Map, percpu
 
 if TYPE_CHECKING:
@@ -373,9 +373,7 @@ def load(spec: Spec, pin_dir: str) -> Program:
     if prog is not None:
         log.info("opened the kept %s build %s", spec.name, final)
         return prog
-    if not headers_present():
-        raise BpfError(f"no kernel headers at /lib/modules/{os.uname().release}/build: run `make setup` "
-                       "(or install linux-headers and link them there)")
+    require_headers()
     _finish(spec, _spawn(spec, digest, tmp, final), time.monotonic(), tmp, final)
     return _open_new(final, digest)
 
