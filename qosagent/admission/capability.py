@@ -23,13 +23,19 @@ from qosagent.tenants import LIMITS_SERVICE, LimitsWriter, TenantLimit
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from qosagent.config import Config
+    from qosagent.config import Config, TenantConfig
     from qosagent.features import Features
 
 
 
 def _rps(limit: TenantLimit | None) -> float | None:
     return None if limit is None else limit.rps
+
+
+def _row(t: "TenantConfig", baseline: TenantLimit | None, limit: TenantLimit | None, shed: bool, adaptive: bool,
+         by: policy.SetBy) -> TenantAdmission:
+    """A tenant's row of the report."""
+    return TenantAdmission(t.name, t.tier, baseline, limit, shed, adaptive, by.signal, by.rule, by.detail)
 
 
 def _gpu_line(out: policy.Outcome, dry_run: bool) -> str:
@@ -130,9 +136,8 @@ class Admission(Capability):
         if self._for is not cfg:
             self._for, self.baseline = cfg, baseline(snapshot, cfg)
             self._index = {t.name: t for t in cfg.tenants}
-            self._at_rest = {t.name: TenantAdmission(t.name, t.tier, self.baseline.get(t.name),
-                                                     self.baseline.get(t.name), False, False, policy.BY_CONFIG,
-                                                     "baseline", "") for t in cfg.tenants}
+            self._at_rest = {t.name: _row(t, self.baseline.get(t.name), self.baseline.get(t.name), False, False,
+                                          policy.BASELINE) for t in cfg.tenants}
             self._all_at_rest = tuple(self._at_rest.values())
             self._tier_slo = tier_slos(cfg)
         inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
@@ -195,11 +200,9 @@ class Admission(Capability):
             t = self._index.get(name)
             if t is None or not (s.shed or s.limit is not None):
                 continue
-            by = out.set_by.get(name)
-            moved[name] = TenantAdmission(
-                name, t.tier, self.baseline.get(name), out.overrides.get(name, self.baseline.get(name)),
-                s.shed, s.limit is not None, by.signal if by else policy.BY_CONFIG, by.rule if by else "baseline",
-                by.detail if by else "")
+            base = self.baseline.get(name)
+            moved[name] = _row(t, base, out.overrides.get(name, base), s.shed, s.limit is not None,
+                               out.set_by.get(name) or policy.BASELINE)
         tenants = tuple(moved.get(n) or t for n, t in self._at_rest.items()) if moved else self._all_at_rest
         return dataclasses.replace(
             out.part, decided=True, gpu=gpu, shed_tiers=state.shed_tiers, escalation=state.escalation,

@@ -603,7 +603,7 @@ class _Tick:
                        MappingProxyType(self.servers), SetByTenant(self.inp.tenants, set_by))
 
 
-_BASELINE = SetBy(BY_CONFIG, "baseline")
+BASELINE = SetBy(BY_CONFIG, "baseline")  # a limit as the config sets it (no override in force)
 
 
 class SetByTenant(Mapping[str, SetBy]):
@@ -618,7 +618,7 @@ class SetByTenant(Mapping[str, SetBy]):
         if got is not None:
             return got
         if name in self._tenants:
-            return _BASELINE
+            return BASELINE
         raise KeyError(name)
 
     def __iter__(self) -> Iterator[str]:
@@ -635,7 +635,7 @@ def _set_by(t: TenantInput, s: TenantState, lim: TenantLimit | None, policy: Adm
     elif s.limit is not None:
         signal, rule = s.cause or BY_SLO, s.rule or CUT
     else:
-        return _BASELINE
+        return BASELINE
     if lim is not None and lim.rps <= minimum(t, policy, shedding=s.shed):
         rule += ", held at the tier floor" if lim.rps == t.floor_rps and t.floor_rps > 0 else \
             ", shed to 0 (sheddable tier)" if s.shed else ", held at min_rps"
