@@ -78,9 +78,10 @@ class Allocator:
         # Nodes whose grant key holds a grant of this leader: the tenants' rates written (packed, in the ledger's
         # order).
         self._written: dict[str, bytes] = {}
-        # Reports by node as of the mod revision they were read at (None: malformed), and the store's revision of
-        # the last read: a round decodes only the reports written since.
-        self._seen: dict[str, tuple[int, Row | None]] = {}
+        # Each node's report as of the mod revision it was read at (and whether it decoded; a malformed one is not
+        # read again until rewritten), and the store's revision of the last read: a round decodes only the reports
+        # written since.
+        self._seen: dict[str, tuple[int, bool]] = {}
         self._read_rev = 0
         self._unallocated: dict[str, Row] = {}  # read while waiting one lease
         self._stop = threading.Event()
@@ -176,7 +177,7 @@ class Allocator:
                 node = kv.key[len(prefix):]
                 if self._seen.get(node, (None,))[0] == kv.mod_revision:
                     continue
-                self._seen[node] = kv.mod_revision, None
+                self._seen[node] = kv.mod_revision, False
                 try:
                     if not node or "/" in node:
                         raise records.Malformed("not a node key")
@@ -190,9 +191,9 @@ class Allocator:
                     self._warn(f"foreign:{node}", f"{node} reports tenants without a fleet quota here: "
                                f"{', '.join(sorted(foreign))}")
                 changed[node] = rep.demand, rep.held
-                self._seen[node] = kv.mod_revision, changed[node]
+                self._seen[node] = kv.mod_revision, True
         self._read_rev = rev
-        return [n for n, (_, r) in self._seen.items() if r is not None], changed
+        return [n for n, (_, valid) in self._seen.items() if valid], changed
 
     def _write(self, nodes: set[str]) -> None:
         """The grants of `nodes` that changed (written) or whose node went (deleted), then the round record that
