@@ -6,8 +6,8 @@ line before anything is compiled.
 
 The question goes to the kernel itself, not to its version (a distro may backport the feature): a six-instruction
 socket filter with one compare-and-exchange on its stack, loaded and closed at once. BPF_PROG_LOAD has no wrapper
-that both libbpf 0.x and 1.x export under one signature, so this calls bpf(2) by number, as `ebpf/perf.py` does
-perf_event_open.
+that both libbpf 0.x and 1.x export under one signature, so this calls bpf(2) by number (`qosagent/syscall.py`),
+as `ebpf/perf.py` does perf_event_open.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import platform
 import struct
 from typing import Literal
+
+from qosagent import syscall
 
 _BPF = {"x86_64": 321, "aarch64": 280, "arm64": 280}
 _BPF_PROG_LOAD = 5
@@ -55,18 +56,15 @@ class _ProgLoad(ctypes.Structure):
 
 def _load(program: bytes) -> int:
     """bpf(BPF_PROG_LOAD) of a socket filter: its fd, or -errno."""
-    nr = _BPF.get(platform.machine())
-    if nr is None:
-        return -errno.ENOSYS
     insns = ctypes.create_string_buffer(program, len(program))
     license = ctypes.create_string_buffer(b"GPL")
     attr = _ProgLoad(prog_type=_BPF_PROG_TYPE_SOCKET_FILTER, insn_cnt=len(program) // 8,
                      insns=ctypes.addressof(insns), license=ctypes.addressof(license))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(ctypes.c_long(nr), ctypes.c_int(_BPF_PROG_LOAD), ctypes.byref(attr),
-                      ctypes.c_uint(ctypes.sizeof(attr)))
-    return int(fd) if fd >= 0 else -ctypes.get_errno()
+    try:
+        return syscall.call("bpf(BPF_PROG_LOAD)", _BPF, ctypes.c_int(_BPF_PROG_LOAD), ctypes.byref(attr),
+                            ctypes.c_uint(ctypes.sizeof(attr)))
+    except OSError as e:
+        return -(e.errno or errno.ENOSYS)
 
 
 def supported() -> Answer:

@@ -2,7 +2,7 @@
 then PERF_EVENT_IOC_SET_BPF. The attachment lasts while the event's fd is open, so a killed agent leaves none.
 
 perf_event_open has no wrapper in libc or libbpf's low-level API (libbpf attaches only programs of its own
-objects), so it is called by number: one per architecture the agent ships for.
+objects), so it is called by number (`qosagent/syscall.py`): one per architecture the agent ships for.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import platform
 
+from qosagent import syscall
 from qosagent.hostfs import HostFS
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241, "arm64": 241}
@@ -32,22 +32,12 @@ class _Attr(ctypes.Structure):
                 ("bp_type", ctypes.c_uint32), ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def _open(attr: _Attr) -> int:
-    nr = _PERF_EVENT_OPEN.get(platform.machine())
-    if nr is None:
-        raise OSError(0, f"perf_event_open: no syscall number known for {platform.machine()}")
     attr.size = ctypes.sizeof(attr)
     attr.sample_period = 1
     attr.wakeup_events = 1
-    fd = _libc.syscall(ctypes.c_long(nr), ctypes.byref(attr), ctypes.c_int(-1), ctypes.c_int(0), ctypes.c_int(-1),
-                       ctypes.c_ulong(_PERF_FLAG_FD_CLOEXEC))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"perf_event_open: {os.strerror(err)}")
-    return int(fd)
+    return syscall.call("perf_event_open", _PERF_EVENT_OPEN, ctypes.byref(attr), ctypes.c_int(-1), ctypes.c_int(0),
+                        ctypes.c_int(-1), ctypes.c_ulong(_PERF_FLAG_FD_CLOEXEC))
 
 
 def _bind(fd: int, prog_fd: int) -> int:

@@ -13,13 +13,12 @@ import ctypes
 import errno
 import logging
 import os
-import platform
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from qosagent import statefile
-from qosagent.hostfs import HostFS
+from qosagent import statefile, syscall
 from qosagent.cpulist import format_cpulist, parse_cpulist
+from qosagent.hostfs import HostFS
 from qosagent.placement.discovery import numa_pages, proc_start, thread_cpus
 from qosagent.placement.model import Drop, Place, Record
 from qosagent.placement.topology import Topology
@@ -89,9 +88,6 @@ def get_affinity(fs: HostFS, pid: int) -> dict[int, frozenset[int]]:
 
 def migrate_pages_syscall(pid: int, old_nodes: Iterable[int], new_nodes: Iterable[int]) -> int:
     """migrate_pages(2): returns the pages that could not be moved; raises OSError."""
-    nr = _SYS_MIGRATE_PAGES.get(platform.machine())
-    if nr is None:
-        raise OSError(errno.ENOSYS, f"migrate_pages: syscall number unknown on {platform.machine()}")
     old, new = list(old_nodes), list(new_nodes)
     words = max([*old, *new, 0]) // 64 + 1
     old_mask = (ctypes.c_ulong * words)()
@@ -99,14 +95,9 @@ def migrate_pages_syscall(pid: int, old_nodes: Iterable[int], new_nodes: Iterabl
     for mask, nodes in ((old_mask, old), (new_mask, new)):
         for n in nodes:
             mask[n // 64] |= 1 << (n % 64)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
     # The kernel reads maxnode - 1 bits (a historical off-by-one every caller compensates for).
-    rc = libc.syscall(ctypes.c_long(nr), ctypes.c_int(pid), ctypes.c_ulong(words * 64 + 1), old_mask, new_mask)
-    if rc < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"migrate_pages pid {pid}: {os.strerror(err)}")
-    return int(rc)
+    return syscall.call(f"migrate_pages pid {pid}", _SYS_MIGRATE_PAGES, ctypes.c_int(pid),
+                        ctypes.c_ulong(words * 64 + 1), old_mask, new_mask)
 
 
 @dataclass

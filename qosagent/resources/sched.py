@@ -6,14 +6,14 @@ of our own that exits right after."""
 from __future__ import annotations
 
 import ctypes
-import errno
-import os
-import platform
 import threading
 from dataclasses import dataclass
 
+from qosagent import syscall
+
 # (sched_setattr, sched_getattr)
-_NR = {"x86_64": (314, 315), "aarch64": (274, 275)}
+_SETATTR = {"x86_64": 314, "aarch64": 274}
+_GETATTR = {"x86_64": 315, "aarch64": 275}
 POLICIES = {"normal": 0, "batch": 3, "idle": 5}  # SCHED_OTHER, SCHED_BATCH, SCHED_IDLE
 NAMES = {v: k for k, v in POLICIES.items()}
 
@@ -40,23 +40,10 @@ class Attr:
         return Attr(int(v[0]), int(v[1]), int(v[2]))
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-def _numbers() -> tuple[int, int]:
-    nr = _NR.get(platform.machine())
-    if nr is None:
-        raise OSError(errno.ENOSYS, f"sched_setattr: syscall number unknown on {platform.machine()}")
-    return nr
-
-
 def get(tid: int) -> Attr:
     a = _Attr()
-    if _libc.syscall(ctypes.c_long(_numbers()[1]), ctypes.c_int(tid), ctypes.byref(a),
-                     ctypes.c_uint(ctypes.sizeof(a)), ctypes.c_uint(0)) < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"sched_getattr tid {tid}: {os.strerror(e)}")
+    syscall.call(f"sched_getattr tid {tid}", _GETATTR, ctypes.c_int(tid), ctypes.byref(a),
+                 ctypes.c_uint(ctypes.sizeof(a)), ctypes.c_uint(0))
     return Attr(a.sched_policy, a.sched_nice, a.sched_runtime)
 
 
@@ -64,9 +51,7 @@ def set(tid: int, attr: Attr) -> None:  # noqa: A001 - the syscall's own verb
     """Only the fair policies (normal, batch, idle) are set here: their runtime is the custom slice."""
     a = _Attr(size=ctypes.sizeof(_Attr), sched_policy=attr.policy, sched_nice=attr.nice,
               sched_runtime=attr.runtime)
-    if _libc.syscall(ctypes.c_long(_numbers()[0]), ctypes.c_int(tid), ctypes.byref(a), ctypes.c_uint(0)) < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"sched_setattr tid {tid}: {os.strerror(e)}")
+    syscall.call(f"sched_setattr tid {tid}", _SETATTR, ctypes.c_int(tid), ctypes.byref(a), ctypes.c_uint(0))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ PACKAGE = ROOT / "qosagent"
 TOP = {"qosagent.__main__", "qosagent.cli", "qosagent.daemon", "qosagent.capabilities", "qosagent.status",
        "qosagent.metrics", "qosagent.readiness"}
 SERVICES = {"netns", "pods"}
-BOTTOM = {"hostfs", "snapshot", "hist", "schedule", "statefile", "units", "cpulist", "window"}
+BOTTOM = {"hostfs", "snapshot", "hist", "schedule", "statefile", "units", "cpulist", "window", "syscall"}
 FLOORS = ("bottom", "shared", "services", "capabilities", "top")
 DAEMON_USERS = {"qosagent.cli", "qosagent.status", "qosagent.metrics", "qosagent.readiness"}
 LIST_USERS = {"qosagent.daemon", "qosagent.cli", "qosagent.status"}
