@@ -16,7 +16,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from qosagent import listeners
 from qosagent.hostfs import HostFS
@@ -112,14 +112,15 @@ def serving_namespaces(fs: HostFS, tracked: Iterable[int], own_ino: int, with_cm
     are taken from it while they are recent enough (RECHECK_*); a new namespace is always read."""
     tracked = set(tracked)
     members: dict[int, list[int]] = {}
-    # Once a second over every process: plain strings and os.stat, not a Path per process.
+    # Once a second over every process: plain strings, not a Path per process, and the link's text ("net:[INODE]"),
+    # which the kernel writes without resolving the namespace's file as a stat does (half the cost here).
     proc = str(fs.path("/proc"))
     for entry in os.listdir(proc):
         if not entry.isdigit():
             continue
         try:
-            ino = os.stat(f"{proc}/{entry}/ns/net").st_ino
-        except OSError:
+            ino = int(os.readlink(f"{proc}/{entry}/ns/net")[5:-1])
+        except (OSError, ValueError):
             continue  # exited, or a kernel thread's
         if ino != own_ino:
             members.setdefault(ino, []).append(int(entry))
@@ -159,15 +160,15 @@ def serving_namespaces(fs: HostFS, tracked: Iterable[int], own_ino: int, with_cm
     return out
 
 
-def host_veths(ipr: "IPRoute", fs: HostFS, ns: ServingNs) -> list[tuple[int, str]]:
-    """(ifindex, name) of the links in the agent's namespace whose peer lies in ns ([] when its process is gone)."""
+def host_veths(ipr: "IPRoute", links: Iterable[Any], fs: HostFS, ns: ServingNs) -> list[tuple[int, str]]:
+    """(ifindex, name) of the links in the agent's namespace whose peer lies in ns ([] when its process is gone),
+    among `links`, a dump of them through ipr made before: a link dump gives each peer namespace an id (the kernel
+    allocates it when it reports a link), which then stands as long as that namespace."""
     try:
         fd = os.open(fs.path(f"/proc/{ns.pid}/ns/net"), os.O_RDONLY)
     except OSError:
         return []
     try:
-        # A link dump gives each peer namespace an id first (the kernel allocates it when it reports a link).
-        links = ipr.get_links()
         got = ipr.get_netnsid(fd=fd)
     finally:
         os.close(fd)

@@ -210,6 +210,10 @@ class Datapath:
         self.fleet: dict[int, tuple[Bucket, int]] = {}
         self.slots: dict[int, int] = {}  # tenant id -> index in the quota arrays
         self.hooked: set[tuple[int, str]] = set()  # (ifindex, hook) this program was attached to
+        self.links: tc.Links | None = None  # the netlink sockets, opened at the first attach
+        # The hooks attach() last put in place and the links' gen they were looked up in: the same again is a no-op.
+        self._attached_as: tuple[list[tuple[str, str]], int] | None = None
+        self._netns: dict[tuple[int, int], int] | None = None  # quota_netns as last written (None: as adopted)
         self._limits: dict[int, bytes] = {}  # slot -> its quota_limits entry as written
         self._written: dict[int, QuotaLimit] = {}  # tenant id -> the same, as the tick's reading carries it
         self._by_slot: dict[int, int] = {0: UNMATCHED_ID}  # slot -> tenant id, as of the last assignment
@@ -366,8 +370,11 @@ class Datapath:
         """quota_netns from (host-side veth ifindex, port or 0) -> tenant id. A change empties the flow cache and
         bumps the rules generation, as a rule change does: flows into a namespace found late were cached
         unmatched, and a gone one's ifindex may come back for another namespace."""
+        if entries == self._netns:
+            return False
         m = self.maps["quota_netns"]
         changed = sync(m, ((bytes(layout.NetnsKey(i, p, 0)), t) for (i, p), t in entries.items()))
+        self._netns = dict(entries)
         if changed:
             self.maps["tenant_flows"].clear()
             self._bump_rules_gen()
@@ -386,11 +393,21 @@ class Datapath:
         t.update(0, bytes(conf))
 
     # ---- the hook ----------------------------------------------------------------------------------------
+    def netlink(self) -> tc.Links:
+        if self.links is None:
+            self.links = tc.Links()
+        return self.links
+
     def attach(self, ifnames: Iterable[str], egress: Iterable[str] = ()) -> list[str]:
         """Put the program on each interface's ingress, and on the egress of each of `egress` (host-side veths into
         serving namespaces), replacing only our own filter; drop it from interfaces recorded earlier and no longer
         named (a veth gone with its namespace took its filter along: only the record goes). Returns what
-        changed."""
+        changed. The same hooks again, while no link changed (Links.gen), change nothing and ask the kernel
+        nothing."""
+        links = self.netlink()
+        hooks = [(n, tc.INGRESS) for n in ifnames] + [(n, tc.EGRESS) for n in egress]
+        if self._attached_as == (hooks, links.gen) and not self.older and not self.inherited:
+            return []
         q = self.cfg.quota
         rec = self.maps["quota_attach"]
         here = tc.netns_ino()
@@ -399,38 +416,38 @@ class Datapath:
             old = rec.lookup(bytes(AttachKey(idx, ino)))
             if old is None or (created and not old.created_clsact):
                 rec.update(bytes(AttachKey(idx, ino)), bytes(AttachVal(created_clsact=int(created))))
-        with tc.IPRoute() as ipr:
-            keep = set()
-            hooks = [(n, tc.INGRESS) for n in ifnames] + [(n, tc.EGRESS) for n in egress]
-            for name, parent in hooks:
-                idx = tc.ifindex(ipr, name)
-                if idx is None:
-                    if parent == tc.EGRESS:
-                        continue  # the namespace went while we looked: nothing to attach to
-                    raise OSError(f"interface {name!r} not found")
-                keep.add(idx)
-                if (idx, parent) in self.hooked:
-                    continue  # this program is on the hook already: a netns sync or reload replaces nothing
-                created = tc.ensure_clsact(ipr, idx)
-                old = rec.lookup(bytes(AttachKey(idx, here)))
-                if created or old is None:
-                    val = AttachVal(created_clsact=int(created or (old is not None and old.created_clsact)))
-                    rec.update(bytes(AttachKey(idx, here)), bytes(val))
-                tc.attach(ipr, idx, self.prog, q.tc_prio, q.tc_handle, parent)
-                self.hooked.add((idx, parent))
-                done.append(f"{name}: attached{' on egress' if parent == tc.EGRESS else ''}"
-                            f"{' (created clsact)' if created else ''}")
-            for k, v in rec.items():
-                if k.netns_ino == here and k.ifindex not in keep:
-                    links = ipr.get_links(k.ifindex) if ipr.link_lookup(index=k.ifindex) else []
-                    if links:
-                        done += tc.remove(ipr, k.ifindex, links[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
-                                          bool(v.created_clsact))
-                    rec.delete(k)
-            self.hooked = {h for h in self.hooked if h[0] in keep}
+        ipr = links.ipr
+        keep = set()
+        for name, parent in hooks:
+            idx = tc.ifindex(ipr, name)
+            if idx is None:
+                if parent == tc.EGRESS:
+                    continue  # the namespace went while we looked: nothing to attach to
+                raise OSError(f"interface {name!r} not found")
+            keep.add(idx)
+            if (idx, parent) in self.hooked:
+                continue  # this program is on the hook already: a netns sync or reload replaces nothing
+            created = tc.ensure_clsact(ipr, idx)
+            old = rec.lookup(bytes(AttachKey(idx, here)))
+            if created or old is None:
+                val = AttachVal(created_clsact=int(created or (old is not None and old.created_clsact)))
+                rec.update(bytes(AttachKey(idx, here)), bytes(val))
+            tc.attach(ipr, idx, self.prog, q.tc_prio, q.tc_handle, parent)
+            self.hooked.add((idx, parent))
+            done.append(f"{name}: attached{' on egress' if parent == tc.EGRESS else ''}"
+                        f"{' (created clsact)' if created else ''}")
+        for k, v in rec.items():
+            if k.netns_ino == here and k.ifindex not in keep:
+                still = ipr.get_links(k.ifindex) if ipr.link_lookup(index=k.ifindex) else []
+                if still:
+                    done += tc.remove(ipr, k.ifindex, still[0].get_attr("IFLA_IFNAME"), q.tc_prio, q.tc_handle,
+                                      bool(v.created_clsact))
+                rec.delete(k)
+        self.hooked = {h for h in self.hooked if h[0] in keep}
         for old in self.older:
             done += remove_pins(old)
         self.older, self.inherited = [], {}
+        self._attached_as = (hooks, links.gen)
         return done
 
     # ---- maps -> numbers ---------------------------------------------------------------------------------
@@ -480,4 +497,7 @@ class Datapath:
     def close(self) -> None:
         """Drop our references; what is pinned and attached stays (fail-static)."""
         self.program.close()
+        if self.links is not None:
+            self.links.close()
+            self.links = None
 

@@ -11,7 +11,6 @@ from qosagent.capability import AgentContext
 from qosagent.config import Config
 from qosagent.hostfs import HostFS
 from qosagent.pods.service import Pods
-from qosagent.quota import tc
 from qosagent.quota.datapath import Datapath
 from qosagent.schedule import Every
 from qosagent.tenants import TenantInfo
@@ -51,24 +50,36 @@ class NamespaceEgress:
         self.veths: dict[int, list[tuple[int, str]]] = {}
         self.shown: tuple[dict[str, Any], ...] = ()
         self.every = Every(netns.NETNS_EVERY)
+        # What a follow needs of the config, worked out once per config rather than each second.
+        self._config: Config | None = None
+        self._rules: list[netns.NsRule] = []
+        self._ports: tuple[list[int], set[int]] = ([], set())
 
     def names(self) -> list[str]:
         return [name for vs in self.veths.values() for _, name in vs]
 
     def follow(self, d: Datapath, attached: list[str], table: dict[int, TenantInfo], starting: bool = False) -> None:
         cfg = self.ctx.config
-        rules = netns.ns_rules(cfg.tenants)
+        if cfg is not self._config:
+            self._config = cfg
+            self._rules = netns.ns_rules(cfg.tenants)
+            self._ports = (cfg.tracked_ports(), set(cfg.watched_ports()))
+        rules = self._rules
         pods = self.ctx.service(Pods)
         pods.current(any(r.by_pod for r in rules), cfg.pods, starting)
         found: dict[int, netns.ServingNs] = {}
         veths: dict[int, list[tuple[int, str]]] = {}
-        if cfg.quota.namespaces:
+        links = d.netlink()
+        links.poll()
+        # Without a link into another namespace there is no veth to put the classifier on, whatever /proc holds:
+        # no scan then, until the kernel announces a link (a pod's veth is made before its server can listen).
+        if cfg.quota.namespaces and links.peered():
+            tracked, classified = self._ports
             found = self.ctx.service(netns.Follower).current(
-                cfg.tracked_ports(), any(not r.by_pod for r in rules), self.ctx.clock())
-            classified = set(cfg.watched_ports())
+                tracked, any(not r.by_pod for r in rules), self.ctx.clock())
             found = {ino: ns for ino, ns in found.items() if ns.ports & classified}
-            with tc.IPRoute() as ipr:
-                veths = {ino: v for ino, ns in found.items() if (v := netns.host_veths(ipr, self.ctx.hostfs, ns))}
+            veths = {ino: v for ino, ns in found.items()
+                     if (v := netns.host_veths(links.ipr, links.links(), self.ctx.hostfs, ns))}
         pod = {ino: pods.pod_of(found[ino]) for ino in veths}
         tenants = {ino: netns.namespace_tenants(rules, found[ino], pod[ino]) for ino in veths}
         d.set_netns({(idx, port): tid for ino, vs in veths.items() for idx, _ in vs

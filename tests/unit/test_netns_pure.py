@@ -111,7 +111,7 @@ def test_namespaces_by_inode_and_their_listeners_read_again_only_when_due(tmp_pa
     assert len(serving_namespaces(fs, [8000], own, False, cache, now=100.0 + RECHECK_IDLE)) == 2
     # Gone processes take their namespace out of the cache.
     for f in (tmp_path / "proc" / "20").rglob("*"):
-        if f.is_file():
+        if f.is_file() or f.is_symlink():
             f.unlink()
     assert len(serving_namespaces(fs, [8000], own, False, cache, now=200.0)) == 1
     assert (tmp_path / "ns" / "b").stat().st_ino not in cache.read
@@ -165,7 +165,8 @@ def fake_proc(root, pid: int, ns: str, tcp: str, cmd: str) -> None:
     target.parent.mkdir(exist_ok=True)
     if not target.exists():
         target.write_text("")
-    (d / "ns" / "net").hardlink_to(target)  # one inode per namespace, as nsfs gives
+    # One inode per namespace, named as the kernel's link names it (namespaces(7)): "net:[INODE]".
+    (d / "ns" / "net").symlink_to(f"net:[{target.stat().st_ino}]")
     (d / "net" / "tcp").write_text(tcp)
     (d / "net" / "fib_trie").write_text(FIB_TRIE.replace("198.18.1.", f"198.18.{pid}."))
     (d / "cmdline").write_text(cmd.replace(" ", "\0"))
