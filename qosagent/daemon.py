@@ -112,6 +112,7 @@ class Agent:
         self._tick_degraded: set[str] = set()
         self._endpoints: list[Endpoint] = []
         self._watch: ConfigWatch | None = None
+        self._settle_pending = False  # start(settle=False) left settle_heap() to run(), after ready
         self._config_changed()  # from the content just loaded: an edit made while the agent starts is seen
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -119,7 +120,9 @@ class Agent:
         """endpoint (the status socket, the metrics server) is closed when the agent stops."""
         self._endpoints.append(endpoint)
 
-    def start(self) -> None:
+    def start(self, settle: bool = True) -> None:
+        """Probe and start every enabled capability; then settle_heap(), unless `settle` is False: then run() does
+        it a tick after ready (~20 ms that a restart's ready need not wait for)."""
         enabled = capabilities.enabled(self.config, self.kinds)
         if any(cls.loads_bpf for cls in enabled):
             try:
@@ -161,7 +164,9 @@ class Agent:
             self._started[cls.name] = verdict
             self.capabilities.append(cap)
             log.info("%s %s%s", cls.name, verdict.state.value, f" ({verdict.reason})" if verdict.reason else "")
-        settle_heap()
+        if settle:
+            settle_heap()
+        self._settle_pending = not settle
 
     def stop(self) -> None:
         """Undo every capability in reverse start order, then stop the services they shared; each stop runs even
@@ -367,6 +372,11 @@ class Agent:
                 next_at = time.monotonic()
             elif self._stop.wait(delay):
                 break
+            if self._settle_pending:
+                # A tick after ready, not at once: its collection holds the interpreter for ~20 ms, which the
+                # first readiness checks (the status socket, /readyz) would otherwise wait for.
+                settle_heap()
+                self._settle_pending = False
             if self._config_changed():
                 self._reload.set()
             if self._reload.is_set():

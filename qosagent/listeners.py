@@ -82,6 +82,8 @@ def holders(fs: HostFS, inodes: Iterable[int], pids: Iterable[int], every: bool 
     workers of a pre-forking server share its listening socket)."""
     want = set(inodes)
     found: dict[int, list[int]] = {}
+    if not want:
+        return found  # nothing listens: no process's fds need reading (a few hundred readlinks on a quiet host)
     for pid in pids:
         if not every and not want:
             break
