@@ -22,7 +22,7 @@ from qosagent.sandbox import Need
 from qosagent.cgroups import HostCgroups
 from qosagent.latency.model import LATENCY
 from qosagent.pods.service import Pods
-from qosagent.resources import applier, discovery, export, policy, sched
+from qosagent.resources import applier, discovery, export, planner, policy, sched
 from qosagent.resources.model import RESOURCES, Group, Memory, ResourcesPart
 from qosagent.resources.reading import CpuUsage, mem_total, node_problems, online_cpus, report
 from qosagent.schedule import Every
@@ -97,6 +97,7 @@ class Resources(Capability):
         if not any(t.resources is not None for t in cfg.tiers.values()):
             problems.append("no tier has resources: nothing to set")
         problems += node_problems(cfg, online_cpus(self.ctx), mem_total(self.ctx))
+        problems += planner.left_out(cfg, layout.versions.get("memory"))
         if self.enforce and os.geteuid() != 0:
             problems.append("not root: cgroup files and other users' threads cannot be written")
         hints = "custom scheduler slices" if slices.supported else "nice (no custom scheduler slices here)"

@@ -11,20 +11,39 @@ from qosagent.configbase import RESTART, Mode, Section, duration_between
 from qosagent.units import parse_size
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(description="bytes, or a size such as 512MiB or 8GiB")]
+NO_LIMIT = "max"  # the kernel's own spelling of a memory limit that is none (v2 memory.high, memory.max)
+
+
+def _size_or_max(v: object) -> object:
+    if v == NO_LIMIT:
+        return v
+    try:
+        return parse_size(v)
+    except ValueError:
+        raise ValueError(f"expected a size such as 512MiB or 8GiB, or max (no limit), got {v!r}") from None
+
+
+SizeOrMax = Annotated[int | Literal["max"], BeforeValidator(_size_or_max),
+                       Field(description="bytes, a size such as 8GiB, or max (no limit)")]
 
 # A custom slice the kernel accepts (6.12+: 0.1 ms to 100 ms).
 SLICE_MIN, SLICE_MAX = 100e-6, 0.1
 
 
 class TierResources(Section):
-    """What one tier's serving processes get; each key unset leaves its knob as the host has it."""
+    """What one tier's serving processes get; each key unset leaves its knob as the host has it (but memory_high,
+    which follows memory)."""
 
     # Upper bound of each serving cgroup of the tier, in CPUs (cgroup v2 cpu.max, v1 cfs_quota_us/cfs_period_us).
     cpus: float | None = Field(default=None, gt=0, le=4096)
     # The memory guaranteed to each serving cgroup (v2 memory.min, v1 memory.soft_limit_in_bytes).
     memory: Size | None = None
-    # Reclaim pressure above this (v2 memory.high); on cgroup v1 it is the hard limit (memory.limit_in_bytes).
-    memory_high: Size | None = None
+    # Above this the cgroup is throttled and reclaimed, never killed (v2 memory.high); unset: `memory`, max: none.
+    # cgroup v1 has no such limit: there it is left (planner.values).
+    memory_high: SizeOrMax | None = None
+    # The hard limit, above which the kernel's OOM killer acts (v2 memory.max, v1 memory.limit_in_bytes); unset:
+    # left as the host has it.
+    memory_max: Size | None = None
     # The cgroup's share of contended CPU in cgroup v2 units (1-10000; v1 cpu.shares = cpu_weight x 1024 / 100);
     # unset: 100 x the tier's weight, at most 10000.
     cpu_weight: int | None = Field(default=None, ge=1, le=10000)
@@ -37,8 +56,14 @@ class TierResources(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "TierResources":
-        if self.memory is not None and self.memory_high is not None and self.memory_high < self.memory:
+        high = self.memory_high if isinstance(self.memory_high, int) else None
+        if self.memory is not None and high is not None and high < self.memory:
             raise ValueError("memory_high is below memory: the guarantee would sit above the throttle")
+        if self.memory_max is not None:
+            for key, v, why in (("memory", self.memory, "the hard limit would sit under the guarantee"),
+                                ("memory_high", high, "the kernel would kill before it throttles")):
+                if v is not None and self.memory_max < v:
+                    raise ValueError(f"memory_max is below {key}: {why}")
         if self.sched != "normal" and self.latency_sensitive:
             raise ValueError(f"sched {self.sched} contradicts latency_sensitive: true")
         return self

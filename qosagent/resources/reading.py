@@ -46,8 +46,8 @@ def node_problems(cfg: "Config", cpus: int, memory: int) -> list[str]:
             continue
         if r.cpus is not None and cpus and r.cpus > cpus:
             out.append(f"tiers.{name}.resources.cpus {r.cpus:g} is more than the node's {cpus} online CPUs")
-        for key, v in (("memory", r.memory), ("memory_high", r.memory_high)):
-            if v is not None and memory and v > memory:
+        for key, v in (("memory", r.memory), ("memory_high", r.memory_high), ("memory_max", r.memory_max)):
+            if isinstance(v, int) and memory and v > memory:
                 out.append(f"tiers.{name}.resources.{key} {format_size(v)} is more than the node's memory "
                            f"({memory / (1 << 30):.1f}GiB)")
     return out

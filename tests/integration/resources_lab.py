@@ -110,7 +110,7 @@ class Lab:
             return f.read().strip()
 
     def files(self, path: str) -> dict[str, str]:
-        names = {V2: ("cpu.max", "cpu.weight", "memory.min", "memory.high"),
+        names = {V2: ("cpu.max", "cpu.weight", "memory.min", "memory.high", "memory.max"),
                  "v1": ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares", "memory.soft_limit_in_bytes",
                         "memory.limit_in_bytes")}
         out = {}

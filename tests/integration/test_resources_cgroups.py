@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 
 from qosagent import config as config_mod
+from qosagent.capability import State
 from qosagent.cgroups import V2
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
@@ -30,17 +31,25 @@ def lab(root: None) -> Iterator[Lab]:
         yield lab
 
 
-def expected(lab: Lab, cpus: float, weight: int, memory: int | None = None, high: int | None = None) -> dict:
+def expected(lab: Lab, cpus: float, weight: int, memory: int | None = None, hard: int | None = None) -> dict:
+    """The files of a tier with these cpus, cpu_weight, memory and memory_max, and no memory_high: on v2 the
+    guarantee is its memory.high as well; v1 has no throttle, and its hard limit is memory_max's alone."""
     cpu_v2 = lab.layout.versions["cpu"] == V2
     out = {"cpu.max": f"{round(cpus * 100000)} 100000", "cpu.weight": str(weight)} if cpu_v2 else {
         "cpu.cfs_quota_us": str(round(cpus * 100000)), "cpu.cfs_period_us": "100000",
         "cpu.shares": str(weight * 1024 // 100)}
     mem_v2 = lab.layout.versions["memory"] == V2
     if memory is not None:
-        out["memory.min" if mem_v2 else "memory.soft_limit_in_bytes"] = str(memory)
-    if high is not None:
-        out["memory.high" if mem_v2 else "memory.limit_in_bytes"] = str(high)
+        if mem_v2:
+            out["memory.min"] = out["memory.high"] = str(memory)
+        else:
+            out["memory.soft_limit_in_bytes"] = str(memory)
+    if hard is not None:
+        out["memory.max" if mem_v2 else "memory.limit_in_bytes"] = str(hard)
     return out
+
+
+GOLD_MEMORY = "memory: 64MiB, memory_max: 256MiB"
 
 
 def config(tmp_path: Path, gold: int, bronze: int, extra: str = "", mode: str = "enforce") -> str:
@@ -49,7 +58,7 @@ latency: {{enabled: false}}
 servers: []
 state_dir: {tmp_path}/state
 tiers:
-  gold: {{slo_p99: 120ms, weight: 10, resources: {{cpus: 1.5, memory: 64MiB, memory_high: 128MiB}}}}
+  gold: {{slo_p99: 120ms, weight: 10, resources: {{cpus: 1.5, {GOLD_MEMORY}}}}}
   bronze: {{slo_p99: 1200ms, weight: 1, resources: {{cpus: 0.5, sched: batch}}}}
 tenants:
   - {{name: acme, tier: gold, match: {{ports: [{gold}]}}}}
@@ -110,7 +119,7 @@ def test_enforce_sets_files_and_hints_every_thread_then_stop_restores(tmp_path, 
     cap = resources(agent)
     try:
         snap = agent.tick()
-        assert lab.files(gold) == {**before[gold], **expected(lab, 1.5, 1000, 64 << 20, 128 << 20)}
+        assert lab.files(gold) == {**before[gold], **expected(lab, 1.5, 1000, 64 << 20, 256 << 20)}
         assert lab.files(bronze) == {**before[bronze], **expected(lab, 0.5, 100)}
         slice_ns = 500_000 if cap.plan.slices.supported else None
         if slice_ns:
@@ -179,7 +188,7 @@ def test_a_reload_to_dry_run_restores_what_enforce_wrote(tmp_path, lab) -> None:
     clock = Clock()
     agent.ctx.clock = clock
     agent.start()
-    want = {**before, **expected(lab, 1.5, 1000, 64 << 20, 128 << 20)}
+    want = {**before, **expected(lab, 1.5, 1000, 64 << 20, 256 << 20)}
     originals = tmp_path / "state" / "resources-originals.json"
     try:
         agent.tick()
@@ -208,7 +217,7 @@ def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
     gold = lab.cgroup("gold")
     g = lab.serve(gp, gold)
     before, attrs = lab.files(gold), threads(g.pid)
-    want = {**before, **expected(lab, 1.5, 1000, 64 << 20, 128 << 20)}
+    want = {**before, **expected(lab, 1.5, 1000, 64 << 20, 256 << 20)}
     sock = status_socket()
     cfg = tmp_path / "qosagent.yaml"
     cfg.write_text(config(tmp_path, gp, bp) + f"metrics: {{enabled: false}}\nstatus: {{socket: {sock}}}\n")
@@ -230,13 +239,43 @@ def test_kill9_then_detach_or_the_next_agent_restores(tmp_path, lab) -> None:
         assert not (tmp_path / "state" / "resources-originals.json").exists()
 
 
+def test_an_explicit_memory_high_is_kept_to_and_v1_derives_no_hard_limit_from_it(tmp_path, lab) -> None:
+    """memory_high as configured, not the guarantee: on v2 `max` lifts a throttle the host had set (and stop puts
+    it back); v1 has no throttle-only limit, so an explicit one is said (degraded, the key named) and no hard limit
+    is made of it (before, it became memory.limit_in_bytes)."""
+    gp, bp = free_port(), free_port()
+    gold = lab.cgroup("gold")
+    lab.serve(gp, gold)
+    mem_v2 = lab.layout.versions["memory"] == V2
+    if mem_v2:
+        with open(f"{lab.dir('memory', gold)}/memory.high", "w") as f:
+            f.write(str(512 << 20))  # a throttle of the host's own, as a unit's MemoryHigh= sets it
+    before = lab.files(gold)
+    text = config(tmp_path, gp, bp).replace(GOLD_MEMORY, "memory: 64MiB, memory_high: " + ("max" if mem_v2 else
+                                                                                           "128MiB"))
+    agent, _ = make_agent(text)
+    try:
+        agent.tick()
+        if mem_v2:
+            assert lab.files(gold) == {**before, **expected(lab, 1.5, 1000), "memory.min": str(64 << 20),
+                                       "memory.high": "max"}
+        else:
+            assert lab.files(gold) == {**before, **expected(lab, 1.5, 1000, 64 << 20)}
+            verdict = agent.verdicts["resources"]
+            assert verdict.state is State.DEGRADED, verdict
+            assert "tiers.gold.resources.memory_high is left" in verdict.reason, verdict
+    finally:
+        agent.stop()
+    assert lab.files(gold) == before
+
+
 def test_shared_cgroup_is_reported_or_moved_and_two_tiers_in_one_are_reported(tmp_path, lab) -> None:
     gp, bp = free_port(), free_port()
     both = lab.cgroup("both")
     g, b = lab.serve(gp, both), lab.serve(bp, both)
     before = lab.files(both)
     # No memory for gold here: a shared cgroup's memory settings would be the harness's own.
-    text = config(tmp_path, gp, bp).replace(", memory: 64MiB, memory_high: 128MiB", "")
+    text = config(tmp_path, gp, bp).replace(f", {GOLD_MEMORY}", "")
     agent, clock = make_agent(text)
     try:
         agent.tick()
@@ -269,15 +308,16 @@ def test_shared_cgroup_is_reported_or_moved_and_two_tiers_in_one_are_reported(tm
 
 
 def test_refused_write_leaves_nothing_half_applied(tmp_path, lab) -> None:
-    # The kernel refuses a v1 hard limit below what the group holds (EBUSY); v2's memory.high takes any value, so
-    # there is no refusal to provoke (the kernel matrix's v2 run leaves this test out).
-    require(lab.layout.versions["memory"] != V2, "cgroup v2's memory.high takes any value: no write to refuse")
+    # The kernel refuses a v1 hard limit below what the group holds (EBUSY); v2's memory.max below it reclaims and
+    # then kills instead, and every other file takes any value, so there is no refusal to provoke (the kernel
+    # matrix's v2 run leaves this test out).
+    require(lab.layout.versions["memory"] != V2, "cgroup v2's memory files take any value: no write to refuse")
     gp, bp = free_port(), free_port()
     gold = lab.cgroup("gold")
     g = lab.serve(gp, gold, mib=48)
     before = lab.files(gold)
     # A hard limit below what the server holds (no swap): the kernel refuses it.
-    small = config(tmp_path, gp, bp).replace("memory: 64MiB, memory_high: 128MiB", "memory: 4MiB, memory_high: 8MiB")
+    small = config(tmp_path, gp, bp).replace(GOLD_MEMORY, "memory: 4MiB, memory_max: 8MiB")
     agent, _ = make_agent(small)
     cap = resources(agent)
     try:

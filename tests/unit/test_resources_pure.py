@@ -56,6 +56,10 @@ def test_sizes_and_tier_defaults() -> None:
     ("{cpus: 0}", "tiers.gold.resources.cpus", "greater than 0"),
     ("{memory: 8 gigs}", "tiers.gold.resources.memory", "expected a size"),
     ("{memory: 8GiB, memory_high: 4GiB}", "tiers.gold.resources", "memory_high is below memory"),
+    ("{memory: 8GiB, memory_max: 4GiB}", "tiers.gold.resources", "memory_max is below memory"),
+    ("{memory_high: 8GiB, memory_max: 6GiB}", "tiers.gold.resources", "memory_max is below memory_high"),
+    ("{memory_high: none}", "tiers.gold.resources.memory_high", "or max (no limit)"),
+    ("{memory_max: max}", "tiers.gold.resources.memory_max", "expected a size"),
     ("{sched: idle, latency_sensitive: true}", "tiers.gold.resources", "contradicts latency_sensitive"),
     ("{cpu_weight: 20000}", "tiers.gold.resources.cpu_weight", "less than or equal to 10000"),
     ("{shares: 3}", "tiers.gold.resources.shares", "unknown key"),
@@ -79,6 +83,8 @@ def test_node_too_small_is_a_verdict() -> None:
     problems = node_problems(cfg, cpus=2, memory=6 << 30)
     assert "tiers.gold.resources.cpus 4 is more than the node's 2 online CPUs" in problems
     assert "tiers.gold.resources.memory 8GiB is more than the node's memory (6.0GiB)" in problems
+    assert "tiers.silver.resources.memory_high 6GiB is more than the node's memory (5.0GiB)" in node_problems(
+        cfg, cpus=64, memory=5 << 30)
     assert not any("bronze" in p for p in problems)
     assert node_problems(cfg, cpus=64, memory=64 << 30) == []
 
@@ -91,14 +97,45 @@ def test_files_per_version() -> None:
         ("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "400000"), ("cpu.shares", "10240"))
     assert planner.values("memory", "v2", silver, None, True) == (
         ("memory.min", str(4 << 30)), ("memory.high", str(6 << 30)))
-    assert planner.values("memory", "v1", silver, None, True) == (
-        ("memory.soft_limit_in_bytes", str(4 << 30)), ("memory.limit_in_bytes", str(6 << 30)))
+    assert planner.values("memory", "v1", silver, None, True) == (("memory.soft_limit_in_bytes", str(4 << 30)),)
     # The loop's quota replaces the configured one; idle where the kernel has cpu.idle; never under 1 ms a period.
     assert planner.values("cpu", "v2", bronze, 0.25, True) == (
         ("cpu.max", "25000 100000"), ("cpu.weight", "100"), ("cpu.idle", "1"))
     assert planner.values("cpu", "v2", bronze, 0.001, False)[0] == ("cpu.max", "1000 100000")
     assert planner.values("memory", "v1", bronze, None, True) == ()
     assert planner.values("cpu", "v2", cfg.tiers["free"], None, True) == ()
+
+
+MEMORY = """
+tiers:
+  gold: {slo_p99: 120ms, weight: 10, resources: {memory: 8GiB}}
+  silver: {slo_p99: 350ms, weight: 5, resources: {memory: 4GiB, memory_high: max, memory_max: 6GiB}}
+  bronze: {slo_p99: 1200ms, weight: 1, resources: {memory_high: 1GiB}}
+"""
+
+
+def test_memory_high_follows_memory_unless_told_and_v1_gets_a_hard_limit_only_by_name() -> None:
+    cfg = parse(MEMORY)
+    gold, silver, bronze = (cfg.tiers[n] for n in ("gold", "silver", "bronze"))
+    # v2: the guarantee is the throttle too (reclaimed and slowed above it, never killed for it) ...
+    assert planner.values("memory", "v2", gold, None, True) == (
+        ("memory.min", str(8 << 30)), ("memory.high", str(8 << 30)))
+    # ... unless memory_high says otherwise (max: none); the hard limit only from memory_max.
+    assert planner.values("memory", "v2", silver, None, True) == (
+        ("memory.min", str(4 << 30)), ("memory.high", "max"), ("memory.max", str(6 << 30)))
+    assert planner.values("memory", "v2", bronze, None, True) == (("memory.high", str(1 << 30)),)
+    # v1 has no throttle: the guarantee is the soft limit, and an OOM limit is never derived from it.
+    assert planner.values("memory", "v1", gold, None, True) == (("memory.soft_limit_in_bytes", str(8 << 30)),)
+    assert planner.values("memory", "v1", silver, None, True) == (
+        ("memory.soft_limit_in_bytes", str(4 << 30)), ("memory.limit_in_bytes", str(6 << 30)))
+    assert planner.values("memory", "v1", bronze, None, True) == ()
+    # An explicit memory_high a v1 host cannot honour is said, naming the tier; max asks for nothing.
+    assert planner.left_out(cfg, "v1") == [
+        "tiers.bronze.resources.memory_high is left: cgroup v1's memory controller has no limit that throttles "
+        "without killing (memory_max sets the hard one)"]
+    assert planner.left_out(cfg, "v2") == [] and planner.left_out(cfg, None) == []
+    assert [p.split()[0] for p in node_problems(cfg, cpus=64, memory=5 << 30)] == [
+        "tiers.gold.resources.memory", "tiers.silver.resources.memory_max"]
 
 
 @pytest.mark.parametrize("path, shared", [("/", True), ("", True), ("/user.slice/user-1000.slice", True),
