@@ -21,6 +21,7 @@ from qosagent.quota.limits import FleetWriter, LimitsWriter
 from qosagent.quota.model import QUOTA, QuotaPart
 from qosagent.quota.rules import baseline_buckets, bucket
 from qosagent.retention import EVERYONE
+from qosagent.schedule import Every
 from qosagent import sandbox
 from qosagent.sandbox import Need
 from qosagent.snapshot import Snapshot
@@ -41,6 +42,15 @@ if TYPE_CHECKING:
     from qosagent.features import Features
 
 log = logging.getLogger("qosagent.quota")
+
+# The heartbeat is written this many times per quota.heartbeat_timeout (once a second at the default 5 s), not every
+# tick: what the timeout promises is how soon after the agent's last heartbeat the kernel falls back to the
+# baseline, and a live agent's ticks would have to stall for 4/5 of it before its overrides lapsed.
+BEATS_PER_TIMEOUT = 5
+
+
+def heartbeat_every(timeout: float) -> float:
+    return timeout / BEATS_PER_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ class Quota(Capability):
         self.attached: list[str] = []
         self.others: list[str] = []
         self.namespaces = NamespaceEgress(ctx)
+        self.beat = Every(heartbeat_every(ctx.config.quota.heartbeat_timeout))
         self.view = reading.Tenants()  # what the tick makes of each tenant, kept between ticks
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
@@ -114,11 +125,13 @@ class Quota(Capability):
         self.ctx.services[FLEET_SERVICE] = FleetWriter(self)
 
     def maintain(self) -> None:
-        # Every tick: adaptive limits hold in the kernel only while this is younger than quota.heartbeat_timeout.
         assert self.datapath is not None
-        self.datapath.heartbeat()
+        now = self.ctx.clock()
+        # Adaptive limits hold in the kernel only while the last heartbeat is younger than quota.heartbeat_timeout.
+        if self.beat.due(now):
+            self.datapath.heartbeat()
         # Serving network namespaces come and go (pods): followed on their own schedule, not by a restart.
-        if self.namespaces.every.due(self.ctx.clock()):
+        if self.namespaces.every.due(now):
             self._follow()
 
     def collect(self) -> QuotaPart:
@@ -160,6 +173,7 @@ class Quota(Capability):
         self.specs, self.table = w.derived
         self.overrides = dict(w.overrides)
         self.namespaces.every.again()  # process rules may have changed: the next tick follows afresh
+        self.beat.period = heartbeat_every(w.config.quota.heartbeat_timeout)  # write_config has just written one
 
     def _failed_start(self) -> None:
         """A start that failed leaves what it adopted enforcing (the previous agent's limits hold); a datapath of

@@ -214,6 +214,7 @@ class Datapath:
         # The hooks attach() last put in place and the links' gen they were looked up in: the same again is a no-op.
         self._attached_as: tuple[list[tuple[str, str]], int] | None = None
         self._netns: dict[tuple[int, int], int] | None = None  # quota_netns as last written (None: as adopted)
+        self.heartbeat_ns = 0  # as last written (write_config writes the first)
         self._limits: dict[int, bytes] = {}  # slot -> its quota_limits entry as written
         self._written: dict[int, QuotaLimit] = {}  # tenant id -> the same, as the tick's reading carries it
         self._by_slot: dict[int, int] = {0: UNMATCHED_ID}  # slot -> tenant id, as of the last assignment
@@ -387,7 +388,7 @@ class Datapath:
         cur = QuotaConf.from_buffer_copy(bytes(t.lookup(0)))
         conf = QuotaConf()
         conf.rules_gen = cur.rules_gen  # only a rule change moves it (write_config)
-        conf.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
+        conf.heartbeat_ns = self.heartbeat_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, bpf_ktime_get_ns's clock
         conf.heartbeat_timeout_ns = int(cfg.quota.heartbeat_timeout * 1e9)
         conf.flags = cur.flags if flags is None else flags
         t.update(0, bytes(conf))
@@ -455,14 +456,16 @@ class Datapath:
         """Every slot's counts and buckets, the limits as the kernel holds them, the stats."""
         limits = self.maps["quota_limits"]
         return self._read(set(self.slots.values()) | {0},
-                          {tid: QuotaLimit.from_buffer_copy(bytes(limits.lookup(s))) for tid, s in self.slots.items()})
+                          {tid: QuotaLimit.from_buffer_copy(bytes(limits.lookup(s))) for tid, s in self.slots.items()},
+                          self.maps["quota_config"].lookup(0).heartbeat_ns)
 
     def read_changed(self) -> Reading:
         """The tick's read: the counts and buckets of only the slots whose generation moved (quota_gen: qos_common.h;
-        every slot at the first two reads), the limits as last written, the stats."""
-        return self._read(self._gens.changed(), dict(self._written))
+        every slot at the first two reads), the limits and the heartbeat as last written (this agent is
+        quota_config's only writer), the stats."""
+        return self._read(self._gens.changed(), dict(self._written), self.heartbeat_ns)
 
-    def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit]) -> Reading:
+    def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit], heartbeat_ns: int) -> Reading:
         m = self.maps
         counts, buckets = {}, {}
         counters, bucket_t = m["quota_counters"], m["quota_buckets"]
@@ -480,8 +483,7 @@ class Datapath:
         st = m["quota_stats"]
         for i, reason in enumerate(layout.STAT_REASONS):
             stats[reason] = sum(v.packets for v in st.lookup(i))
-        conf = m["quota_config"].lookup(0)
-        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, conf.heartbeat_ns, len(read))
+        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, heartbeat_ns, len(read))
 
     def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
         """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""

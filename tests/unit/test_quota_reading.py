@@ -44,3 +44,27 @@ def test_only_tenants_that_moved_are_rebuilt_and_rates_drain_unread() -> None:
     again = dict(view.tenants)
     view.update(read(2.5, {}), TABLE, SPECS, {"t7": TenantLimit(10, 1)}, {}, 1.0)
     assert view.tenants["t8"] is again["t8"]
+
+
+def test_the_heartbeat_is_written_five_times_per_timeout_not_every_tick() -> None:
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.hostfs import HostFS
+    from qosagent.quota.capability import Quota, heartbeat_every
+
+    now = [0.0]
+    beats: list[float] = []
+
+    class Datapath:
+        def heartbeat(self) -> None:
+            beats.append(now[0])
+
+    cfg = parse({"quota": {"enabled": True, "heartbeat_timeout": "2500ms"}}, "test")
+    q = Quota(AgentContext(config=cfg, hostfs=HostFS("/"), gpu=NoGpu("test"), clock=lambda: now[0]))
+    q.datapath = Datapath()  # type: ignore[assignment]
+    q._follow = lambda: None  # type: ignore[method-assign]  # the follow is test_quota_follow's
+    for i in range(32):  # 4 s of ticks 125 ms apart
+        now[0] = i / 8
+        q.maintain()
+    assert beats == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    assert heartbeat_every(5.0) == 1.0  # the default timeout: once a second
