@@ -17,7 +17,7 @@ from qosagent import listeners
 from qosagent.cgroups import V2, HostCgroups, cgroup_dir, cgroup_procs, controller_version
 from qosagent.hostfs import HostFS
 from qosagent.netns import ServingNs, namespace_tenants, ns_rules
-from qosagent.resources.model import CONFLICT, KUBELET, OK, SHARED, Group, Serving
+from qosagent.resources.model import CONFLICT, KUBELET, OK, SHARED, UNAVAILABLE, Group, Serving
 from qosagent.tenants import tenant_id
 
 if TYPE_CHECKING:
@@ -133,6 +133,11 @@ def groups(fs: HostFS, cgroups: HostCgroups, layout: Layout, procs: Iterable[Ser
         elif own_pid in inside or is_shared(path):
             state, why = SHARED, ("the agent's own cgroup" if own_pid in inside
                                   else "the root cgroup" if not path.strip("/") else "a slice or login session")
+        elif version == V2 and controller not in (fs.try_read(f"{directory}/cgroup.controllers") or "").split():
+            # Enabling it (the parent's cgroup.subtree_control) would change how every sibling shares the resource,
+            # and the kernel refuses it where the parent holds processes: the host's to decide, not ours.
+            state, why = UNAVAILABLE, (f"the {controller} controller is not enabled for this cgroup (its parent's "
+                                       "cgroup.subtree_control): left, not enabled by the agent")
         elif "kubepods" in path and kubelet_report:
             state, why = KUBELET, "the kubelet owns pod cgroups (resources.kubelet_cgroups: report)"
         out.append(Group(controller, version, path, directory, tiers, tuple(sorted(pids)), state, why, others))

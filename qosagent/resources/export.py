@@ -61,8 +61,9 @@ def _counter(kind: str) -> Callable[[ResourcesPart], Series]:
 
 FAMILIES: tuple[Family[ResourcesPart], ...] = (
     Family("qosagent_resources_group_info", "gauge", "1 per serving process group (a cgroup, per controller): its "
-           "tier, cgroup version, state (ok, shared, conflict, kubelet, backed_off, moved), whether what was decided "
-           "is written, and the kernel's refusal if not", (*GROUP, "version", "state", "applied", "error"), _info),
+           "tier, cgroup version, state (ok, shared, conflict, kubelet, backed_off, moved, unavailable), whether what "
+           "was decided is written, and the kernel's refusal if not", (*GROUP, "version", "state", "applied", "error"),
+           _info),
     Family("qosagent_resources_setting", "gauge", "The value set (or that would be, in dry-run) in a group's "
            "controller file", (*GROUP, "file"), _files),
     Family("qosagent_resources_throttled_periods", "counter", "CFS periods in which the group was throttled "
@@ -110,6 +111,20 @@ def status(view: ResourcesPart) -> dict[str, Any]:
     }
 
 
+# What the kernel reports back of a memory group, in the status column KERNEL: the throttle and the kills (v2
+# memory.events), or the hard limit's hits and the kills (v1).
+MEMORY_SHOWN = ("high", "oom", "oom_kill", "failcnt")
+
+
+def _kernel(g: dict[str, Any]) -> str:
+    """A cpu group's throttled periods and time (cpu.stat), a memory group's events."""
+    t = g["throttled"]
+    if "nr_throttled" in t:
+        return f"thr {t['nr_throttled']} {t.get('throttled_usec', 0) / 1e6:.1f}s"
+    ev = g["memory_events"]
+    return " ".join(f"{k} {ev[k]}" for k in MEMORY_SHOWN if k in ev) or "-"
+
+
 def render(status: dict[str, Any]) -> str:
     slices = "custom slices" if status.get("slice_supported") else "nice"
     pressed = f"; {status['pressed']} near its SLO" if status.get("pressed") else ""
@@ -121,15 +136,14 @@ def render(status: dict[str, Any]) -> str:
         used = "-" if t["usage_cpus"] is None else f"{t['usage_cpus']:.2f}"
         lines.append(f"{t['tier'][:10]:<10} {t['groups']:<7} {cpus:<9} {force:<9} {t['step']:<5} {used:<6} "
                      f"{t['hint'] or '-':<13} {t['threads']}")
-    lines.append("CGROUP                                   CTRL    VER  TIER      STATE       THROTTLED  SET")
+    lines.append(f"{'CGROUP':<40} CTRL    VER  TIER      STATE       {'KERNEL':<24} SET")
     for g in status.get("groups", []):
         tier = "+".join(g["tiers"])
-        throttled = g["throttled"].get("nr_throttled", "-")
         done = "" if g["applied"] or not g["set"] else "*"
         shown = ", ".join(f"{f}={v}" for f, v in g["set"].items()) or (g["why"] or "-")
         lines.append(f"{g['cgroup'][-40:]:<40} {g['controller']:<7} {g['version']:<4} {tier[:9]:<9} "
-                     f"{g['state']:<11} {throttled!s:<10} {shown}{done}" + (f"  error: {g['error']}" if g["error"]
-                                                                          else ""))
+                     f"{g['state']:<11} {_kernel(g):<24} {shown}{done}" + (f"  error: {g['error']}" if g["error"]
+                                                                            else ""))
     if not status.get("groups"):
         lines.append("(no serving process of a tier with resources: found)")
     if any(g["set"] and not g["applied"] and not g["error"] for g in status.get("groups", [])):

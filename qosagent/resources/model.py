@@ -15,7 +15,7 @@ CONFLICT = "conflict"  # serving processes of two tiers in one cgroup: reported,
 KUBELET = "kubelet"  # a kubelet-owned pod cgroup with kubelet_cgroups: report
 BACKED_OFF = "backed_off"  # someone rewrote what we set: left to them
 MOVED = "moved"  # shared, its serving processes moved into a cgroup of ours (move: true)
-UNAVAILABLE = "unavailable"  # the controller is not mounted for this cgroup
+UNAVAILABLE = "unavailable"  # cgroup v2: the controller is not enabled for this cgroup (never enabled by us)
 
 
 @dataclass(frozen=True)

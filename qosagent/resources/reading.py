@@ -50,6 +50,14 @@ def node_problems(cfg: "Config", cpus: int, memory: int) -> list[str]:
             if isinstance(v, int) and memory and v > memory:
                 out.append(f"tiers.{name}.resources.{key} {format_size(v)} is more than the node's memory "
                            f"({memory / (1 << 30):.1f}GiB)")
+    # Each serving cgroup of a tier with tenants holds its guarantee: promised beyond the node, the kernel shares
+    # what there is out in proportion (v2 memory.min), and no tier gets what it was promised.
+    promised = {n: r.memory for n in sorted({t.tier for t in cfg.tenants})
+                if (r := cfg.tiers[n].resources) is not None and r.memory is not None}
+    if memory and len(promised) > 1 and sum(promised.values()) > memory:
+        out.append(f"the memory guarantees of tiers {', '.join(promised)} add up to "
+                   f"{format_size(sum(promised.values()))} (one serving cgroup each), more than the node's memory "
+                   f"({memory / (1 << 30):.1f}GiB)")
     return out
 
 

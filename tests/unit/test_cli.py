@@ -53,3 +53,22 @@ def test_every_command_takes_host_root() -> None:
     for cmd in ("run", "check", "status", "reload", "detach"):
         r = run_cli(cmd, "--help")
         assert "--host-root" in r.stdout, cmd
+
+
+def test_check_says_what_the_tiers_ask_beyond_the_node(tmp_path) -> None:
+    """A guarantee or a CPU bound larger than the node: resources is degraded, each key named, and check exits 0
+    (the agent runs and sets what it can)."""
+    host = tmp_path / "host"
+    for path, text in {"sys/devices/system/cpu/online": "0-1\n", "proc/meminfo": "MemTotal: 4194304 kB\n",
+                       "sys/fs/cgroup/cgroup.controllers": "cpu memory\n"}.items():
+        (host / path).parent.mkdir(parents=True, exist_ok=True)
+        (host / path).write_text(text)
+    cfg = tmp_path / "qosagent.yaml"
+    cfg.write_text("tiers:\n  gold: {slo_p99: 120ms, weight: 10, resources: {cpus: 8, memory: 8GiB}}\n"
+                   "tenants: [{name: acme, tier: gold, match: {ports: [8000]}}]\nresources: {enabled: true}\n")
+    r = run_cli("check", "--json", "--config", str(cfg), "--host-root", str(host))
+    assert r.returncode == 0, r.stderr
+    verdict = json.loads(r.stdout)["capabilities"]["resources"]
+    assert verdict["state"] == "degraded", verdict
+    assert "tiers.gold.resources.cpus 8 is more than the node's 2 online CPUs" in verdict["reason"], verdict
+    assert "tiers.gold.resources.memory 8GiB is more than the node's memory (4.0GiB)" in verdict["reason"], verdict

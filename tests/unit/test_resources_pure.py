@@ -14,14 +14,14 @@ from qosagent.cgroups import HostCgroups
 from qosagent.config import ConfigError
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
-from qosagent.resources import planner, policy
+from qosagent.resources import export, planner, policy
 from qosagent.resources.applier import Applier, Moved, Store, Thread
 from qosagent.resources.capability import Resources
 from qosagent.resources.reading import node_problems
 from qosagent.resources.config import SuppressConfig
 from qosagent.resources.sched import Attr
 from qosagent.resources.discovery import Layout, groups, is_shared
-from qosagent.resources.model import Files, Group, Serving
+from qosagent.resources.model import Files, Group, GroupReport, Memory, ResourcesPart, Serving, TierReport
 from qosagent.slo import tier
 from qosagent.statefile import StateFileError
 from qosagent.units import parse_size
@@ -87,6 +87,13 @@ def test_node_too_small_is_a_verdict() -> None:
         cfg, cpus=64, memory=5 << 30)
     assert not any("bronze" in p for p in problems)
     assert node_problems(cfg, cpus=64, memory=64 << 30) == []
+    # Each within the node, together beyond it (tiers without tenants hold no cgroup, so promise nothing).
+    served = parse(TIERS + "tenants: [{name: a, tier: gold, match: {ports: [8000]}}, "
+                           "{name: b, tier: silver, match: {ports: [8001]}}]")
+    assert node_problems(served, cpus=64, memory=10 << 30) == [
+        "the memory guarantees of tiers gold, silver add up to 12GiB (one serving cgroup each), more than the "
+        "node's memory (10.0GiB)"]
+    assert node_problems(cfg, cpus=64, memory=10 << 30) == []
 
 
 def test_files_per_version() -> None:
@@ -275,6 +282,32 @@ def test_groups_and_their_states_on_a_hybrid_tree(tmp_path) -> None:
     assert {g.path: g.state for g in again if g.controller == "cpu"}["/kubepods.slice/pod-a/cri-1.scope"] == "ok"
 
 
+def test_on_cgroup_v2_a_controller_not_enabled_for_the_cgroup_is_said_and_left(tmp_path) -> None:
+    """The parent's cgroup.subtree_control is the host's: a serving cgroup without the cpu controller is
+    `unavailable` for cpu (named in its reason), and its memory group is set as usual."""
+    for pid, path in {1: "/", 10: "/app"}.items():
+        (tmp_path / f"proc/{pid}").mkdir(parents=True)
+        (tmp_path / f"proc/{pid}/cgroup").write_text(f"0::{path}\n")
+    root = tmp_path / "sys/fs/cgroup"
+    (root / "app").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (root / "cgroup.procs").write_text("1\n")
+    (root / "app/cgroup.controllers").write_text("memory pids\n")
+    (root / "app/cgroup.procs").write_text("10\n")
+    fs = HostFS(tmp_path)
+    layout = Layout.probe(fs)
+    assert layout.versions == {"cpu": "v2", "memory": "v2"}
+    found = {g.controller: g for g in groups(fs, HostCgroups(fs, pid=1), layout,
+                                             [Serving(10, 1, "vllm", "acme", "gold")], True, own_pid=1)}
+    assert found["memory"].state == "ok"
+    assert found["cpu"].state == "unavailable" and "cgroup.subtree_control" in found["cpu"].why
+    rules = policy.Rules(parse(TIERS + "tenants: [{name: acme, tier: gold, match: {ports: [8000]}}]"), True, False,
+                         lambda d: False)
+    part = ResourcesPart("enforce", True, True, found=tuple(found.values()))
+    decided = {d.target: d.action for d in policy.reconcile(rules, Memory(), {}, part)}
+    assert decided == {"cpu:/app": "report", "memory:/app": "set"}
+
+
 def test_on_cgroup_v2_the_cpu_and_memory_groups_of_one_directory_keep_to_their_own_files(tmp_path) -> None:
     """One v2 directory holds both controllers' files: setting, releasing or checking one group leaves the other's
     (found on a pure-v2 guest, where memory's set put cpu.max and cpu.weight back the moment after they were set)."""
@@ -295,3 +328,23 @@ def test_on_cgroup_v2_the_cpu_and_memory_groups_of_one_directory_keep_to_their_o
     assert a.rewritten(mem.directory, "memory") == ["/sys/fs/cgroup/app/memory.min"]
     a.release(cpu.directory, "cpu")
     assert {f: (d / f).read_text().strip() for f in original} == {**original, "memory.min": "8192"}
+
+
+def test_status_shows_per_group_what_was_set_and_what_the_kernel_reports_back() -> None:
+    cpu = Group("cpu", "v2", "/bronze.slice/b.service", "/sys/fs/cgroup/bronze.slice/b.service", ("bronze",), (7,),
+                "ok")
+    mem = Group("memory", "v1", "/gold", "/sys/fs/cgroup/memory/gold", ("gold",), (8,), "ok")
+    part = ResourcesPart("enforce", True, True, groups=(
+        GroupReport(cpu, {"cpu.max": "30000 100000"}, True, "", {"nr_periods": 90, "nr_throttled": 12,
+                                                                  "throttled_usec": 3_400_000}),
+        GroupReport(mem, {"memory.soft_limit_in_bytes": "4096"}, True, "", {}, {"failcnt": 0, "oom_kill": 1}),
+        GroupReport(Group("memory", "v2", "/g", "/sys/fs/cgroup/g", ("gold",), (9,), "ok"), {}, True, "", {},
+                    {"low": 0, "high": 5, "max": 0, "oom": 1, "oom_kill": 0})),
+        tiers=(TierReport("bronze", 1, 0.3, 1.0, 2, "", 0),))
+    text = export.render(export.status(part))
+    rows = {line.split()[0]: line for line in text.splitlines()}
+    assert "thr 12 3.4s" in rows["/bronze.slice/b.service"] and "cpu.max=30000 100000" in rows[
+        "/bronze.slice/b.service"]
+    assert "oom_kill 1" in rows["/gold"] and "failcnt 0" in rows["/gold"]
+    assert "high 5 oom 1 oom_kill 0" in rows["/g"]
+    assert rows["bronze"].split()[1:5] == ["1", "1", "0.3", "2"]  # groups, configured, in force, the step
