@@ -11,9 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Collection, Mapping
+from typing import TYPE_CHECKING, Collection, Mapping
 
 from qosagent.hist import Histogram
+
+if TYPE_CHECKING:
+    from qosagent.config import Config
+
+
+
+def tier_slos(cfg: "Config") -> dict[str, float]:
+    """The SLO of each tier that has tenants (SloVerdict's tier_slo): its readers keep it per config, not per tick."""
+    return {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
+
 
 # A tenant's state, as latency's status shows it.
 OK, BREACH, NO_DATA, NO_SLO = "ok", "breach", "no data", "-"

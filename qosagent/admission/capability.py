@@ -12,11 +12,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent.admission import export, policy
-from qosagent.admission.inputs import baseline, tick_input, tier_slos
+from qosagent.admission.inputs import baseline, tick_input
 from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Attention, Capability, Change, State, Verdict
 from qosagent.retention import EVERYONE
+from qosagent.slo import tier_slos
 from qosagent.snapshot import Decision, Snapshot
 from qosagent.tenants import LIMITS_SERVICE, LimitsWriter, TenantLimit
 
@@ -73,7 +74,7 @@ class Admission(Capability):
         self._index: dict[str, Any] = {}
         self._at_rest: dict[str, TenantAdmission] = {}
         self._all_at_rest: tuple[TenantAdmission, ...] = ()  # the report's rows while no tenant is cut or shed
-        self._tier_slo: dict[str, float] = {}  # the SLO of each tier with tenants (inputs.tier_slos), per config
+        self._tier_slo: dict[str, float] = {}  # the SLO of each tier with tenants (slo.tier_slos), per config
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:

@@ -22,7 +22,7 @@ from qosagent.latency.model import LATENCY, LatencyPart, TenantLatency
 from qosagent.quota.model import QUOTA, TenantQuota
 from qosagent.resources.model import RESOURCES
 from qosagent.servers.model import SERVERS, ServerReading, ServersPart
-from qosagent.slo import SloVerdict
+from qosagent.slo import SloVerdict, tier_slos
 from qosagent.snapshot import Snapshot
 from qosagent.tenants import TenantLimit, limit_of
 from qosagent.tenants import baseline as quota_baseline
@@ -122,11 +122,6 @@ def gpu_input(gpu: GpuState | None, serving: list[int], servers: ServersPart | N
         evidence, why, kv = _evidence(servers, gpu, sample)
         out.append(GpuReading(index, ratio, evidence, why, kv))
     return GpuInput(tuple(out), "" if out else "no serving GPU")
-
-
-def tier_slos(cfg: Config) -> dict[str, float]:
-    """The SLO of each tier that has tenants."""
-    return {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
 
 
 def slo_verdict(lat: LatencyPart | None, cfg: Config, tier_slo: Mapping[str, float] | None = None) -> SloVerdict:

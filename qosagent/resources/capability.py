@@ -26,6 +26,7 @@ from qosagent.resources import applier, discovery, export, planner, policy, sche
 from qosagent.resources.model import RESOURCES, Group, Memory, ResourcesPart
 from qosagent.resources.reading import CpuUsage, mem_total, node_problems, online_cpus, report
 from qosagent.schedule import Every
+from qosagent.slo import tier_slos
 from qosagent.snapshot import Decision, Snapshot
 from qosagent.statefile import StateFileError
 
@@ -61,6 +62,7 @@ class Resources(Capability):
     def __init__(self, ctx: AgentContext):
         super().__init__(ctx)
         self.config: "Config" = ctx.config  # the config in force here (a reload's commit sets it)
+        self._tier_slo = tier_slos(ctx.config)  # the loop's SLO of each tier, per config
         self.store = applier.Store(ctx.config.state_dir)
         self.counters: dict[str, collections.Counter[str]] = {
             k: collections.Counter() for k in ("actions", "writes", "moves", "threads", "errors", "rewritten")}
@@ -72,6 +74,7 @@ class Resources(Capability):
         self.memory = Memory()
         self.cpu = CpuUsage()
         self._reconcile = Every(ctx.config.resources.reconcile_interval)
+        self._node_cpus = online_cpus(ctx)
         self._reconciling = False
 
     @property
@@ -146,7 +149,7 @@ class Resources(Capability):
 
         def commit() -> None:
             was_enforcing = self.enforce
-            self.config = config
+            self.config, self._tier_slo = config, tier_slos(config)
             self._reconcile.period = self.cfg.reconcile_interval
             if was_enforcing and not self.enforce:
                 self._undo()  # a dry run must not leave earlier writes behind as if still decided
@@ -154,7 +157,7 @@ class Resources(Capability):
             self._reconcile.again()
 
         def undo() -> None:
-            self.config = old
+            self.config, self._tier_slo = old, tier_slos(old)
             self._reconcile.period = self.cfg.reconcile_interval
             self.memory.decided = {}
             self._reconcile.again()
@@ -188,12 +191,14 @@ class Resources(Capability):
                 if paths:
                     rewritten[g.key] = tuple(paths)
             self.cpu.measure(self.ctx.hostfs, self.ctx.clock(), serving)
+            self._node_cpus = online_cpus(self.ctx)
         return ResourcesPart(mode=self.cfg.mode, enforcing=self.enforce, reconcile=self._reconciling, found=found,
-                             serving=serving, rewritten=rewritten, usage=dict(self.cpu.usage))
+                             serving=serving, rewritten=rewritten, usage=dict(self.cpu.usage),
+                             node_cpus=self._node_cpus)
 
     def _rules(self) -> policy.Rules:
         return policy.Rules(self.config, self.enforce, self.plan.slices.supported,
-                            lambda directory: self.ctx.hostfs.exists(f"{directory}/cpu.idle"))
+                            lambda directory: self.ctx.hostfs.exists(f"{directory}/cpu.idle"), self._tier_slo)
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         part = snapshot.part(RESOURCES)
@@ -204,7 +209,7 @@ class Resources(Capability):
         before = dict(self.loop.quota)
         lat = snapshot.part(LATENCY)
         if lat is not None:
-            self.outcome = policy.step(rules, lat, part, mem, float(online_cpus(self.ctx) or 1), snapshot.monotonic,
+            self.outcome = policy.step(rules, lat, part, mem, float(part.node_cpus or 1), snapshot.monotonic,
                                        self.loop)
             self.loop = self.outcome.state
             out += policy.step_decisions(rules, self.outcome)

@@ -145,6 +145,9 @@ class ResourcesPart:
     serving: tuple[Serving, ...] = ()
     rewritten: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # group key -> files someone else set
     usage: Mapping[str, float] = field(default_factory=dict)  # tier -> CPUs its serving processes used
+    # The node's online CPUs (the loop's quota of a tier without cpus), read at the reconcile: a CPU taken offline
+    # or brought back is seen within reconcile_interval, not by a read every tick. 0: not read.
+    node_cpus: int = 0
     # The report of what was decided and done so far, for metrics and status.
     groups: tuple[GroupReport, ...] = ()
     tiers: tuple[TierReport, ...] = ()

@@ -143,6 +143,7 @@ class Rules:
     enforce: bool
     slices: bool  # custom scheduler slices here (sched.SliceProbe.supported)
     has_idle: Callable[[str], bool]  # the group directory has a cpu.idle file (read by the caller)
+    tier_slo: Mapping[str, float]  # slo.tier_slos of config, kept per config by the caller
 
     @property
     def cfg(self) -> Any:
@@ -164,8 +165,7 @@ def step(rules: Rules, lat: "LatencyPart", part: ResourcesPart, mem: Memory, nod
     """The loop's step on this tick's SLO verdict, the one admission judges."""
     cfg = rules.config
     adm = cfg.admission
-    tier_slo = {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
-    verdict = lat.judged(adm.signal, adm.quantile, tier_slo, adm.near_slo, adm.healthy_below)
+    verdict = lat.judged(adm.signal, adm.quantile, rules.tier_slo, adm.near_slo, adm.healthy_below)
     can_set = {g.tier for g in mem.groups.values() if settable(mem, g)}
     tiers = {name: TierIn(name, cfg.tiers[name].weight, v,
                           (cfg.tiers[name].resources.cpus if cfg.tiers[name].resources else None),

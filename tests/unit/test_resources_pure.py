@@ -22,7 +22,7 @@ from qosagent.resources.config import SuppressConfig
 from qosagent.resources.sched import Attr
 from qosagent.resources.discovery import Layout, groups, is_shared
 from qosagent.resources.model import Files, Group, GroupReport, Memory, ResourcesPart, Serving, TierReport
-from qosagent.slo import tier
+from qosagent.slo import tier, tier_slos
 from qosagent.statefile import StateFileError
 from qosagent.units import parse_size
 
@@ -219,6 +219,20 @@ def test_loop_leaves_tiers_it_may_not_set_and_the_pressed_tier_itself() -> None:
     assert o.steps == () and o.held == frozenset() and math.isinf(-o.state.last_step)
 
 
+def test_the_loop_judges_by_the_slos_of_the_config_in_force_kept_per_config_not_per_tick(tmp_path) -> None:
+    tenants = "tenants: [{name: acme, tier: gold, match: {ports: [8000]}}]\nresources: {enabled: true}\n"
+    cfg = parse(TIERS + tenants)
+    cap = Resources(AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=NoGpu()))
+    assert cap._rules().tier_slo == {"gold": 0.12}
+    assert cap._rules().tier_slo is cap._rules().tier_slo
+    slower = parse(TIERS.replace("gold: {slo_p99: 120ms", "gold: {slo_p99: 200ms") + tenants)
+    change = cap.prepare(slower)
+    change.commit()
+    assert cap._rules().tier_slo == {"gold": 0.2}
+    change.undo()
+    assert cap._rules().tier_slo == {"gold": 0.12}
+
+
 def test_a_damaged_originals_file_is_kept_and_stops_resources(tmp_path) -> None:
     path = tmp_path / "state" / Store.FILE
     path.parent.mkdir()
@@ -301,8 +315,8 @@ def test_on_cgroup_v2_a_controller_not_enabled_for_the_cgroup_is_said_and_left(t
                                              [Serving(10, 1, "vllm", "acme", "gold")], True, own_pid=1)}
     assert found["memory"].state == "ok"
     assert found["cpu"].state == "unavailable" and "cgroup.subtree_control" in found["cpu"].why
-    rules = policy.Rules(parse(TIERS + "tenants: [{name: acme, tier: gold, match: {ports: [8000]}}]"), True, False,
-                         lambda d: False)
+    cfg = parse(TIERS + "tenants: [{name: acme, tier: gold, match: {ports: [8000]}}]")
+    rules = policy.Rules(cfg, True, False, lambda d: False, tier_slos(cfg))
     part = ResourcesPart("enforce", True, True, found=tuple(found.values()))
     decided = {d.target: d.action for d in policy.reconcile(rules, Memory(), {}, part)}
     assert decided == {"cpu:/app": "report", "memory:/app": "set"}
