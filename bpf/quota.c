@@ -36,7 +36,7 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct qos_quota_count, quota_counters, 
 /* The slots' generations (qos_common.h): not in QOS_PIN_DIR but kept with the build (the compile child pins every map
  * beside its programs), as an agent reads only its own build's; it reads every slot once at its start, since counts an
  * adopted program made are in the pinned counters, not here. */
-BPF_ARRAY(quota_gen, struct qos_gen, QOS_SLOTS);
+BPF_F_TABLE("array", int, struct qos_gen, quota_gen, QOS_SLOTS, BPF_F_MMAPABLE); /* read by the agent in place */
 BPF_TABLE_PINNED("percpu_array", __u32, struct qos_stat_val, quota_stats, QOS_STAT_MAX, QOS_PIN_DIR "/quota_stats");
 BPF_TABLE_PINNED("array", __u32, struct qos_quota_conf, quota_config, 1, QOS_PIN_DIR "/quota_config");
 BPF_TABLE_PINNED("hash", struct qos_attach_key, struct qos_attach_val, quota_attach, 256, QOS_PIN_DIR "/quota_attach");

@@ -206,7 +206,7 @@ struct lat_pid_val {
 
 BPF_ARRAY(lat_hist, struct lat_row, LAT_SLOTS * LAT_KINDS + 1);
 BPF_PERCPU_ARRAY(lat_counters, struct lat_counts, LAT_SLOTS);
-BPF_ARRAY(lat_gen, struct qos_gen, LAT_SLOTS + 1);
+BPF_F_TABLE("array", int, struct qos_gen, lat_gen, LAT_SLOTS + 1, BPF_F_MMAPABLE); /* read by the agent in place */
 BPF_HASH(lat_slots, struct lat_tenant_key, struct lat_slot_val, LAT_SLOTS);
 /* Ports whose protocol runs requests concurrently on one connection (latency.multiplexed_ports). Without the
  * payload, overlapping requests cannot be told from one another, so these connections are counted, not timed. */

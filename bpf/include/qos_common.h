@@ -47,7 +47,8 @@ struct qos_watch_val {
 
 /* lat_gen, quota_gen: a slot's generation, bumped after every change the programs make to its rows or counters, so that
  * the agent's tick reads this small array and then only the rows of slots whose generation moved: an idle tenant
- * costs no per-tick read. The bump follows the change it marks; where a CPU may let another see the two out of order
+ * costs no per-tick read. Both arrays are BPF_F_MMAPABLE: the agent maps them and compares them in its own memory,
+ * no system call, where a batch read cost ~0.13 us per slot (half of what 1,000 idle tenants cost a tick). The bump follows the change it marks; where a CPU may let another see the two out of order
  * (arm64's relaxed atomics), the agent reads a slot once more on the tick after its generation last moved. */
 struct qos_gen {
     __u64 n;

@@ -12,10 +12,11 @@ from __future__ import annotations
 import collections
 import ctypes as ct
 import errno
+import mmap
 import os
 from typing import Any, Iterable, Iterator
 
-from qosagent.ebpf.libbpf import call, lib, obj_get, possible_cpus
+from qosagent.ebpf.libbpf import call, lib, map_info, obj_get, possible_cpus
 
 BPF_ANY = 0
 
@@ -240,6 +241,7 @@ class ArrayRange:
 
 
 GEN_SIZE = 8  # struct qos_gen (bpf/include/qos_common.h)
+BPF_F_MMAPABLE = 1 << 10  # linux/bpf.h
 _GEN_BLOCK = 64 * GEN_SIZE
 
 
@@ -275,29 +277,33 @@ class Generations:
     change to a slot: `changed()` says which of slots first..first+count-1 to read this tick. Those whose generation
     moved since the last read, and those whose generation moved at the read before it, once more (the bump may be
     seen before the change it marks on a CPU with relaxed atomics). `everything` makes the first read name every
-    slot (counts that were there before the generations, such as an adopted program's)."""
+    slot (counts that were there before the generations, such as an adopted program's).
+
+    The array is BPF_F_MMAPABLE and mapped read-only into the agent: a tick copies the slots' 8 bytes each out of
+    its own memory instead of a BPF_MAP_LOOKUP_BATCH, which cost ~0.13 us per slot in the kernel."""
 
     def __init__(self, map_fd: int, first: int, count: int, everything: bool = False):
-        self.fd, self.first = map_fd, first
-        self._range = ArrayRange(map_fd, first, count, GEN_SIZE)
+        self.first, self.count = first, count
+        info = map_info(map_fd)
+        if not info.flags & BPF_F_MMAPABLE:
+            raise OSError(errno.EINVAL, f"generations map {info.name!r} is not BPF_F_MMAPABLE")
+        self._mem = mmap.mmap(map_fd, info.max_entries * GEN_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         self._last = b"" if not everything else None
         self._settling: set[int] = set()
 
-    @property
-    def count(self) -> int:
-        return self._range.count
-
     def resize(self, count: int) -> None:
         """Slots added (a reload): they start from zero, as the kernel's do."""
-        if count != self._range.count:
-            self._range = ArrayRange(self.fd, self.first, count, GEN_SIZE)
+        self.count = count
 
     def changed(self) -> set[int]:
-        gens = self._range.data()
+        gens = self._mem[self.first * GEN_SIZE:(self.first + self.count) * GEN_SIZE]
         if self._last is None:
-            now = list(range(self._range.count))
+            now = list(range(self.count))
         else:
             now = moved(gens, self._last)
         out = set(now) | self._settling
         self._last, self._settling = gens, set(now)
         return {self.first + i for i in out}
+
+    def close(self) -> None:
+        self._mem.close()

@@ -172,6 +172,9 @@ class Datapath:
         return out
 
     def close(self) -> None:
+        for gens in (self._gens, self._runq_gen):
+            if gens is not None:
+                gens.close()
         self.prog.close()
 
 

@@ -498,6 +498,7 @@ class Datapath:
 
     def close(self) -> None:
         """Drop our references; what is pinned and attached stays (fail-static)."""
+        self._gens.close()
         self.program.close()
         if self.links is not None:
             self.links.close()
