@@ -7,7 +7,6 @@ Each command imports what it runs inside its function: `qosagent reload` or `--h
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -106,9 +105,6 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
         health_listen: str | None, web_config_file: str | None) -> None:
     """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config). On exit every capability
     rolls back, except that quota's classifier stays enforcing for the next agent (see --detach-on-exit)."""
-    # No cyclic collection while the agent imports and starts: what that makes lives until a reload (the daemon's
-    # settle_heap), so the collections its allocations would set off walk it for nothing (~20 ms of a start).
-    gc.disable()
     from qosagent import logs
     from qosagent.daemon import Agent
     from qosagent.metrics import MetricsServer, health_server
@@ -158,7 +154,6 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
         sd_notify(f"WATCHDOG_USEC={int(3 * cfg.interval * 1e6)}")
     try:
         agent.start(settle=False)
-        gc.enable()
         agent.run(notify=sd_notify)
     finally:
         sd_notify("STOPPING=1")
