@@ -206,7 +206,14 @@ def _effective_caps() -> frozenset[str] | None:
 
 
 def _writable(path: str) -> bool:
-    return os.access(path, os.W_OK)
+    """Whether the filesystem holding `path` is mounted writable here: what ReadOnlyPaths= and ReadWritePaths= (or a
+    pod's read-only host mount) decide. Not the path's own mode: cgroup2's root directory is 0555, which root without
+    CAP_DAC_OVERRIDE (the unit grants none) may not create in, while the files under it that resources writes are
+    root's own, 0644 (found under systemd in the VM: resources refused on every pure cgroup-v2 host)."""
+    try:
+        return not os.statvfs(path).f_flag & os.ST_RDONLY
+    except OSError:
+        return False
 
 
 def _mounted(path: str) -> str | None:

@@ -123,6 +123,29 @@ def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str
     assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
 
 
+WRITABLE = "import sys; from qosagent import sandbox; print(sandbox.this_process().writable(sys.argv[1]))"
+
+
+def test_a_read_only_path_is_its_mount_not_a_mode_root_cannot_write_without_dac_override(root: None, tmp_path) -> None:
+    """cgroup2's root directory is mode 0555: root under the unit's set (no CAP_DAC_OVERRIDE) may not create in it,
+    yet the cgroup files resources writes below it are root's. The sandbox check asks what the unit's settings decide,
+    whether the path is mounted read-only: such a directory is writable to it, a read-only bind mount is not."""
+    require(shutil.which("setpriv") is not None and shutil.which("unshare") is not None, "setpriv or unshare missing")
+    d = tmp_path / "cgroup-root-like"
+    d.mkdir()
+    d.chmod(0o555)
+    setpriv = ["setpriv", "--bounding-set=-all," + ",".join(f"+{c}" for c in unit_caps()), "--inh-caps=-all"]
+    check = [*setpriv, sys.executable, "-c", WRITABLE, str(d)]
+    r = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "True", r.stdout + r.stderr
+    denied = subprocess.run([*setpriv, "touch", str(d / "f")], capture_output=True, text=True, timeout=60)
+    assert denied.returncode != 0, "the directory was writable to the unit's set: this test shows nothing"
+    # A private mount namespace (unshare's default propagation): the read-only bind mount never reaches the host.
+    ro = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" '
+                         '&& shift && exec "$@"', "sh", str(d), *check], capture_output=True, text=True, timeout=60)
+    assert ro.stdout.strip() == "False", ro.stdout + ro.stderr
+
+
 def _agent_with_unit_caps(conf, sock, log, prefix: list[str], shell: str = "", dropin: bool = True) -> AgentProcess:
     """The agent under the unit's bounding set (setpriv), behind prefix; optionally set up by shell first."""
     bounding = "-all," + ",".join(f"+{c}" for c in unit_caps(dropin))
