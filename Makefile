@@ -35,6 +35,7 @@ lint: setup-test
 bench: setup-test
 	$(PY) -m bench.latency_overhead
 	$(PY) bench/quota_bench.py
+	$(PY) bench/quota_wire_bench.py
 	$(PY) bench/quota_netns_bench.py
 	$(PY) -m bench.dvfs_collect
 	$(PY) bench/placement_bench.py

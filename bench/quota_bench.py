@@ -1,22 +1,16 @@
-"""Quota classifier cost: ns per packet from BPF_PROG_TEST_RUN against an empty cls program in the same run, and
-HTTP throughput over a veth pair (nginx + wrk in two network namespaces) with and without the classifier.
+"""Quota classifier cost: ns per packet from BPF_PROG_TEST_RUN against an empty cls program in the same run (its
+cost on real traffic over a veth pair: bench/quota_wire_bench.py).
 
-Run as root from the checkout: python bench/quota_bench.py [--skip-veth]. Prints a Markdown section for
-docs/PERFORMANCE.md ("Quota classifier")."""
+Run as root from the checkout: python bench/quota_bench.py. Prints a Markdown section for docs/PERFORMANCE.md
+("Quota classifier")."""
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import platform
-import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -27,7 +21,6 @@ from qosagent.config import parse  # noqa: E402
 from qosagent.ebpf.testrun import test_run  # noqa: E402
 from qosagent.quota import datapath as dp  # noqa: E402
 from qosagent.quota.rules import baseline_buckets  # noqa: E402
-from testkit.agent import AgentProcess  # noqa: E402
 from testkit.quota_packets import ACK, ipv4, request, tcp  # noqa: E402
 
 REPEAT = 200_000
@@ -114,76 +107,7 @@ def prog_costs() -> dict[str, float]:
         dp.remove_pins(dp.pin_dir(cfg))
 
 
-NGINX_CONF = """worker_processes 1; daemon off; pid {tmp}/nginx.pid; error_log {tmp}/error.log;
-events {{ worker_connections 1024; }}
-http {{ access_log off; client_body_temp_path {tmp}; proxy_temp_path {tmp}; fastcgi_temp_path {tmp};
-  uwsgi_temp_path {tmp}; scgi_temp_path {tmp};
-  server {{ listen 10.78.0.1:8100; location / {{ return 200 "ok"; }} }} }}
-"""
-
-
-def sh(*a: str) -> str:
-    return subprocess.run(a, check=True, capture_output=True, text=True).stdout
-
-
-def veth_throughput(pairs: int = 3, seconds: int = 5) -> list[tuple[float, float]]:
-    """(req/s without, req/s with) per pair; the classifier admits everything (a huge quota)."""
-    tag = uuid.uuid4().hex[:6]
-    srv, cli = f"qa-quota-{tag}-s", f"qa-quota-{tag}-c"
-    tmp = Path(tempfile.mkdtemp(prefix="qa-quota-bench-"))
-    pin_root = f"/sys/fs/bpf/qosagent-bench-{tag}"
-    procs = []
-    try:
-        sh("ip", "netns", "add", srv)
-        sh("ip", "netns", "add", cli)
-        sh("ip", "-n", srv, "link", "add", "vs", "type", "veth", "peer", "name", "vc", "netns", cli)
-        sh("ip", "-n", srv, "addr", "add", "10.78.0.1/24", "dev", "vs")
-        sh("ip", "-n", cli, "addr", "add", "10.78.0.2/24", "dev", "vc")
-        for ns, dev in ((srv, "vs"), (cli, "vc")):
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp))
-        procs.append(subprocess.Popen(["ip", "netns", "exec", srv, "nginx", "-c", str(tmp / "nginx.conf")],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(1)
-        (tmp / "q.yaml").write_text(f"""
-interval: 100ms
-status: {{socket: {tmp}/s.sock}}
-metrics: {{enabled: false}}
-bpf: {{pin_root: {pin_root}}}
-latency: {{enabled: false, ports: [8000]}}
-quota: {{enabled: true, interfaces: [vs]}}
-tenants:
-  - {{name: bench, tier: gold, match: {{ports: [8100]}}, quota: {{rps: 1000000000, burst: 1000000}}}}
-""")
-        def wrk() -> float:
-            out = sh("ip", "netns", "exec", cli, "wrk", "-t1", "-c16", f"-d{seconds}s", "http://10.78.0.1:8100/")
-            return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-
-        results = []
-        for _ in range(pairs):
-            without = wrk()
-            agent = AgentProcess(tmp / "q.yaml", f"{tmp}/s.sock", tmp / "agent.log",
-                                 prefix=["nsenter", f"--net=/run/netns/{srv}"], args=["--detach-on-exit"])
-            agent.start()  # ready: the classifier is attached
-            with_cls = wrk()
-            agent.stop()
-            results.append((without, with_cls))
-        return results
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-        for ns in (srv, cli):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        shutil.rmtree(pin_root, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--skip-veth", action="store_true")
-    a = ap.parse_args()
     costs = prog_costs()
     base = costs["empty program (baseline)"]
     targets = {"established flow, mid-request segment": 2, "established flow, pure ACK": 2,
@@ -197,14 +121,6 @@ def main() -> None:
         t = targets.get(k)
         verdict = "" if t is None else (f"<= {t}x: {'met' if v <= t * base else 'MISSED'}")
         print(f"| {k} | {v:.0f} | {v / base:.2f} | {verdict} |")
-    if not a.skip_veth:
-        res = veth_throughput()
-        print("\nHTTP over a veth pair (nginx `return 200`, wrk -t1 -c16, 5 s each, alternating):\n")
-        print("| pair | req/s without | req/s with classifier | ratio |")
-        print("|---|---:|---:|---:|")
-        for i, (w0, w1) in enumerate(res, 1):
-            print(f"| {i} | {w0:.0f} | {w1:.0f} | {w1 / w0:.3f} |")
-        print(f"\nMedian ratio {statistics.median(w1 / w0 for w0, w1 in res):.3f}.")
 
 
 if __name__ == "__main__":
