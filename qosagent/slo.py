@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from qosagent.config import Config
 
 
-
 def tier_slos(cfg: "Config") -> dict[str, float]:
     """The SLO of each tier that has tenants (SloVerdict's tier_slo): its readers keep it per config, not per tick."""
     return {t.tier: cfg.tiers[t.tier].slo_p99 for t in cfg.tenants}
