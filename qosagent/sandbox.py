@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from qosagent.hostfs import HostFS
 
@@ -31,6 +31,10 @@ class Need:
     # A host file the agent writes through its host root (HostFS, --host-root: /host/sys in the DaemonSet), so checked
     # there; False for what the agent writes in its own mount namespace (its state dir, its pins on bpffs).
     host: bool = False
+    # For a path: the mounts below it that the capability writes on this host, each checked in its place (a v1 cgroup
+    # hierarchy is a writable mount of its own under the tmpfs systemd mounts read-only at /sys/fs/cgroup); None,
+    # or none found there, checks the path itself.
+    within: Callable[[HostFS], Sequence[str]] | None = None
 
 
 # What the shipped unit itself grants; tests/unit/test_sandbox.py checks it against systemd/qosagent.service.
@@ -144,12 +148,13 @@ def refusal(needs: list[Need], proc: Process | None = None, hostfs: HostFS | Non
         if n.setting == "CapabilityBoundingSet" and n.value not in eff:
             problems.append(f"{where} CapabilityBoundingSet lacks {n.value} ({n.why})")
         elif n.setting == "ReadWritePaths":
-            path = str(hostfs.path(n.value.lstrip("-"))) if n.host else n.value.lstrip("-")
-            probe = _existing(path)
-            if n.value.startswith("-") and probe != path:
-                continue
-            if probe is not None and not proc.writable(probe):
-                problems.append(f"{path} is read-only here ({n.why}): " + _read_only_by(n, needs, proc, hostfs))
+            for target in (n.within(hostfs) if n.within else None) or [n.value.lstrip("-")]:
+                path = str(hostfs.path(target)) if n.host else target
+                probe = _existing(path)
+                if n.value.startswith("-") and probe != path:
+                    continue
+                if probe is not None and not proc.writable(probe):
+                    problems.append(f"{path} is read-only here ({n.why}): " + _read_only_by(n, needs, proc, hostfs))
         elif n.setting == "RequiresMountsFor" and n.value in ("/sys/fs/bpf", "/sys/kernel/tracing"):
             want = "bpf" if n.value == "/sys/fs/bpf" else "tracefs"
             if proc.mounted(n.value) != want:

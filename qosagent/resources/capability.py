@@ -19,7 +19,8 @@ from qosagent.capability import AgentContext, Capability, CapabilityError, Chang
 from qosagent.retention import EVERYONE
 from qosagent import sandbox
 from qosagent.sandbox import Need
-from qosagent.cgroups import HostCgroups
+from qosagent.cgroups import HostCgroups, hierarchy
+from qosagent.hostfs import HostFS
 from qosagent.latency.model import LATENCY
 from qosagent.pods.service import Pods
 from qosagent.resources import applier, discovery, export, planner, policy, sched
@@ -35,6 +36,13 @@ if TYPE_CHECKING:
 
     from qosagent.config import Config
     from qosagent.features import Features
+
+
+def cgroup_mounts(fs: HostFS) -> list[str]:
+    """The hierarchies resources writes on this host: the v2 root, or each v1 controller's (hybrid and legacy hosts,
+    where /sys/fs/cgroup itself is a tmpfs systemd mounts read-only)."""
+    kinds = dict.fromkeys(discovery.Layout.probe(fs).kinds().values())
+    return [root for kind in kinds if (root := hierarchy(fs, kind)) is not None]
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,8 @@ class Resources(Capability):
             Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
             # Both: ReadOnlyPaths=/sys covers the cgroup tree, and ProtectControlGroups=yes keeps it read-only even
             # under ReadWritePaths=/sys/fs/cgroup (systemd keeps the stricter of two entries for one path).
-            Need("ReadWritePaths", sandbox.CGROUP_FS, "write the serving cgroups' cpu and memory files", host=True),
+            Need("ReadWritePaths", sandbox.CGROUP_FS, "write the serving cgroups' cpu and memory files", host=True,
+                 within=cgroup_mounts),
             Need("ProtectControlGroups", "no", "write the serving cgroups' cpu and memory files"),
         ] + sandbox.state_dir(config)
 

@@ -149,6 +149,35 @@ def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
     assert sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"})) is None
 
 
+def hybrid_tree(tmp_path) -> HostFS:
+    """A hybrid host: v1 cpu and memory hierarchies (and a controller-less cgroup2) under /sys/fs/cgroup's tmpfs."""
+    cg = tmp_path / "sys/fs/cgroup"
+    for kind in ("cpu", "memory", "systemd"):
+        (cg / kind).mkdir(parents=True)
+        (cg / kind / "cgroup.procs").write_text("1\n")
+    (cg / "unified").mkdir()
+    (cg / "unified/cgroup.controllers").write_text("\n")
+    return HostFS(tmp_path)
+
+
+def test_v1_hierarchies_are_checked_not_the_read_only_tmpfs_above_them(tmp_path) -> None:
+    """systemd mounts /sys/fs/cgroup's tmpfs read-only on hybrid and legacy hosts; the v1 hierarchies below it,
+    which resources writes, are writable mounts of their own: resources is not refused, and where one hierarchy is
+    read-only it is the one named."""
+    cfg = parse({"resources": {"enabled": True, "mode": "enforce"}}, "test")
+    host = hybrid_tree(tmp_path)
+    tmpfs = str(tmp_path / "sys/fs/cgroup")
+
+    def proc(readonly: set[str]) -> sandbox.Process:
+        return sandbox.Process(effective=lambda: frozenset(POD_CAPS), writable=lambda p: p not in readonly,
+                               mounted=lambda p: None, under_systemd=True)
+
+    assert sandbox.refusal(needs("resources", cfg), proc({tmpfs}), host) is None
+    why = sandbox.refusal(needs("resources", cfg), proc({tmpfs, f"{tmpfs}/memory"}), host)
+    assert why is not None and why.startswith(f"{tmpfs}/memory is read-only here"), why
+    assert f"{tmpfs}/cpu " not in why and "ProtectControlGroups=yes" in why
+
+
 POD_CAPS = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_NICE"}
 
 
