@@ -111,9 +111,9 @@ def status(view: ResourcesPart) -> dict[str, Any]:
     }
 
 
-# What the kernel reports back of a memory group, in the status column KERNEL: the throttle and the kills (v2
-# memory.events), or the hard limit's hits and the kills (v1).
-MEMORY_SHOWN = ("high", "oom", "oom_kill", "failcnt")
+# What the kernel reports back of a memory group, in the status column KERNEL: the throttle, the hard limit's hits
+# (memory_max) and the kills (v2 memory.events), or the hard limit's hits and the kills (v1).
+MEMORY_SHOWN = ("high", "max", "oom", "oom_kill", "failcnt")
 
 
 def _kernel(g: dict[str, Any]) -> str:

@@ -353,12 +353,12 @@ def test_status_shows_per_group_what_was_set_and_what_the_kernel_reports_back() 
                                                                   "throttled_usec": 3_400_000}),
         GroupReport(mem, {"memory.soft_limit_in_bytes": "4096"}, True, "", {}, {"failcnt": 0, "oom_kill": 1}),
         GroupReport(Group("memory", "v2", "/g", "/sys/fs/cgroup/g", ("gold",), (9,), "ok"), {}, True, "", {},
-                    {"low": 0, "high": 5, "max": 0, "oom": 1, "oom_kill": 0})),
+                    {"low": 0, "high": 5, "max": 2, "oom": 1, "oom_kill": 0})),
         tiers=(TierReport("bronze", 1, 0.3, 1.0, 2, "", 0),))
     text = export.render(export.status(part))
     rows = {line.split()[0]: line for line in text.splitlines()}
     assert "thr 12 3.4s" in rows["/bronze.slice/b.service"] and "cpu.max=30000 100000" in rows[
         "/bronze.slice/b.service"]
     assert "oom_kill 1" in rows["/gold"] and "failcnt 0" in rows["/gold"]
-    assert "high 5 oom 1 oom_kill 0" in rows["/g"]
+    assert "high 5 max 2 oom 1 oom_kill 0" in rows["/g"]
     assert rows["bronze"].split()[1:5] == ["1", "1", "0.3", "2"]  # groups, configured, in force, the step
