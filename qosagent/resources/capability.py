@@ -116,9 +116,10 @@ class Resources(Capability):
         return Verdict(State.DEGRADED if problems else State.ACTIVE, "; ".join(problems + [where, hints]), plan)
 
     def start(self, plan: Plan | None = None) -> None:
-        self.plan = plan if plan is not None else self.probe(None)  # type: ignore[arg-type]
+        self.plan = plan if plan is not None else self.probe(None).plan  # type: ignore[arg-type]
         for line in node_problems(self.config, online_cpus(self.ctx), mem_total(self.ctx)):
             self.log.warning("%s", line)
+        self._say_left_out(self.config)
         try:
             self.store.load()
         except StateFileError as e:
@@ -128,6 +129,15 @@ class Resources(Capability):
             for line in applier.restore_all(self.ctx.hostfs, self.store):
                 self.log.info("%s", line.removeprefix("resources: "))
         self.store.default_slice = self.plan.slices.default_ns
+
+    def _say_left_out(self, config: "Config", before: "Config | None" = None) -> None:
+        """What this host's memory controller cannot set of a config, said once: at start, and on a reload only what
+        the config before it did not ask already."""
+        version = self.plan.layout.versions.get("memory")
+        said = planner.left_out(before, version) if before is not None else []
+        for line in planner.left_out(config, version):
+            if line not in said:
+                self.log.warning("%s", line)
 
     def stop(self) -> None:
         if not self.cfg.restore_on_stop:
@@ -160,6 +170,7 @@ class Resources(Capability):
             was_enforcing = self.enforce
             self.config, self._tier_slo = config, tier_slos(config)
             self._reconcile.period = self.cfg.reconcile_interval
+            self._say_left_out(config, old)
             if was_enforcing and not self.enforce:
                 self._undo()  # a dry run must not leave earlier writes behind as if still decided
             self.memory.decided = {}

@@ -233,6 +233,29 @@ def test_the_loop_judges_by_the_slos_of_the_config_in_force_kept_per_config_not_
     assert cap._rules().tier_slo == {"gold": 0.12}
 
 
+def test_memory_high_left_on_v1_is_logged_at_start_and_when_a_reload_asks_it(tmp_path, caplog) -> None:
+    """Not only the probe's verdict: the log says it once at start, and a reload that adds it says it then."""
+    (tmp_path / "sys/fs/cgroup/memory").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/memory/cgroup.procs").write_text("1\n")
+    base = f"state_dir: {tmp_path / 'state'}\nresources: {{enabled: true}}\ntiers:\n"
+    cfg = parse(base + "  gold: {slo_p99: 120ms, weight: 10, resources: {memory: 1GiB, memory_high: 2GiB}}\n")
+    cap = Resources(AgentContext(config=cfg, hostfs=HostFS(tmp_path), gpu=NoGpu()))
+    cap.start(None)
+
+    def said() -> list[str]:
+        out = [r.getMessage() for r in caplog.records if "memory_high is left" in r.getMessage()]
+        caplog.clear()
+        return out
+
+    assert said() == [planner.left_out(cfg, "v1")[0]]
+    cap.prepare(cfg).commit()
+    assert said() == [], "a reload that keeps it says nothing new"
+    more = parse(base + "  gold: {slo_p99: 120ms, weight: 10, resources: {memory: 1GiB, memory_high: 2GiB}}\n"
+                 "  silver: {slo_p99: 1s, weight: 1, resources: {memory_high: 1GiB}}\n")
+    cap.prepare(more).commit()
+    assert [line.split()[0] for line in said()] == ["tiers.silver.resources.memory_high"]
+
+
 def test_a_damaged_originals_file_is_kept_and_stops_resources(tmp_path) -> None:
     path = tmp_path / "state" / Store.FILE
     path.parent.mkdir()
