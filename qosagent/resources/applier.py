@@ -200,6 +200,8 @@ class Applier:
                     self.written[path] = value
                     continue
                 if path not in self.store.files:
+                    if path.endswith("/memory.high"):
+                        _say_above_high(self.fs, g, value)
                     self.store.files[path] = current.strip()
                     self.save()  # before the first write: a crash right after it must still be undoable
                 self.fs.write_text(path, value)
@@ -334,6 +336,15 @@ class Applier:
 
 
 # ---- a decision's command, carried out -------------------------------------------------------------------------
+def _say_above_high(fs: HostFS, g: Group, high: str) -> None:
+    """memory.high follows memory unless memory_high says otherwise: a server already using more than its guarantee
+    is throttled and reclaimed from this first write on (an upgrade that brings the default does so unasked)."""
+    used = (fs.try_read(f"{g.directory}/memory.current") or "").strip()
+    if high.isdigit() and used.isdigit() and int(used) > int(high):
+        log.warning("%s: memory.current %s is above the memory.high it gets, %s: the kernel throttles it from now "
+                    "(tiers.%s.resources.memory_high sets another, max for none)", g.key, used, high, g.tier)
+
+
 def carry_out(a: Applier, mem: Memory, enforce: bool, c: Any) -> None:
     """One decision's command: what resources remembers of it, and in enforce its writes."""
     if isinstance(c, Files):

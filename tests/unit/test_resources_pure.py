@@ -367,6 +367,23 @@ def test_on_cgroup_v2_the_cpu_and_memory_groups_of_one_directory_keep_to_their_o
     assert {f: (d / f).read_text().strip() for f in original} == {**original, "memory.min": "8192"}
 
 
+def test_a_group_already_above_the_memory_high_it_gets_is_said_once(tmp_path, caplog) -> None:
+    d = tmp_path / "sys/fs/cgroup/app"
+    d.mkdir(parents=True)
+    for f, v in {"memory.min": "0", "memory.high": "max", "memory.current": str(6 << 30)}.items():
+        (d / f).write_text(v + "\n")
+    counters = {k: collections.Counter() for k in ("writes", "errors")}
+    a = Applier(HostFS(tmp_path), Store(str(tmp_path / "state")), counters)
+    mem = Group("memory", "v2", "/app", "/sys/fs/cgroup/app", ("gold",), (10,), "ok")
+    a.files(Files(mem, (("memory.min", str(4 << 30)), ("memory.high", str(4 << 30)))))
+    said = [r.getMessage() for r in caplog.records if "above the memory.high" in r.getMessage()]
+    assert len(said) == 1 and f"memory.current {6 << 30}" in said[0] and "tiers.gold.resources.memory_high" in said[0]
+    caplog.clear()
+    a.files(Files(mem, (("memory.min", str(4 << 30)), ("memory.high", str(5 << 30)))))
+    a.files(Files(mem, (("memory.min", str(4 << 30)), ("memory.high", str(8 << 30)))))
+    assert not [r for r in caplog.records if "above the memory.high" in r.getMessage()], "once, at the first write"
+
+
 def test_status_shows_per_group_what_was_set_and_what_the_kernel_reports_back() -> None:
     cpu = Group("cpu", "v2", "/bronze.slice/b.service", "/sys/fs/cgroup/bronze.slice/b.service", ("bronze",), (7,),
                 "ok")
