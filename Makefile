@@ -99,6 +99,7 @@ uninstall:
 	-systemctl disable --now qosagent
 	@if [ -x $(PREFIX)/bin/qosagent ]; then $(PREFIX)/bin/qosagent detach --config $(CONFDIR)/config.yaml; \
 	 else echo "uninstall: no $(PREFIX)/bin/qosagent; run qosagent detach by hand if the agent ran"; fi
+	-rmdir /run/qosagent 2>/dev/null  # empty once detach restored everything (RuntimeDirectoryPreserve=yes)
 	rm -f $(DESTDIR)$(UNITDIR)/qosagent.service
 	rm -f $(DESTDIR)$(UNITDIR)/qosagent.service.d/capabilities.conf
 	-rmdir $(DESTDIR)$(UNITDIR)/qosagent.service.d 2>/dev/null

@@ -101,6 +101,9 @@ def test_unit_keeps_its_privileges_and_paths_consistent() -> None:
     quota = sandbox.unit_settings(sandbox.dropin(capabilities.sandbox_needs(quota_cfg)))
     assert any(default.bpf.pin_root.startswith(p.lstrip("-")) for p in sandbox.granted_by(quota, "ReadWritePaths"))
     assert f"--socket {default.status.socket}" in s["ExecReload"][0]
+    # The default state_dir is the unit's runtime directory: it must outlive a crash, an automatic restart and a
+    # failed unit, or the originals saved there go with it (the next agent then keeps what the crashed one wrote).
+    assert f"/run/{s['RuntimeDirectory'][0]}" == default.state_dir and s["RuntimeDirectoryPreserve"] == ["yes"]
 
 
 def _recv_until(sock: socket.socket, want: str, deadline: float) -> list[str]:

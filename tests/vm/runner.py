@@ -283,6 +283,20 @@ def _end_session(proc: subprocess.Popen[str]) -> None:
         time.sleep(0.2)
 
 
+CHECK = re.compile(r"^check (\w+): (ok|FAILED)(.*)$")
+
+
+def checks(output: str) -> dict[str, str]:
+    """NAME -> "ok" or the failure's text, from the `check NAME: ok|FAILED ...` lines a guest's script prints
+    (tests/vm/*.sh)."""
+    out = {}
+    for line in output.splitlines():
+        m = CHECK.match(line.strip())
+        if m:
+            out[m.group(1)] = "ok" if m.group(2) == "ok" else m.group(3).strip() or "FAILED"
+    return out
+
+
 def _megabytes(size: str) -> int:
     m = re.fullmatch(r"(\d+)([MG])?", size.upper())
     if not m:

@@ -1,10 +1,13 @@
 # The shipped unit under a real systemd (PID 1 in the kernel matrix's VM; tests/vm/test_systemd_unit.py boots it and
 # reads the `check NAME: ok|FAILED ...` lines this prints). Installed as the README says (`make install`, offline
-# from the wheelhouse `make setup-kernels` built), with a config enabling what the VM can run: latency, quota on lo,
-# servers (on by default), admission in enforce, placement in enforce across the VM's two NUMA nodes (not dvfs: the
-# VM has no cpufreq policy and no temperature sensor, so it would be unavailable). Then: started, ready, reloaded,
-# killed (Restart=on-failure, quota's handover holding), hung (the watchdog), stopped (only the handover and the kept
-# builds stay), uninstalled (nothing stays: programs, maps, links, perf attachments, pins, the qdisc). Runs as the
+# from the wheelhouse `make setup-kernels` built), with a config enabling every capability: latency, quota on lo,
+# servers (on by default), admission in enforce, placement in enforce across the VM's two NUMA nodes, resources in
+# enforce on a serving process of its own (a transient service: its cgroup's cpu.max, cpu.weight, memory.min and its
+# threads' nice written through the unit's drop-in, and put back on stop), and dvfs in dry-run, which the VM gives
+# nothing to act on (no cpufreq policy, no temperature sensor): it is unavailable, saying so, and listed in
+# readiness.optional so that the agent is still ready. Then: started, ready, reloaded, killed (Restart=on-failure,
+# quota's handover holding), hung (the watchdog), stopped (only the handover and the kept builds stay, resources'
+# writes undone), uninstalled (nothing stays: programs, maps, links, perf attachments, pins, the qdisc). Runs as the
 # systemd-run-generator's service, with /etc, /opt, /usr/share, /var, /tmp and the checkout writable through
 # overlays (tests/vm/runner.py).
 set -u
@@ -18,9 +21,10 @@ CONF=/etc/qosagent/config.yaml
 PORT=9464
 
 failed=0
-check() {  # check NAME CMD...: the command's success, said
+check() {  # check NAME CMD...: the command's success, said, with the end of its output when it fails
   local name=$1 out; shift
-  if out=$("$@" 2>&1); then echo "check $name: ok"; else failed=1; echo "check $name: FAILED ${out: -600}"; return 1; fi
+  if out=$("$@" 2>&1); then echo "check $name: ok"; return 0; fi
+  failed=1; echo "check $name: FAILED $(tail -c 600 <<<"$out" | tr '\n' ' ')"; return 1
 }
 wait_for() {  # wait_for SECONDS CMD...: until the command succeeds
   local end=$((SECONDS + $1)); shift
@@ -34,12 +38,17 @@ restarts() { systemctl show -p NRestarts --value $UNIT; }
 active() { [ "$(systemctl is-active $UNIT)" = active ]; }
 our_filter() { tc filter show dev lo ingress | grep -q quota_classify; }
 metrics_ok() { http http://127.0.0.1:$PORT/metrics | grep -q '^qosagent_capability_state'; }
-# Each enabled capability active, or idle (nothing to act on here), in the agent's own status.
+# Each enabled capability active, or idle (nothing to act on here), in the agent's own status; dvfs unavailable for
+# the one reason this VM gives it.
 all_active() {
   $AGENT status --json --config $CONF | python3 -c 'import json, sys
 caps = json.load(sys.stdin)["capabilities"]
+dvfs = caps.pop("dvfs", {})
 bad = {n: c for n, c in caps.items() if c["state"] not in ("active", "idle", "disabled")}
-print(json.dumps(caps)); sys.exit(1 if bad else 0)'
+if dvfs.get("state") != "unavailable" or "no cpufreq policy with a frequency knob and no temperature sensor" \
+        not in dvfs.get("reason", ""):
+    bad["dvfs"] = dvfs
+print(json.dumps(bad or caps)); sys.exit(1 if bad else 0)'
 }
 ids() {  # ids prog|map|link: the ids of what the kernel holds now, one a line; not systemd's own (sd_*: its
   # firewall and device programs, loaded again at each daemon-reload)
@@ -58,6 +67,26 @@ gone_soon() {  # gone_soon prog|map: none_new within 30 s (a program or map goes
   wait_for 30 none_new "$1" || none_new "$1"  # kernel may finish a moment later), else what is left
 }
 detached() { same_as_before perf bpftool perf && none_new link; }  # no perf attachment, no link
+# The serving process resources acts on: a service of its own (its cgroup is neither a slice nor a session, so it is
+# set, not reported as shared). systemd enables the cpu controller for a unit only when one of its settings needs it
+# (it counts CPU time from cpu.stat without it), hence CPUWeight= at its default; memory's likewise.
+SERVER=qosagent-vm-server
+SERVER_CG=/sys/fs/cgroup/system.slice/$SERVER.service
+server_nice() { ps -L -o ni= -p "$(systemctl show -p MainPID --value $SERVER)" | tr -d ' ' | sort -u; }
+resources_now() {
+  for f in cpu.max cpu.weight memory.min memory.high; do echo "$f $(cat $SERVER_CG/$f)"; done
+  echo "nice $(server_nice)"
+}
+# gold's resources {cpus: 1, memory: 64MiB} (memory.high follows memory) and weight 10 (cpu.weight 1000); a
+# latency-sensitive tier (slo_p99 under 500 ms) on a kernel without custom scheduler slices: nice -5 on every serving
+# thread.
+resources_set() {
+  local now; now=$(resources_now)
+  grep -qx 'cpu.max 100000 100000' <<<"$now" && grep -qx 'memory.min 67108864' <<<"$now" \
+    && grep -qx 'memory.high 67108864' <<<"$now" && grep -qx 'cpu.weight 1000' <<<"$now" \
+    && grep -qx 'nice -5' <<<"$now" || { echo "$now"; return 1; }
+}
+resources_soon() { wait_for 60 resources_set || resources_set; }  # the first reconcile writes them
 restarted_from() {  # the unit active again under a new main process, its restart counted
   active && [ "$(main_pid)" != "$1" ] && [ "$(main_pid)" != 0 ] && [ "$(restarts)" -gt "$2" ] && all_active
 }
@@ -66,12 +95,19 @@ mkdir -p /etc/qosagent
 cat >$CONF <<EOF
 interval: 100ms
 metrics: {listen: 127.0.0.1:$PORT}
+tiers:
+  gold:   {slo_p99: 120ms, weight: 10, resources: {cpus: 1, memory: 64MiB}}
+  silver: {slo_p99: 350ms, weight: 5}
+  bronze: {slo_p99: 1200ms, weight: 1}
 tenants:
   - {name: chat, tier: gold, match: {ports: [18040]}, quota: {rps: 50, burst: 20}}
 latency: {enabled: true, ports: [18040]}
 quota: {enabled: true, interfaces: [lo]}
 admission: {enabled: true, mode: enforce}
 placement: {enabled: true, mode: enforce, selectors: [{name: qosagent-vm-server}]}
+resources: {enabled: true, mode: enforce}
+dvfs: {enabled: true, mode: dry-run}
+readiness: {optional: [dvfs]}
 EOF
 
 # What the kernel held before: after the uninstall nothing of ours may remain (programs, maps, links, perf
@@ -94,6 +130,12 @@ mkdir -p /etc/systemd/system/$UNIT.service.d
 printf '[Service]\nTimeoutStartSec=600s\n' >/etc/systemd/system/$UNIT.service.d/zz-emulated.conf
 systemctl daemon-reload
 
+systemd-run --unit=$SERVER -p CPUWeight=100 -p MemoryAccounting=yes \
+  python3 -m http.server --bind 127.0.0.1 18040 >/dev/null
+wait_for 60 sh -c "ss -Htln 'sport = :18040' | grep -q ."
+resources_now >"$BEFORE/resources"
+echo "qosagent-vm: $SERVER before the agent: $(tr '\n' ';' <"$BEFORE/resources")"
+
 t0=$SECONDS
 check start systemctl start $UNIT
 echo "qosagent-vm: systemctl start took $((SECONDS - t0)) s"
@@ -101,6 +143,7 @@ check active active
 check readyz http http://127.0.0.1:$PORT/readyz
 check capabilities all_active || journalctl -u $UNIT --no-pager | tail -n 60
 check metrics metrics_ok
+check resources_written resources_soon
 
 # systemctl reload: a tenant added to the config shows in the agent's status.
 sed -i 's/^tenants:$/tenants:\n  - {name: batch, tier: bronze, match: {ports: [18041]}, quota: {rps: 5, burst: 2}}/' $CONF
@@ -131,6 +174,7 @@ check stopped_handover our_filter
 check stopped_pins sh -c "ls /sys/fs/bpf/qosagent/quota-v* >/dev/null"
 check stopped_no_latency detached
 check stopped_no_socket test ! -e /run/qosagent/status.sock
+check stopped_resources_restored same_as_before resources resources_now
 
 # make uninstall: nothing of ours stays but the operator's config.
 check uninstall make uninstall
@@ -141,7 +185,8 @@ check uninstalled_programs gone_soon prog
 check uninstalled_maps gone_soon map
 check uninstalled_attachments detached
 check uninstalled_files sh -c "! ls -d /opt/qosagent /etc/systemd/system/$UNIT.service /usr/share/qosagent \
-  /etc/systemd/system/$UNIT.service.d/capabilities.conf 2>/dev/null | grep -q ."
+  /etc/systemd/system/$UNIT.service.d/capabilities.conf /run/qosagent 2>/dev/null | grep -q ."
 check config_kept test -s $CONF
+systemctl stop $SERVER
 journalctl -u $UNIT --no-pager | tail -n 40
 exit $failed

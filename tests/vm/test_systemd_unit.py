@@ -10,7 +10,6 @@ after the watchdog's kill (kept builds opened, 30 s of WatchdogSec in the second
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -21,25 +20,15 @@ from tests.vm import runner
 
 KERNEL_SERIES = "6.1"  # Debian 12's, whose systemd (252) is the host root's the VM boots
 # What systemd_unit.sh checks, in its order: each must print `check NAME: ok`.
-CHECKS = ("install", "dropin_written", "start", "active", "readyz", "capabilities", "metrics", "reload",
-          "reloaded_tenant", "handover_while_down", "restarted_after_kill", "one_filter_after_restart",
+CHECKS = ("install", "dropin_written", "start", "active", "readyz", "capabilities", "metrics", "resources_written",
+          "reload", "reloaded_tenant", "handover_while_down", "restarted_after_kill", "one_filter_after_restart",
           "restarted_after_hang", "watchdog_named", "stop", "stopped_handover", "stopped_pins", "stopped_no_latency",
-          "stopped_no_socket", "uninstall", "uninstalled_filter", "uninstalled_pins", "uninstalled_qdisc",
-          "uninstalled_programs", "uninstalled_maps", "uninstalled_attachments", "uninstalled_files", "config_kept")
-CHECK = re.compile(r"^check (\w+): (ok|FAILED)(.*)$")
+          "stopped_no_socket", "stopped_resources_restored", "uninstall", "uninstalled_filter", "uninstalled_pins",
+          "uninstalled_qdisc", "uninstalled_programs", "uninstalled_maps", "uninstalled_attachments",
+          "uninstalled_files", "config_kept")
 # Writable in the guest (overlays; the host's stay as they are): what `make install` writes and the agent keeps.
 RW = ("/etc", "/opt", "/usr/share", "/var", "/tmp", str(runner.REPO))
 TIMEOUT_S = 2400
-
-
-def checks_of(output: str) -> dict[str, str]:
-    """NAME -> "ok" or the failure's text, from the guest's `check` lines."""
-    out = {}
-    for line in output.splitlines():
-        m = CHECK.match(line.strip())
-        if m:
-            out[m.group(1)] = "ok" if m.group(2) == "ok" else m.group(3).strip() or "FAILED"
-    return out
 
 
 @pytest.mark.kernel_matrix
@@ -59,7 +48,7 @@ def test_the_unit_under_systemd(tmp_path: Path) -> None:
     print(summary)
     tail = r.output[-8000:]
     assert not r.timed_out, f"{summary}: timed out\n{tail}"
-    got = checks_of(r.output)
+    got = runner.checks(r.output)
     failed = {name: got.get(name, "did not run") for name in CHECKS if got.get(name) != "ok"}
     assert not failed, f"{summary}:\n" + "\n".join(f"{n}: {w}" for n, w in failed.items()) + f"\n{tail}"
     assert set(got) == set(CHECKS), f"checks the test does not know: {sorted(set(got) - set(CHECKS))}"
