@@ -4,7 +4,7 @@ prints it: known failures match by exact kernel and by their failure text, and a
 from __future__ import annotations
 
 from tests.vm import runner
-from tests.vm.test_kernel_matrix import KNOWN_FAILING, judge, outcomes_of
+from tests.vm.test_kernel_matrix import KNOWN_FAILING, judge, outcomes_of, refused, refused_ids, series_ids
 
 A = "tests/integration/test_a.py::test_one[kprobe]"
 B = "tests/integration/test_b.py::test_two"
@@ -63,3 +63,16 @@ def test_series_are_told_apart_by_major_and_minor() -> None:
     assert runner.series_of("6.12.48+deb13-amd64") == "6.12"
     assert runner.series_of("6.1.0-57-amd64") == "6.1"
     assert runner.series_of("5.10.0-35-amd64") == "5.10"
+
+
+def test_series_before_5_12_are_booted_for_the_refusal_only() -> None:
+    assert refused("5.10") and refused("4.19") and not refused("5.12") and not refused("6.1")
+    assert set(refused_ids()) | set(series_ids()) == {s.series for s in runner.matrix()}
+    assert not set(refused_ids()) & set(series_ids())
+
+
+def test_a_guest_scripts_checks_are_read_with_the_failure_text() -> None:
+    output = "qosagent-vm: up 3.1\ncheck run_refused: ok\n  check no_pins: FAILED /sys/fs/bpf/qosagent exists\n" \
+             "check nothing_added: FAILED\nnot a check: ok\n"
+    assert runner.checks(output) == {"run_refused": "ok", "no_pins": "/sys/fs/bpf/qosagent exists",
+                                     "nothing_added": "FAILED"}

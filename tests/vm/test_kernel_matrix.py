@@ -3,6 +3,10 @@ kernel series of tests/vm/kernels.txt, while the rest of the suite covers this h
 kernel runs its selection (tests/vm/runner.py: KVM where it works, else TCG); the agent's time to ready and its
 request counting with idle blocked readers are measured first.
 
+A series older than the agent runs on (before 5.12: no BPF atomic operations) is booted for its refusal only: the
+agent started there exits 4 with one line and leaves nothing behind, and `qosagent check` says the same
+(tests/vm/refused_kernel.sh; Debian 11's 5.10: 93 s under TCG, 2026-12-02).
+
 Slow (minutes under TCG) and privileged: under CI=true a host that cannot boot the VM, or a series with no cached
 kernel, fails, never skips. Part of `make test` (collected last), and of `make test-kernels` alone.
 """
@@ -147,8 +151,24 @@ def judge(outcomes: dict[str, str], failures: dict[str, str], known: dict[str, t
     return problems
 
 
+# The agent refuses kernels before 5.12 at start (qosagent/ebpf/atomics.py): a series older than that is booted only
+# to check the refusal.
+RUNS_FROM = (5, 12)
+REFUSED_CHECKS = ("run_refused", "check_refused", "no_pins", "nothing_added")
+REFUSED_TIMEOUT_S = 600
+
+
+def refused(series: str) -> bool:
+    major, minor = series.split(".")
+    return (int(major), int(minor)) < RUNS_FROM
+
+
 def series_ids() -> list[str]:
-    return [s.series for s in runner.matrix()]
+    return [s.series for s in runner.matrix() if not refused(s.series)]
+
+
+def refused_ids() -> list[str]:
+    return [s.series for s in runner.matrix() if refused(s.series)]
 
 
 @pytest.mark.kernel_matrix
@@ -196,6 +216,31 @@ def test_kernel_matrix(series: str, tmp_path: Path) -> None:
                           + (f"\n(known failures are recorded for {others}, not this {r.kernel})" if others else "")
                           + f"\n{tail}")
     assert r.rc == (1 if known else 0), f"{summary}\n{tail}"
+
+
+@pytest.mark.kernel_matrix
+@pytest.mark.slow
+@pytest.mark.privileged
+@pytest.mark.timeout(REFUSED_TIMEOUT_S + 60)
+@pytest.mark.parametrize("series", refused_ids())
+def test_an_older_kernel_is_refused_in_one_line_leaving_nothing(series: str, tmp_path: Path) -> None:
+    why = runner.missing()
+    require(why is None, f"the kernel matrix cannot boot a VM: {why}")
+    kernel = runner.newest(series)
+    require(kernel is not None, f"no {series} kernel cached under {runner.CACHE}/kernels (make setup-kernels)")
+    r = runner.run("bash tests/vm/refused_kernel.sh", kernel=kernel, timeout=REFUSED_TIMEOUT_S,
+                   echo=sys.stdout.write)
+    log = tmp_path / f"vm-{r.kernel}.log"
+    log.write_text(r.output)
+    summary = f"kernel {r.kernel} ({r.accel}): total {r.wall_s:.0f} s, exit {r.rc}; whole output in {log}"
+    print(summary)
+    tail = r.output[-6000:]
+    assert not r.timed_out, f"{summary}: timed out\n{tail}"
+    got = runner.checks(r.output)
+    failed = {name: got.get(name, "did not run") for name in REFUSED_CHECKS if got.get(name) != "ok"}
+    assert not failed, f"{summary}:\n" + "\n".join(f"{n}: {w}" for n, w in failed.items()) + f"\n{tail}"
+    assert set(got) == set(REFUSED_CHECKS), f"checks the test does not know: {sorted(set(got) - set(REFUSED_CHECKS))}"
+    assert r.rc == 0, f"{summary}\n{tail}"
 
 
 @pytest.mark.kernel_matrix
