@@ -3,9 +3,9 @@ as PID 1, the agent installed with `make install`, then started, reloaded, kille
 systemd itself (tests/vm/systemd_unit.sh, which says what each check is).
 
 Slow and privileged: under CI=true a host that cannot boot the VM fails, never skips. Part of `make test` (collected
-last, beside the kernel matrix). Its cost under TCG on the 2 shared CPUs, 2026-12-02 (host load ~2.7): 666 s in all;
-the boot 32 s, `make install` 191-267 s, the first start (BPF compiled) 106-163 s, the restarts after kill -9 and
-after the watchdog's kill (kept builds opened, 30 s of WatchdogSec in the second) 41-57 s and 73-77 s.
+last, beside the kernel matrix). Its cost under TCG on the 2 shared CPUs, 2026-12-02 (host load ~2-3): 592-666 s in
+all; the boot 28-32 s, `make install` 191-345 s, the first start (BPF compiled) 40-163 s, the restarts after kill -9
+and after the watchdog's kill (kept builds opened, 30 s of WatchdogSec in the second) 25-57 s and 56-77 s.
 """
 
 from __future__ import annotations
