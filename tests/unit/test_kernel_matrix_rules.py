@@ -76,3 +76,6 @@ def test_a_guest_scripts_checks_are_read_with_the_failure_text() -> None:
              "check nothing_added: FAILED\nnot a check: ok\n"
     assert runner.checks(output) == {"run_refused": "ok", "no_pins": "/sys/fs/bpf/qosagent exists",
                                      "nothing_added": "FAILED"}
+    assert runner.check_problems(output, ("run_refused", "no_pins", "check_refused")) == [
+        "no_pins: /sys/fs/bpf/qosagent exists", "check_refused: did not run",
+        "nothing_added: a check the test does not know"]

@@ -297,6 +297,14 @@ def checks(output: str) -> dict[str, str]:
     return out
 
 
+def check_problems(output: str, expected: tuple[str, ...]) -> list[str]:
+    """What is wrong with a guest script's checks: each expected one not ok (its failure text, or that it did not
+    run), and any the test does not know."""
+    got = checks(output)
+    return ([f"{n}: {got.get(n, 'did not run')}" for n in expected if got.get(n) != "ok"]
+            + [f"{n}: a check the test does not know" for n in got if n not in expected])
+
+
 def _megabytes(size: str) -> int:
     m = re.fullmatch(r"(\d+)([MG])?", size.upper())
     if not m:
