@@ -8,8 +8,19 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import logging
 import os
+import threading
 from pathlib import Path
+
+log = logging.getLogger("qosagent.hostfs")
+
+# What each kind of another process's /proc entry needs beyond root, by the name it is counted under
+# (qosagent_proc_unreadable_total{what}): the kernel's ptrace access check (PTRACE_MODE_READ_FSCREDS) guards both
+# for a process of another user or with capabilities the agent lacks (every container's, every kernel thread's), and
+# /proc/PID/fd is besides mode 0500, its owner's.
+PROC_NEEDS = {"ns_net": "CAP_SYS_PTRACE", "fd": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"}
+REFUSED = (errno.EACCES, errno.EPERM)
 
 
 class HostFSError(OSError):
@@ -26,6 +37,11 @@ class HostFSError(OSError):
 class HostFS:
     def __init__(self, root: str | os.PathLike = "/"):
         self.root = Path(root).resolve()
+        # Reads of other processes' /proc entries refused (not gone: ENOENT, ESRCH are a process that exited), by
+        # PROC_NEEDS' name: a sandbox without the capability shows as a count and a warning, not as no pods and no
+        # servers found.
+        self.unreadable = dict.fromkeys(PROC_NEEDS, 0)
+        self._unreadable_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"HostFS({str(self.root)!r})"
@@ -77,10 +93,13 @@ class HostFS:
     def is_dir(self, host_path: str) -> bool:
         return self.path(host_path).is_dir()
 
-    def listdir(self, host_path: str) -> list[str]:
+    def listdir(self, host_path: str, proc: str | None = None) -> list[str]:
+        """The entries, sorted; [] when unreadable, counted as `proc` (a PROC_NEEDS name) when refused."""
         try:
             return sorted(os.listdir(self.path(host_path)))
-        except OSError:
+        except OSError as e:
+            if proc is not None:
+                self.refused(proc, e, host_path)
             return []
 
     def glob(self, host_dir: str, pattern: str) -> list[str]:
@@ -97,12 +116,29 @@ class HostFS:
             # An absolute link that points outside a fixture root: keep it as the host path it names.
             return str(real)
 
-    def readlink(self, host_path: str) -> str | None:
-        """A symlink's target as written (/proc/<pid>/fd entries read `socket:[inode]`), or None when unreadable."""
+    def readlink(self, host_path: str, proc: str | None = None) -> str | None:
+        """A symlink's target as written (/proc/<pid>/fd entries read `socket:[inode]`), or None when unreadable,
+        counted as `proc` (a PROC_NEEDS name) when refused."""
         try:
             return os.readlink(self.path(host_path))
-        except OSError:
+        except OSError as e:
+            if proc is not None:
+                self.refused(proc, e, host_path)
             return None
+
+    def refused(self, what: str, e: OSError, host_path: str) -> None:
+        """Count a failed read of another process's /proc entry `what` (a PROC_NEEDS name) when the kernel refused it,
+        and say so the first time; a process that is gone is no refusal. Only on a failed read: the scans' reads that
+        succeed cost nothing more."""
+        if e.errno not in REFUSED:
+            return
+        with self._unreadable_lock:
+            self.unreadable[what] += 1
+            first = self.unreadable[what] == 1
+        if first:
+            log.warning("reading %s refused (%s): this agent lacks %s, so other users' and containers' processes "
+                        "are not seen there (pods not followed, servers not found); counted in "
+                        "qosagent_proc_unreadable_total{what=%r}", host_path, e.strerror, PROC_NEEDS[what], what)
 
 
 def mount_types(fs: HostFS, pid: str = "self") -> dict[str, str]:

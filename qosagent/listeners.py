@@ -87,8 +87,8 @@ def holders(fs: HostFS, inodes: Iterable[int], pids: Iterable[int], every: bool 
     for pid in pids:
         if not every and not want:
             break
-        for fd in fs.listdir(f"/proc/{pid}/fd"):
-            target = fs.readlink(f"/proc/{pid}/fd/{fd}")
+        for fd in fs.listdir(f"/proc/{pid}/fd", proc="fd"):
+            target = fs.readlink(f"/proc/{pid}/fd/{fd}", proc="fd")
             if not target or not target.startswith("socket:["):
                 continue
             try:

@@ -91,6 +91,10 @@ FAMILIES: tuple[Family[_Scrape], ...] = (
     Family("qosagent_apply_errors", "counter", "Failed decisions or writes of a capability (maps, sysfs, NVML, "
            "affinity) by capability", ("capability",),
            lambda s: (([n], v) for n, v in sorted(s.agent.stats.apply_errors.items()))),
+    Family("qosagent_proc_unreadable", "counter", "Reads of other processes' /proc entries the kernel refused "
+           "(not a process gone) by what: ns_net (their network namespace, which needs CAP_SYS_PTRACE), fd (their "
+           "open sockets, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH); above 0, pods or servers go unseen",
+           ("what",), lambda s: (([w], n) for w, n in sorted(s.agent.hostfs.unreadable.items()))),
     Family("qosagent_config_reloads", "counter", "Config reloads by result", ("result",),
            lambda s: ((["ok"], s.agent.stats.reloads_ok), (["failed"], s.agent.stats.reloads_failed))),
     # The SLOs beside the measured quantiles, so dashboards and alerts compare without copying the config.

@@ -120,8 +120,11 @@ def serving_namespaces(fs: HostFS, tracked: Iterable[int], own_ino: int, with_cm
             continue
         try:
             ino = int(os.readlink(f"{proc}/{entry}/ns/net")[5:-1])
-        except (OSError, ValueError):
-            continue  # exited, or a kernel thread's
+        except OSError as e:
+            fs.refused("ns_net", e, f"/proc/{entry}/ns/net")  # counted when refused; else it exited
+            continue
+        except ValueError:
+            continue
         if ino != own_ino:
             members.setdefault(ino, []).append(int(entry))
     out = {}
@@ -166,7 +169,8 @@ def host_veths(ipr: "IPRoute", links: Iterable[Any], fs: HostFS, ns: ServingNs) 
     allocates it when it reports a link), which then stands as long as that namespace."""
     try:
         fd = os.open(fs.path(f"/proc/{ns.pid}/ns/net"), os.O_RDONLY)
-    except OSError:
+    except OSError as e:
+        fs.refused("ns_net", e, f"/proc/{ns.pid}/ns/net")
         return []
     try:
         got = ipr.get_netnsid(fd=fd)

@@ -39,7 +39,8 @@ class Need:
 
 # What the shipped unit itself grants; tests/unit/test_sandbox.py checks it against systemd/qosagent.service.
 BASE: dict[str, frozenset[str]] = {
-    "CapabilityBoundingSet": frozenset({"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"}),
+    "CapabilityBoundingSet": frozenset({"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_PTRACE",
+                                        "CAP_DAC_READ_SEARCH"}),
     "ReadWritePaths": frozenset({"/run/qosagent"}),
     "RequiresMountsFor": frozenset({"/sys/kernel/tracing"}),
 }
@@ -52,6 +53,15 @@ def state_dir(cfg: "Config") -> list[Need]:
     if _under(cfg.state_dir, "/run/qosagent"):
         return []
     return [Need("ReadWritePaths", cfg.state_dir, "originals saved for the rollback (state_dir)")]
+
+
+def other_processes(why: str, fds: bool) -> list[Need]:
+    """What reading other processes' /proc entries needs of a root agent (hostfs.PROC_NEEDS): CAP_SYS_PTRACE for
+    their network namespaces (/proc/PID/ns/net: pods followed), and with `fds` CAP_DAC_READ_SEARCH besides for their
+    open sockets (/proc/PID/fd: who listens on a port). Without them the reads of every container's and every other
+    user's process are refused, and counted (qosagent_proc_unreadable_total)."""
+    caps = ["CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"] if fds else ["CAP_SYS_PTRACE"]
+    return [Need("CapabilityBoundingSet", c, why) for c in caps]
 
 
 PERF_PARANOID = "/proc/sys/kernel/perf_event_paranoid"

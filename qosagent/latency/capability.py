@@ -49,6 +49,10 @@ class Latency(Capability):
             Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "attach sock_ops and cgroup_skb programs"),
             Need("RequiresMountsFor", "/sys/kernel/tracing", "tracefs: the tracepoints' and kprobes' ids"),
             *sandbox.perf_events("attach tracepoints and kprobes (perf_event_open)"),
+            # sockops mode (auto may choose it) links the cgroups of the processes that hold a listening socket.
+            *sandbox.other_processes("find the pods' network namespaces (/proc/PID/ns/net) and, in sockops mode, "
+                                     "the serving processes by their sockets (/proc/PID/fd)",
+                                     fds=config.latency.mode not in ("tracepoint", "kprobe")),
         ]
 
     def __init__(self, ctx: Any):

@@ -77,6 +77,8 @@ class Quota(Capability):
             Need("CapabilityBoundingSet", "CAP_NET_ADMIN", "the clsact qdisc and its cls_bpf filter"),
             Need("RequiresMountsFor", bpffs, "bpffs: the pins that outlive a restart (the handover)"),
             Need("ReadWritePaths", bpffs, f"the pins under bpf.pin_root ({config.bpf.pin_root})"),
+            *(sandbox.other_processes("find the pods' network namespaces (/proc/PID/ns/net)", fds=False)
+              if config.quota.namespaces else []),
         ]
 
     def __init__(self, ctx: AgentContext):

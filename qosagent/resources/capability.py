@@ -57,9 +57,12 @@ class Resources(Capability):
 
     @classmethod
     def sandbox_needs(cls, config: "Config") -> list[Need]:
+        # Discovery reads in every mode: dry-run reports what it would write to whom.
+        reads = sandbox.other_processes("find the serving processes by their sockets (/proc/PID/fd) and the pods' "
+                                        "network namespaces (/proc/PID/ns/net)", fds=True)
         if config.resources.mode != "enforce":
-            return []
-        return [
+            return reads
+        return reads + [
             Need("CapabilityBoundingSet", "CAP_SYS_NICE", "set other users' threads' scheduling (policy, nice, slice)"),
             # Both: ReadOnlyPaths=/sys covers the cgroup tree, and ProtectControlGroups=yes keeps it read-only even
             # under ReadWritePaths=/sys/fs/cgroup (systemd keeps the stricter of two entries for one path).

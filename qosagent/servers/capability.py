@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from prometheus_client.core import Metric
 
+from qosagent import sandbox
 from qosagent.capability import UNCHANGED, Capability, Change, State, Verdict, rewrite
 from qosagent.retention import EVERYONE
+from qosagent.sandbox import Need
 from qosagent.servers import export
 from qosagent.gpu.backend import GPU
 from qosagent.servers.model import SERVERS, ServersPart
@@ -36,6 +38,12 @@ class Servers(Capability):
     def enabled(cls, config: "Config") -> bool:
         # No list: discover on the watched ports; an empty list: no servers to read.
         return config.servers is None or bool(config.servers)
+
+    @classmethod
+    def sandbox_needs(cls, config: "Config") -> list[Need]:
+        # Configured servers too: a new pid on a port (a restart) is told by the socket's holder.
+        return sandbox.other_processes("find the process that listens on a port by its socket (/proc/PID/fd)",
+                                       fds=True)
 
     def probe(self, features: "Features") -> Verdict:
         cfg = self.ctx.config

@@ -345,7 +345,8 @@ class Scraper:
                 t = self.targets.get(port)
                 if t is None and port in unseen and self.discover:
                     # Listening, but whose socket it is cannot be read: another user's /proc/<pid>/fd needs
-                    # CAP_DAC_READ_SEARCH, which the systemd unit does not grant.
+                    # CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH, which a sandbox may refuse (the refusal is counted,
+                    # qosagent_proc_unreadable_total{what="fd"}).
                     t = self.targets[port] = self._target(ServerConfig(port=port), False, "generic")
                     t.read, t.error = False, ("something listens here, but its process cannot be seen (another "
                                               "user's /proc/<pid>/fd): list it under servers: to read it")

@@ -53,6 +53,11 @@ PROBE = textwrap.dedent(r'''
             ipr.tc("del", "clsact", idx)
     elif what == "affinity":
         os.sched_setaffinity(int(sys.argv[2]), os.sched_getaffinity(0))
+    elif what == "ns":
+        os.readlink(f"/proc/{sys.argv[2]}/ns/net")
+    elif what == "fd":
+        for fd in os.listdir(f"/proc/{sys.argv[2]}/fd"):
+            os.readlink(f"/proc/{sys.argv[2]}/fd/{fd}")
     print("ok")
 ''')
 
@@ -103,7 +108,8 @@ def test_unit_capabilities_load_attach_pin_and_pin_cpus(netns: str, nobody_proce
     caps = unit_caps()
     pin = f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}"
     try:
-        for args in (("tracepoint", pin), ("tc",), ("affinity", str(nobody_process))):
+        for args in (("tracepoint", pin), ("tc",), ("affinity", str(nobody_process)), ("ns", str(nobody_process)),
+                     ("fd", str(nobody_process))):
             r = run_with(caps, netns, *args)
             assert r.returncode == 0 and r.stdout.strip() == "ok", (args, r.stderr[-2000:])
     finally:
@@ -112,15 +118,16 @@ def test_unit_capabilities_load_attach_pin_and_pin_cpus(netns: str, nobody_proce
 
 
 @pytest.mark.parametrize("dropped,probe", [("perfmon", "tracepoint"), ("bpf", "tc"), ("net_admin", "tc"),
-                                           ("sys_nice", "affinity")])
+                                           ("sys_nice", "affinity"), ("sys_ptrace", "ns"), ("sys_ptrace", "fd"),
+                                           ("dac_read_search", "fd")])
 def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str, probe: str) -> None:
     caps = [c for c in unit_caps() if c != dropped]
     extra = {"tracepoint": (f"/sys/fs/bpf/qosagent-test-{secrets.token_hex(4)}",), "tc": (),
-             "affinity": (str(nobody_process),)}[probe]
+             "affinity": (str(nobody_process),), "ns": (str(nobody_process),), "fd": (str(nobody_process),)}[probe]
     r = run_with(caps, netns, probe, *extra)
     assert r.returncode != 0, f"{probe} worked without CAP_{dropped.upper()}"
     # Refused for want of privilege, not for some other reason.
-    assert "super-user" in r.stderr or "not permitted" in r.stderr, r.stderr[-2000:]
+    assert re.search("super-user|not permitted|Permission denied", r.stderr), r.stderr[-2000:]
 
 
 WRITABLE = "import sys; from qosagent import sandbox; print(sandbox.this_process().writable(sys.argv[1]))"

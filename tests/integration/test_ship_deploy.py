@@ -156,7 +156,8 @@ def test_node_pools_each_get_their_own_config_and_nodes() -> None:
         (vol,) = [v for v in pod["volumes"] if v["name"] == "config"]
         cfg = config_mod.parse_text(maps[vol["configMap"]["name"]]["data"]["config.yaml"], name)
         caps = set(pod["containers"][0]["securityContext"]["capabilities"]["add"])
-        assert ({"SYS_NICE", "SYS_PTRACE"} <= caps) == cfg.placement.enabled, name
+        assert ("SYS_NICE" in caps) == cfg.placement.enabled, name
+        assert {"SYS_PTRACE", "DAC_READ_SEARCH"} <= caps, name  # every pool follows pods and finds servers
     gpu, cpu = (daemonsets[n]["spec"]["template"]["spec"] for n in ("qosagent-gpu", "qosagent-cpu"))
     assert gpu["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     (term,) = cpu["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -187,22 +188,24 @@ def test_configmap_is_the_embedded_default_and_metrics_bind_the_nodes_own_ip() -
 
 
 def test_daemonset_holds_the_units_capabilities_and_no_more(tmp_path: Path) -> None:
-    """The base grants what the unit's own bounding set does (an agent without placement); components/placement adds
-    what the unit's placement drop-in adds (qosagent check --systemd). No service-account token: the agent asks the
-    API server nothing."""
-    from qosagent import capabilities
+    """The base grants what the unit's own bounding set does (an agent without placement), SYS_PTRACE and
+    DAC_READ_SEARCH among it (other processes' /proc/PID/ns/net and fd); components/placement adds what the unit's
+    placement drop-in adds (qosagent check --systemd), once each. No service-account token: the agent asks the API
+    server nothing."""
+    from qosagent import capabilities, sandbox
 
     unit_caps = {c.removeprefix("CAP_") for c in unit_settings()["CapabilityBoundingSet"][0].split()}
     placed_cfg = config_mod.parse({"placement": {"enabled": True, "mode": "enforce"}}, "t")
-    dropin_caps = {n.value.removeprefix("CAP_") for n in capabilities.sandbox_needs(placed_cfg).get("placement", [])
-                   if n.setting == "CapabilityBoundingSet"}
-    assert dropin_caps == {"SYS_NICE", "SYS_PTRACE"}
+    dropin = sandbox.unit_settings(sandbox.dropin(capabilities.sandbox_needs(placed_cfg)))
+    dropin_caps = {c.removeprefix("CAP_") for c in sandbox.granted_by(dropin, "CapabilityBoundingSet")}
+    assert dropin_caps == {"SYS_NICE"}
     sc = _container()["securityContext"]
-    assert set(sc["capabilities"]["add"]) == unit_caps
+    assert set(sc["capabilities"]["add"]) == unit_caps and {"SYS_PTRACE", "DAC_READ_SEARCH"} <= unit_caps
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     placed = by_kind("DaemonSet", with_components(tmp_path, "placement"))["spec"]["template"]["spec"]
-    assert set(placed["containers"][0]["securityContext"]["capabilities"]["add"]) == unit_caps | dropin_caps
+    added = placed["containers"][0]["securityContext"]["capabilities"]["add"]
+    assert sorted(added) == sorted(unit_caps | dropin_caps)
     assert by_kind("DaemonSet")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
@@ -318,6 +321,9 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
             ("qosagent_admission_enforcing", "", "1x30"),
             ("qosagent_config_reloads_total", ', result="failed"', "0x10 1x20"),
             ("qosagent_config_reloads_total", ', result="ok"', "0x10 1x20"),
+            # A sandbox that refuses other processes' namespace links (every scan, from minute 10), never their fds.
+            ("qosagent_proc_unreadable_total", ', what="ns_net"', "0x10 0+40x20"),
+            ("qosagent_proc_unreadable_total", ', what="fd"', "0x30"),
             ("qosagent_admission_limited", ', tenant="hobby", tier="bronze", cause="server"', "1x30"),
             ("qosagent_server_reading_known", ', port="8000", kind="vllm"', "0x30"),
             ("qosagent_server_reading_known", ', port="8001", kind="sglang"', "1x30"),
@@ -357,6 +363,10 @@ def test_alerts_fire_on_the_series_they_watch(tmp_path: Path) -> None:
                 {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
                                 "result": "failed"}}]},
             {"eval_time": "28m", "alertname": "QosagentConfigReloadFailed", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "QosagentProcUnreadable", "exp_alerts": []},
+            {"eval_time": "20m", "alertname": "QosagentProcUnreadable", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "instance": "node-a:9464", "job": "qosagent",
+                                "what": "ns_net"}}]},
             {"eval_time": "15m", "alertname": "QosagentTenantShed", "exp_alerts": [
                 {"exp_labels": {"severity": "info", "instance": "node-a:9464", "tenant": "hobby", "tier": "bronze"}}]},
             # Enforcing on node-a, dry-run on node-b: one alert each, never both for one node.

@@ -27,6 +27,12 @@ def mainline_perf_events(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sandbox, "PERF_PARANOID", str(level))
 
 
+UNIT_CAPS = set(sandbox.BASE["CapabilityBoundingSet"])
+# What the unit granted before CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: the kernel refused it every container's and
+# every other user's /proc/PID/ns/net and /proc/PID/fd, and the scans took each refusal for a process gone.
+WITHOUT_PROC_READS = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"}
+
+
 def dropin(cfg: Config) -> str:
     return sandbox.dropin(capabilities.sandbox_needs(cfg))
 
@@ -61,7 +67,7 @@ def test_the_drop_in_grants_what_the_enabled_capabilities_need(enabled: tuple[st
     got = dropin_settings(text)
     caps = got.get("CapabilityBoundingSet", set())
     rw = got.get("ReadWritePaths", set())
-    assert ("CAP_SYS_NICE" in caps) == ("CAP_SYS_PTRACE" in caps) == ("placement" in enabled)
+    assert ("CAP_SYS_NICE" in caps) == ("placement" in enabled)
     assert ("/sys/fs/bpf" in rw) == ("/sys/fs/bpf" in got.get("RequiresMountsFor", set())) == ("quota" in enabled)
     assert ("sys-fs-bpf.mount" in got.get("After", set())) == ("quota" in enabled)
     assert ({"-/sys/devices/system/cpu/cpufreq", "-/sys/devices/system/cpu/intel_pstate"} <= rw) == \
@@ -81,7 +87,9 @@ def test_the_drop_in_grants_what_the_enabled_capabilities_need(enabled: tuple[st
 def test_observe_and_dry_run_need_less() -> None:
     cfg = parse({"placement": {**ALL["placement"], "mode": "dry-run"}, "dvfs": {"enabled": True}}, "test")
     got = dropin_settings(dropin(cfg))
-    assert got["CapabilityBoundingSet"] == {"CAP_SYS_PTRACE"}  # reading numa_maps, not pinning
+    # Reading numa_maps, not pinning: CAP_SYS_PTRACE, which the unit grants (pods' namespaces need it too).
+    assert {n.value for n in needs("placement", cfg) if n.setting == "CapabilityBoundingSet"} == {"CAP_SYS_PTRACE"}
+    assert "CapabilityBoundingSet" not in got
     assert "ReadWritePaths" not in got  # dvfs in dry-run writes nothing
 
 
@@ -102,7 +110,7 @@ def sandboxed(caps: set[str], readonly: tuple[str, ...] = (), mounts: dict[str, 
 
 def test_a_unit_that_drops_a_capability_is_named() -> None:
     cfg = parse(ALL, "test")
-    proc = sandboxed({"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_PTRACE"})
+    proc = sandboxed(UNIT_CAPS)
     why = sandbox.refusal(needs("placement", cfg), proc)
     assert why is not None and "the unit's CapabilityBoundingSet lacks CAP_SYS_NICE" in why
     assert "qosagent check --systemd" in why
@@ -114,7 +122,7 @@ def test_a_unit_that_drops_a_capability_is_named() -> None:
 
 def test_a_read_only_sys_and_a_missing_bpffs_are_named() -> None:
     cfg = parse(ALL, "test")
-    caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN"}
+    caps = UNIT_CAPS
     ro = sandbox.refusal(needs("quota", cfg), sandboxed(caps, readonly=("/sys",)))
     assert ro is not None and "ReadOnlyPaths=/sys without ReadWritePaths=/sys/fs/bpf" in ro
     missing = sandbox.refusal(needs("quota", cfg), sandboxed(caps, mounts={"/sys/kernel/tracing": "tracefs"}))
@@ -144,9 +152,9 @@ def test_resources_in_enforce_needs_nice_and_the_cgroup_tree() -> None:
     assert got["ProtectControlGroups"] == {"no"}
     assert sandbox.unit_settings(UNIT.read_text())["ProtectControlGroups"] == ["yes"]
     assert dropin(parse({"resources": {"enabled": True}}, "test")) == "", "dry-run writes nothing"
-    ro = sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"}, readonly=("/sys/fs/cgroup",)))
+    ro = sandbox.refusal(needs("resources", cfg), sandboxed(POD_CAPS, readonly=("/sys/fs/cgroup",)))
     assert ro is not None and "ProtectControlGroups=yes" in ro and "ReadWritePaths=/sys/fs/cgroup" in ro
-    assert sandbox.refusal(needs("resources", cfg), sandboxed({"CAP_SYS_NICE"})) is None
+    assert sandbox.refusal(needs("resources", cfg), sandboxed(POD_CAPS)) is None
 
 
 def hybrid_tree(tmp_path) -> HostFS:
@@ -178,7 +186,7 @@ def test_v1_hierarchies_are_checked_not_the_read_only_tmpfs_above_them(tmp_path)
     assert f"{tmpfs}/cpu " not in why and "ProtectControlGroups=yes" in why
 
 
-POD_CAPS = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_NICE"}
+POD_CAPS = UNIT_CAPS | {"CAP_SYS_NICE"}  # the DaemonSet's base with components/placement (resources in enforce)
 
 
 def host_tree(tmp_path) -> HostFS:
@@ -235,3 +243,29 @@ def test_perf_events_above_paranoid_2_need_sys_admin(tmp_path, monkeypatch: pyte
 
 def test_perf_events_at_mainline_levels_need_nothing_more() -> None:
     assert not [n for n in needs("latency", parse({}, "test")) if n.value == "CAP_SYS_ADMIN"]
+
+
+@pytest.mark.parametrize("name,config,lacks", [
+    ("latency", {}, {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}),  # auto may choose sockops, which reads fds
+    ("latency", {"latency": {"mode": "tracepoint"}}, {"CAP_SYS_PTRACE"}),
+    ("quota", {"quota": {"enabled": True}}, {"CAP_SYS_PTRACE"}),
+    ("servers", {}, {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}),
+    ("resources", {"resources": {"enabled": True}}, {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}),  # dry-run reads too
+])
+def test_reading_other_processes_proc_needs_ptrace_and_for_fds_dac_read_search(name: str, config: dict,
+                                                                               lacks: set[str]) -> None:
+    """Following pods reads other processes' /proc/PID/ns/net, finding who listens their /proc/PID/fd: the kernel's
+    ptrace read check refuses both without CAP_SYS_PTRACE for every container's and other user's process, and fd
+    without CAP_DAC_READ_SEARCH besides (mode 0500). The unit's old set is refused, naming what it lacks; the
+    shipped unit grants both, so the default config still needs no drop-in."""
+    cfg = parse(config, "test")
+    why = sandbox.refusal(needs(name, cfg), sandboxed(WITHOUT_PROC_READS)) or ""
+    for cap in {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}:
+        assert (f"the unit's CapabilityBoundingSet lacks {cap}" in why) == (cap in lacks), why
+    assert sandbox.refusal(needs(name, cfg), sandboxed(UNIT_CAPS)) is None
+    assert not [line for line in dropin(cfg).splitlines() if "PTRACE" in line or "DAC_READ_SEARCH" in line]
+
+
+def test_quota_without_namespaces_reads_no_other_process() -> None:
+    cfg = parse({"quota": {"enabled": True, "namespaces": False}}, "test")
+    assert sandbox.refusal(needs("quota", cfg), sandboxed(WITHOUT_PROC_READS)) is None
