@@ -130,6 +130,31 @@ def test_each_capability_is_needed(netns: str, nobody_process: int, dropped: str
     assert re.search("super-user|not permitted|Permission denied", r.stderr), r.stderr[-2000:]
 
 
+# The agent's two scans of every process, once each: namespace links (netns) and socket holders (listeners).
+SCAN = ("import os; from qosagent import listeners, netns; from qosagent.hostfs import HostFS; fs = HostFS('/'); "
+        "netns.serving_namespaces(fs, [1], os.stat('/proc/self/ns/net').st_ino, False); "
+        "listeners.holders(fs, [1], listeners.pids(fs)); print(fs.unreadable['ns_net'], fs.unreadable['fd'])")
+
+
+def test_the_scans_read_every_process_under_the_units_set_and_count_what_less_refuses(root: None,
+                                                                                      nobody_process: int) -> None:
+    """The real kernel, this host's processes (a nobody one among them): under the unit's set nothing is refused;
+    under the set the unit had before CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH, every such read was, and the scans
+    took each for a process gone; now each is counted."""
+    require(shutil.which("setpriv") is not None, "setpriv missing")
+
+    def refused(caps: list[str]) -> tuple[int, int]:
+        r = subprocess.run(["setpriv", "--bounding-set=-all," + ",".join(f"+{c}" for c in caps), "--inh-caps=-all",
+                            sys.executable, "-c", SCAN], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        ns, fd = r.stdout.split()
+        return int(ns), int(fd)
+
+    assert refused(unit_caps(dropin=False)) == (0, 0)
+    ns, fd = refused(["bpf", "perfmon", "net_admin"])
+    assert ns >= 1 and fd >= 1, (ns, fd)
+
+
 WRITABLE = "import sys; from qosagent import sandbox; print(sandbox.this_process().writable(sys.argv[1]))"
 
 
