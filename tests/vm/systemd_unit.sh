@@ -38,6 +38,11 @@ restarts() { systemctl show -p NRestarts --value $UNIT; }
 active() { [ "$(systemctl is-active $UNIT)" = active ]; }
 our_filter() { tc filter show dev lo ingress | grep -q quota_classify; }
 metrics_ok() { http http://127.0.0.1:$PORT/metrics | grep -q '^qosagent_capability_state'; }
+# Under the unit's set every process's /proc/PID/ns/net and fd read (the VM's daemons of other users, the root
+# server): nothing refused, both counters shown at 0.
+proc_readable() { http http://127.0.0.1:$PORT/metrics | python3 -c 'import re, sys
+n = re.findall(r"^qosagent_proc_unreadable_total\{what=\"(\w+)\"\} (\S+)$", sys.stdin.read(), re.M)
+print(n); sys.exit(0 if len(n) == 2 and all(float(v) == 0 for _, v in n) else 1)'; }
 # Each enabled capability active, or idle (nothing to act on here), in the agent's own status; dvfs unavailable for
 # the one reason this VM gives it.
 all_active() {
@@ -144,6 +149,8 @@ check readyz http http://127.0.0.1:$PORT/readyz
 check capabilities all_active || journalctl -u $UNIT --no-pager | tail -n 60
 check metrics metrics_ok
 check resources_written resources_soon
+# After resources found the server (its discovery reads every process's fds): nothing refused.
+check proc_readable proc_readable
 
 # systemctl reload: a tenant added to the config shows in the agent's status.
 sed -i 's/^tenants:$/tenants:\n  - {name: batch, tier: bronze, match: {ports: [18041]}, quota: {rps: 5, burst: 2}}/' $CONF

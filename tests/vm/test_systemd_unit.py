@@ -21,11 +21,11 @@ from tests.vm import runner
 KERNEL_SERIES = "6.1"  # Debian 12's, whose systemd (252) is the host root's the VM boots
 # What systemd_unit.sh checks, in its order: each must print `check NAME: ok`.
 CHECKS = ("install", "dropin_written", "start", "active", "readyz", "capabilities", "metrics", "resources_written",
-          "reload", "reloaded_tenant", "handover_while_down", "restarted_after_kill", "one_filter_after_restart",
-          "restarted_after_hang", "watchdog_named", "stop", "stopped_handover", "stopped_pins", "stopped_no_latency",
-          "stopped_no_socket", "stopped_resources_restored", "uninstall", "uninstalled_filter", "uninstalled_pins",
-          "uninstalled_qdisc", "uninstalled_programs", "uninstalled_maps", "uninstalled_attachments",
-          "uninstalled_files", "config_kept")
+          "proc_readable", "reload", "reloaded_tenant", "handover_while_down", "restarted_after_kill",
+          "one_filter_after_restart", "restarted_after_hang", "watchdog_named", "stop", "stopped_handover",
+          "stopped_pins", "stopped_no_latency", "stopped_no_socket", "stopped_resources_restored", "uninstall",
+          "uninstalled_filter", "uninstalled_pins", "uninstalled_qdisc", "uninstalled_programs", "uninstalled_maps",
+          "uninstalled_attachments", "uninstalled_files", "config_kept")
 # Writable in the guest (overlays; the host's stay as they are): what `make install` writes and the agent keeps.
 RW = ("/etc", "/opt", "/usr/share", "/var", "/tmp", str(runner.REPO))
 TIMEOUT_S = 2400
