@@ -57,6 +57,14 @@ class VmResult:
     timed_out: bool
     kvm_failed: bool = False  # KVM stopped the guest before its command ran (then run() boots it again under TCG)
 
+    def kept(self, log: Path, what: str = "") -> str:
+        """The whole output written to log (what a failure names), and the run's one-line summary, printed."""
+        log.write_text(self.output)
+        summary = (f"kernel {self.kernel} ({self.accel}){what}: total {self.wall_s:.0f} s, exit {self.rc}; "
+                   f"whole output in {log}")
+        print(summary)
+        return summary
+
 
 def kernels() -> list[str]:
     """Kernel versions unpacked in the cache, oldest first."""
@@ -92,6 +100,15 @@ def newest(series: str) -> str | None:
     """The newest cached kernel of a series (major.minor), or None."""
     found = [k for k in kernels() if series_of(k) == series]
     return found[-1] if found else None
+
+
+def cached_kernel(series: str) -> tuple[str | None, str]:
+    """The newest cached kernel of series to boot, or None and why a VM cannot boot it here."""
+    why = missing()
+    if why is not None:
+        return None, f"a VM cannot boot here: {why}"
+    kernel = newest(series)
+    return kernel, "" if kernel else f"no {series} kernel cached under {CACHE}/kernels (make setup-kernels)"
 
 
 def kernel_image(version: str) -> Path:

@@ -180,10 +180,8 @@ def refused_ids() -> list[str]:
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("series", series_ids())
 def test_kernel_matrix(series: str, tmp_path: Path) -> None:
-    why = runner.missing()
-    require(why is None, f"the kernel matrix cannot boot a VM: {why}")
-    kernel = runner.newest(series)
-    require(kernel is not None, f"no {series} kernel cached under {runner.CACHE}/kernels (make setup-kernels)")
+    kernel, why = runner.cached_kernel(series)
+    require(kernel is not None, f"the kernel matrix: {why}")
     assert kernel is not None
     script = (f"export QOSAGENT_TEST_MEMORY_NODES={MEMORY_NODES}\n"
               + ("" if series in EVERY_MODE else f"export {kernel_modes.ONLY}=auto\n")
@@ -193,16 +191,12 @@ def test_kernel_matrix(series: str, tmp_path: Path) -> None:
                                      limit_s=GUEST_TIMEOUT_S, test_limit_s=TEST_TIMEOUT_S))
     # Streamed as it comes (seen with pytest -s), and kept whole in a file the failure names.
     r = runner.run(script, kernel=kernel, timeout=TIMEOUT_S, numa=MEMORY_NODES == 2, echo=sys.stdout.write)
-    log = tmp_path / f"vm-{r.kernel}.log"
-    log.write_text(r.output)
+    boot = f"{r.boot_s:.0f}" if r.boot_s is not None else "-"
+    summary = r.kept(tmp_path / f"vm-{r.kernel}.log", f", boot {boot} s")
     lines = r.output.splitlines()
     # pytest's own summary of what failed, then the end of the output.
     short = lines[next((i for i, line in enumerate(lines) if "short test summary info" in line), len(lines)):]
     tail = "\n".join(short[:40]) + "\n...\n" + r.output[-6000:]
-    boot = f"{r.boot_s:.0f}" if r.boot_s is not None else "-"
-    summary = (f"kernel {r.kernel} ({r.accel}): boot {boot} s, total {r.wall_s:.0f} s, exit {r.rc}; "
-               f"whole output in {log}")
-    print(summary)
     for line in r.output.splitlines():
         if line.startswith("agent_ready "):
             print(line)
@@ -227,16 +221,11 @@ def test_kernel_matrix(series: str, tmp_path: Path) -> None:
 @pytest.mark.timeout(REFUSED_TIMEOUT_S + 60)
 @pytest.mark.parametrize("series", refused_ids())
 def test_an_older_kernel_is_refused_in_one_line_leaving_nothing(series: str, tmp_path: Path) -> None:
-    why = runner.missing()
-    require(why is None, f"the kernel matrix cannot boot a VM: {why}")
-    kernel = runner.newest(series)
-    require(kernel is not None, f"no {series} kernel cached under {runner.CACHE}/kernels (make setup-kernels)")
+    kernel, why = runner.cached_kernel(series)
+    require(kernel is not None, f"the kernel matrix: {why}")
     r = runner.run("bash tests/vm/refused_kernel.sh", kernel=kernel, timeout=REFUSED_TIMEOUT_S,
                    echo=sys.stdout.write)
-    log = tmp_path / f"vm-{r.kernel}.log"
-    log.write_text(r.output)
-    summary = f"kernel {r.kernel} ({r.accel}): total {r.wall_s:.0f} s, exit {r.rc}; whole output in {log}"
-    print(summary)
+    summary = r.kept(tmp_path / f"vm-{r.kernel}.log")
     tail = r.output[-6000:]
     assert not r.timed_out, f"{summary}: timed out\n{tail}"
     problems = runner.check_problems(r.output, REFUSED_CHECKS)

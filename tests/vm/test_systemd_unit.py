@@ -36,16 +36,11 @@ TIMEOUT_S = 2400
 @pytest.mark.privileged
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_the_unit_under_systemd(tmp_path: Path) -> None:
-    why = runner.missing()
-    require(why is None, f"the systemd VM cannot boot: {why}")
-    kernel = runner.newest(KERNEL_SERIES)
-    require(kernel is not None, f"no {KERNEL_SERIES} kernel cached under {runner.CACHE}/kernels (make setup-kernels)")
+    kernel, why = runner.cached_kernel(KERNEL_SERIES)
+    require(kernel is not None, f"the systemd VM: {why}")
     r = runner.run("bash tests/vm/systemd_unit.sh", kernel=kernel, timeout=TIMEOUT_S, numa=True,
                    echo=sys.stdout.write, systemd=True, rw=RW)
-    log = tmp_path / f"vm-systemd-{r.kernel}.log"
-    log.write_text(r.output)
-    summary = f"kernel {r.kernel} ({r.accel}), systemd: total {r.wall_s:.0f} s, exit {r.rc}; whole output in {log}"
-    print(summary)
+    summary = r.kept(tmp_path / f"vm-systemd-{r.kernel}.log", ", systemd")
     tail = r.output[-8000:]
     assert not r.timed_out, f"{summary}: timed out\n{tail}"
     problems = runner.check_problems(r.output, CHECKS)
