@@ -66,6 +66,15 @@ class Verdict:
         return {"state": self.state.value, "reason": self.reason}
 
 
+@dataclass(frozen=True)
+class Finding:
+    """What `qosagent check` found on the host as it is now that the agent will meet: a warning, one line for the
+    operator and its fields for `--json`; it changes neither the verdict nor check's exit status."""
+
+    text: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
 class CapabilityError(Exception):
     """A capability cannot start or went wrong in a way the daemon reports; message is for the operator."""
 
@@ -224,6 +233,11 @@ class Capability:
 
     def kernel_maps(self, plan: Any) -> list["MapSize"]:
         """The BPF maps start would make for probe's plan, as `qosagent check` counts their kernel memory."""
+        return []
+
+    def findings(self, plan: Any) -> list[Finding]:
+        """What `qosagent check` says of the host as it is now beyond the verdict, for probe's plan (run only where
+        the verdict is active or degraded). Reads only, as probe does; the services it asks for are stopped after."""
         return []
 
     @classmethod

@@ -165,12 +165,13 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
 @main.command()
 @host_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--strict", is_flag=True, help="Exit 1 when an enabled capability cannot run.")
+@click.option("--strict", is_flag=True, help="Exit 1 when an enabled capability cannot run (FOUND's warnings do not).")
 @click.option("--systemd", "systemd_dropin", is_flag=True,
               help="Print the systemd drop-in that grants what this config's capabilities need beyond the shipped "
                    "unit (empty but for a comment when the unit is enough), and nothing else.")
 def check(config_path: str | None, host_root: str, as_json: bool, strict: bool, systemd_dropin: bool) -> None:
-    """Validate the config and report what the host offers and what the agent will use. Changes nothing."""
+    """Validate the config and report what the host offers, what the agent will use, and what it would meet there
+    now (FOUND: warnings, such as serving cgroups already above a memory limit they would get). Changes nothing."""
     from qosagent import capabilities
     from qosagent.capability import State
     from qosagent import sandbox
@@ -207,6 +208,7 @@ class _Probed:
     verdicts: dict[str, Any]
     cpus: int  # possible CPUs, what per-CPU maps are sized by
     maps: dict[str, Any]
+    findings: dict[str, Any]  # capability -> what it found on the host as it is now (warnings: exit status unchanged)
 
 
 def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
@@ -217,6 +219,7 @@ def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
     from qosagent.ebpf import mapsize
     from qosagent.features import probe
     from qosagent import sandbox
+    from qosagent.services import Service
 
     gpu = gpu_backend(cfg)
     feats = probe(fs, f"{gpu.name}: " + (getattr(gpu, "reason", "") or f"{len(gpu.devices())} GPU(s)"))
@@ -232,9 +235,22 @@ def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
             ctx.record(cls, cls(ctx).probe(feats))
     gpu.close()
     cpus = mapsize.possible_cpus(fs)
-    maps = {cls.name: m for cls in enabled if verdicts[cls.name].state in (State.ACTIVE, State.DEGRADED)
-            and (m := cls(ctx).kernel_maps(verdicts[cls.name].plan))}
-    return _Probed(feats, enabled, verdicts, cpus, maps)
+    usable = [cls for cls in enabled if verdicts[cls.name].state in (State.ACTIVE, State.DEGRADED)]
+    maps = {cls.name: m for cls in usable if (m := cls(ctx).kernel_maps(verdicts[cls.name].plan))}
+    findings = {cls.name: f for cls in usable if (f := _findings(cls, ctx, verdicts[cls.name].plan))}
+    for svc in ctx.services.values():
+        if isinstance(svc, Service):
+            svc.stop()
+    return _Probed(feats, enabled, verdicts, cpus, maps, findings)
+
+
+def _findings(cls: Any, ctx: Any, plan: Any) -> list[Any]:
+    from qosagent.capability import Finding
+
+    try:
+        return cls(ctx).findings(plan)
+    except Exception as e:  # noqa: BLE001 - a look at the host that failed is a line, never a failed check
+        return [Finding(f"could not look at the host as it is now: {type(e).__name__}: {e}", {"error": str(e)})]
 
 
 def _check_json(source: str, found: _Probed, reports: Any) -> str:
@@ -248,6 +264,7 @@ def _check_json(source: str, found: _Probed, reports: Any) -> str:
         "tenants": [r.as_dict() for r in reports],
         "bpf_maps": {"possible_cpus": found.cpus,
                      "bytes": {n: mapsize.total(m, found.cpus) for n, m in found.maps.items()}},
+        "findings": {n: [{"text": f.text, **f.fields} for f in fs] for n, fs in found.findings.items()},
     }, indent=2)
 
 
@@ -259,6 +276,9 @@ def _check_text(source: str, found: _Probed, reports: Any) -> str:
     if found.maps:
         lines.append(f"\nBPF MAPS     kernel memory made at start ({found.cpus} possible CPUs; docs/configuration.md)")
         lines += [mapsize.render(n, m, found.cpus) for n, m in found.maps.items()]
+    if found.findings:
+        lines.append("\nFOUND        what the agent would meet on this host now (warnings: exit status unchanged)")
+        lines += [f"{n:<12} {f.text}" for n, fs in found.findings.items() for f in fs]
     lines.append("\n" + matchreport.render(reports))
     return "\n".join(lines)
 

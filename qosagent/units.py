@@ -47,3 +47,12 @@ def format_size(n: int) -> str:
         if n >= _BYTES[unit] and n % _BYTES[unit] == 0:
             return f"{n // _BYTES[unit]}{unit}"
     return f"{n}B"
+
+
+def approx_size(n: int) -> str:
+    """A size in the largest unit it fills, whole where it is ("4GiB"), else to a tenth ("5.9GiB"): what the kernel
+    reports (a cgroup's memory use) is rarely whole, and format_size would write it in KiB or bytes."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n >= _BYTES[unit]:
+            return f"{n // _BYTES[unit]}{unit}" if n % _BYTES[unit] == 0 else f"{n / _BYTES[unit]:.1f}{unit}"
+    return f"{n}B"

@@ -8,7 +8,6 @@ written for it go back, so nothing is left half-applied. A process or thread gon
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import os
@@ -20,12 +19,11 @@ from qosagent import statefile
 from qosagent.cgroups import cgroup_dir
 from qosagent.hostfs import HostFS
 from qosagent.listeners import proc_start
-from qosagent.resources import discovery, sched
-from qosagent.resources.model import BackOff, Files, Group, GroupReport, Hint, Memory, Move, Release, Sched
+from qosagent.resources import discovery, reading, sched
+from qosagent.resources.model import (BackOff, Counters, Files, Group, GroupReport, Hint, Memory, Move, Release,
+                                     Sched)
 
 log = logging.getLogger("qosagent.resources")
-
-Counters = dict[str, collections.Counter[str]]
 
 
 def _err(e: OSError) -> str:
@@ -200,8 +198,8 @@ class Applier:
                     self.written[path] = value
                     continue
                 if path not in self.store.files:
-                    if path.endswith("/memory.high"):
-                        _say_above_high(self.fs, g, value)
+                    if posixpath.basename(path) in reading.LIMITS:
+                        _say_above(self.fs, g, posixpath.basename(path), value)
                     self.store.files[path] = current.strip()
                     self.save()  # before the first write: a crash right after it must still be undoable
                 self.fs.write_text(path, value)
@@ -336,13 +334,14 @@ class Applier:
 
 
 # ---- a decision's command, carried out -------------------------------------------------------------------------
-def _say_above_high(fs: HostFS, g: Group, high: str) -> None:
-    """memory.high follows memory unless memory_high says otherwise: a server already using more than its guarantee
-    is throttled and reclaimed from this first write on (an upgrade that brings the default does so unasked)."""
-    used = (fs.try_read(f"{g.directory}/memory.current") or "").strip()
-    if high.isdigit() and used.isdigit() and int(used) > int(high):
-        log.warning("%s: memory.current %s is above the memory.high it gets, %s: the kernel throttles it from now "
-                    "(tiers.%s.resources.memory_high sets another, max for none)", g.key, used, high, g.tier)
+def _say_above(fs: HostFS, g: Group, file: str, value: str) -> None:
+    """A server already using more than a limit it gets is throttled, reclaimed or refused from this first write on
+    (an upgrade that brings memory.high's default does so unasked): said once, as `qosagent check` says it."""
+    found = reading.memory_check(fs, g, {file: value})
+    if found is not None and found.above:
+        hint = (f" (tiers.{g.tier}.resources.memory_high sets another, max for none)" if file == "memory.high"
+                else "")
+        log.warning("%s%s", found.line("gets"), hint)
 
 
 def carry_out(a: Applier, mem: Memory, enforce: bool, c: Any) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent import netns
-from qosagent.capability import AgentContext, Capability, CapabilityError, Change, State, Verdict
+from qosagent.capability import AgentContext, Capability, CapabilityError, Change, Finding, State, Verdict
 from qosagent.retention import EVERYONE
 from qosagent import sandbox
 from qosagent.sandbox import Need
@@ -24,8 +24,8 @@ from qosagent.hostfs import HostFS
 from qosagent.latency.model import LATENCY
 from qosagent.pods.service import Pods
 from qosagent.resources import applier, discovery, export, planner, policy, sched
-from qosagent.resources.model import RESOURCES, Group, Memory, ResourcesPart
-from qosagent.resources.reading import CpuUsage, mem_total, node_problems, online_cpus, report
+from qosagent.resources.model import OK, RESOURCES, Group, Memory, ResourcesPart, Serving
+from qosagent.resources.reading import CpuUsage, mem_total, memory_check, node_problems, online_cpus, report
 from qosagent.schedule import Every
 from qosagent.slo import tier_slos
 from qosagent.snapshot import Decision, Snapshot
@@ -195,20 +195,25 @@ class Resources(Capability):
             for pid, (_, hint) in sorted(self.memory.hinted.items()):
                 self.applier.hint([pid], hint)
 
+    def _discover(self, layout: discovery.Layout, starting: bool = False) -> tuple[list[Serving], list[Group]]:
+        """The serving processes and their groups, as each reconcile finds them (and `qosagent check`)."""
+        cfg = self.config
+        rules = netns.ns_rules(cfg.tenants)
+        pods = self.ctx.service(Pods)
+        pods.current(any(r.by_pod for r in rules), cfg.pods, starting)
+        namespaces = self.ctx.service(netns.Follower).current(
+            cfg.tracked_ports(), any(not r.by_pod for r in rules), self.ctx.clock())
+        serving = discovery.serving(self.ctx.hostfs, cfg, namespaces, pods.pod_of, os.getpid())
+        return serving, discovery.groups(self.ctx.hostfs, self.cgroups, layout, serving,
+                                         self.cfg.kubelet_cgroups == "report", os.getpid())
+
     def collect(self) -> ResourcesPart:
         found: tuple[Group, ...] = ()
         serving: tuple[Any, ...] = ()
         rewritten: dict[str, tuple[str, ...]] = {}
         if self._reconciling:
-            cfg = self.config
-            rules = netns.ns_rules(cfg.tenants)
-            pods = self.ctx.service(Pods)
-            pods.current(any(r.by_pod for r in rules), cfg.pods)
-            namespaces = self.ctx.service(netns.Follower).current(
-                cfg.tracked_ports(), any(not r.by_pod for r in rules), self.ctx.clock())
-            serving = tuple(discovery.serving(self.ctx.hostfs, cfg, namespaces, pods.pod_of, os.getpid()))
-            found = tuple(discovery.groups(self.ctx.hostfs, self.cgroups, self.plan.layout, serving,
-                                           self.cfg.kubelet_cgroups == "report", os.getpid()))
+            listed, groups = self._discover(self.plan.layout)
+            serving, found = tuple(listed), tuple(groups)
             for g in found:
                 paths = self.applier.rewritten(g.directory, g.controller)
                 if paths:
@@ -218,6 +223,19 @@ class Resources(Capability):
         return ResourcesPart(mode=self.cfg.mode, enforcing=self.enforce, reconcile=self._reconciling, found=found,
                              serving=serving, rewritten=rewritten, usage=dict(self.cpu.usage),
                              node_cpus=self._node_cpus)
+
+    def findings(self, plan: Plan) -> list[Finding]:
+        """The serving groups it would set whose memory use is already above a limit they would get (or cannot be
+        read): the agent throttles, reclaims or is refused there from its first write."""
+        out = []
+        for g in self._discover(plan.layout, starting=True)[1]:
+            if g.state != OK or g.controller != "memory":
+                continue  # shared, conflicting, kubelet-owned and unavailable groups are reported, not set
+            values = planner.values("memory", g.version, self.config.tiers[g.tier], None, False)
+            found = memory_check(self.ctx.hostfs, g, dict(values))
+            if found is not None:
+                out.append(Finding(found.line(), found.as_dict()))
+        return out
 
     def _rules(self) -> policy.Rules:
         return policy.Rules(self.config, self.enforce, self.plan.slices.supported,
@@ -253,8 +271,8 @@ class Resources(Capability):
             applier.carry_out(self.applier, self.memory, self.enforce, d.command)
 
     def settled(self, part: ResourcesPart) -> ResourcesPart:
-        return report(self.ctx.hostfs, self._rules(), self.memory, self.store.threads.values(), self.loop,
-                      self.outcome, self.counters, part)
+        return report(self.ctx.hostfs, self._rules(), self.memory, [t.pid for t in self.store.threads.values()],
+                      self.loop, self.outcome, self.counters, part)
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable["Metric"]:

@@ -3,6 +3,7 @@ kernel reports back, the suppression in force) and the typed commands its decisi
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -173,5 +174,8 @@ class Memory:
     # group key -> the kernel's read-back (cpu.stat, memory events), read on reconcile ticks and shown in between
     readback: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
 
+
+# What resources counts (actions, writes, moves, threads, errors, rewritten), by kind: the part's `counters`.
+Counters = dict[str, collections.Counter[str]]
 
 RESOURCES = PartKey("resources", ResourcesPart)

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from qosagent.cgroups import V2, flat_keyed
 from qosagent.cpulist import parse_cpulist
 from qosagent.hostfs import HostFS
 from qosagent.resources import policy
-from qosagent.resources.applier import Counters
-from qosagent.resources.model import BACKED_OFF, Group, GroupReport, Memory, ResourcesPart, TierReport
-from qosagent.units import format_size
+from qosagent.resources.model import BACKED_OFF, Counters, Group, GroupReport, Memory, ResourcesPart, TierReport
+from qosagent.units import approx_size, format_size
 
 if TYPE_CHECKING:
     from qosagent.capability import AgentContext
     from qosagent.config import Config
-    from qosagent.resources.applier import Thread
 
 
 def online_cpus(ctx: "AgentContext") -> int:
@@ -59,6 +57,97 @@ def node_problems(cfg: "Config", cpus: int, memory: int) -> list[str]:
                    f"{format_size(sum(promised.values()))} (one serving cgroup each), more than the node's memory "
                    f"({memory / (1 << 30):.1f}GiB)")
     return out
+
+
+# Where a memory group's use is read: what the kernel charges to the cgroup, page cache included, as the limits
+# below count it.
+USAGE = {V2: "memory.current", "v1": "memory.usage_in_bytes"}
+# The memory files resources writes that a group's use can already be above, and what the kernel does then.
+LIMITS = {
+    "memory.high": "throttled from the first write (the kernel reclaims its pages and slows its allocations)",
+    "memory.max": "reclaimed at the write, its processes OOM-killed if that is not enough",
+    # v1's soft limit throttles nothing: it only says whose pages go first when the node runs short.
+    "memory.soft_limit_in_bytes": "reclaimed first when the node runs short of memory (no throttle, no kill)",
+    "memory.limit_in_bytes": "the write is refused (EBUSY) unless reclaim brings it under: none of its files set",
+}
+# v1 writes no limit as the largest page count (9223372036854771712 on 4 KiB pages): shown as max, as v2 writes it.
+V1_NO_LIMIT = 1 << 62
+
+
+@dataclass(frozen=True)
+class Above:
+    """A limit resources would write on a memory group that its use is already above."""
+
+    file: str
+    limit: int  # bytes
+    now: str  # what the file holds before the write, as shown ("max", a size, or why it cannot be read)
+
+    @property
+    def effect(self) -> str:
+        return LIMITS[self.file]
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """A memory group's use against the limits it would get: those it is above, or why its use cannot be told."""
+
+    group: Group
+    usage_file: str
+    usage: int | None  # bytes; None: unreadable (why says so)
+    above: tuple[Above, ...] = ()
+    why: str = ""
+
+    def line(self, gets: str = "would get") -> str:
+        """One line for the operator; `gets`: "would get" (`qosagent check`) or "gets" (the agent, at the write)."""
+        g = self.group
+        head = f"tier {g.tier}: {g.directory} (memory {g.version})"
+        if self.usage is None:
+            return f"{head}: cannot tell whether it is above the limits it {gets}: {self.why}"
+        limits = "; ".join(
+            f"above the {a.file} {approx_size(a.limit)} it {gets} by {approx_size(self.usage - a.limit)} "
+            f"(now {a.now}): {a.effect}" for a in self.above)
+        return f"{head}: {self.usage_file} {approx_size(self.usage)}, {limits}"
+
+    def as_dict(self) -> dict[str, Any]:
+        g = self.group
+        return {"tier": g.tier, "cgroup": g.path, "directory": g.directory, "version": g.version,
+                "usage_file": self.usage_file, "usage_bytes": self.usage, "error": self.why or None,
+                "above": [{"file": a.file, "limit_bytes": a.limit, "now": a.now, "effect": a.effect}
+                          for a in self.above]}
+
+
+def _bytes(text: str) -> int | None:
+    """A byte count as the kernel writes one (ASCII digits alone), else None: str.isdigit() takes "²" too."""
+    v = text.strip()
+    return int(v) if v.isascii() and v.isdigit() else None
+
+
+def _shown(text: str | None) -> str:
+    """A memory limit file's value as shown: max, a size, or what is wrong with it."""
+    if text is None:
+        return "unreadable"
+    n = _bytes(text)
+    if text.strip() == "max" or (n is not None and n >= V1_NO_LIMIT):
+        return "max"
+    return approx_size(n) if n is not None else f"{ascii(text.strip()[:24])}, not a size"
+
+
+def memory_check(fs: HostFS, g: Group, values: Mapping[str, str]) -> MemoryCheck | None:
+    """A memory group's use against the limits among `values` (file -> what would be written, planner.values):
+    None when it is below them all, or when none of them is a limit (max, or no limit file at all)."""
+    limits = {f: n for f, v in values.items() if f in LIMITS and (n := _bytes(v)) is not None}
+    if g.controller != "memory" or not limits:
+        return None
+    usage_file = USAGE[V2 if g.version == V2 else "v1"]
+    text = fs.try_read(f"{g.directory}/{usage_file}")
+    usage = _bytes(text) if text is not None else None
+    if usage is None:
+        why = (f"{usage_file} cannot be read" if text is None
+               else f"{usage_file} reads {ascii(text.strip()[:24])}, not a byte count")
+        return MemoryCheck(g, usage_file, None, why=why)
+    above = tuple(Above(f, limit, _shown(fs.try_read(f"{g.directory}/{f}")))
+                  for f, limit in limits.items() if usage > limit)
+    return MemoryCheck(g, usage_file, usage, above) if above else None
 
 
 class CpuUsage:
@@ -107,7 +196,7 @@ def kernel(fs: HostFS, g: Group) -> tuple[dict[str, int], dict[str, int]]:
     return {}, events
 
 
-def report(fs: HostFS, rules: policy.Rules, mem: Memory, threads: Iterable["Thread"], loop: policy.LoopState,
+def report(fs: HostFS, rules: policy.Rules, mem: Memory, thread_pids: Iterable[int], loop: policy.LoopState,
            outcome: policy.Outcome, counters: Counters, part: ResourcesPart) -> ResourcesPart:
     """The part as status and metrics show it: each group with what was set and the kernel's read-back, each tier
     with its suppression, hint and threads."""
@@ -125,8 +214,8 @@ def report(fs: HostFS, rules: policy.Rules, mem: Memory, threads: Iterable["Thre
                   BACKED_OFF if key in mem.backed_off else state, g.why, g.others),
             r.set, r.applied, r.error, *readback[key]))
     hinted: collections.Counter[str] = collections.Counter()
-    for t in threads:
-        given = mem.hinted.get(t.pid)
+    for pid in thread_pids:
+        given = mem.hinted.get(pid)
         if given is not None:
             hinted[given[0]] += 1
     tiers = []

@@ -5,6 +5,7 @@ agent), and a value someone else rewrites is left to them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -361,3 +362,39 @@ def test_a_value_rewritten_by_another_owner_is_left_to_it(tmp_path, lab) -> None
     assert now[shares] == "77"
     assert {k: v for k, v in now.items() if k.startswith("memory")} == \
         {k: v for k, v in before.items() if k.startswith("memory")}
+
+
+def test_check_names_a_serving_cgroup_already_above_what_it_would_get_and_writes_nothing(tmp_path, lab) -> None:
+    """`qosagent check` finds the serving processes as a reconcile does (the tenant's port → the process listening
+    on it → its cgroup) and names the one whose memory use (v1 memory.usage_in_bytes, v2 memory.current) is above
+    what `memory` would set (v1 memory.soft_limit_in_bytes, v2 memory.high), with the use it read; the one below
+    its limit is not named, nothing is written, and the exit status is the verdicts' (0 here)."""
+    gp, bp = free_port(), free_port()
+    big, small = lab.cgroup("big"), lab.cgroup("small")
+    lab.serve(gp, big, mib=64)
+    lab.serve(bp, small, mib=1)
+    before = {path: lab.files(path) for path in (big, small)}
+    cfg = tmp_path / "qosagent.yaml"
+    cfg.write_text(config(tmp_path, gp, bp).replace(GOLD_MEMORY, "memory: 16MiB").replace(
+        "sched: batch}", "sched: batch, memory: 512MiB}"))
+    usage = "memory.current" if lab.layout.versions["memory"] == V2 else "memory.usage_in_bytes"
+    limit = "memory.high" if lab.layout.versions["memory"] == V2 else "memory.soft_limit_in_bytes"
+    used = int(lab.read("memory", big, usage))
+    assert used > 64 << 20, f"the server holds its 64MiB: {usage} {used}"
+    r = subprocess.run(agent_argv("check", "--json", "--config", str(cfg)), env=agent_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["capabilities"]["resources"]["state"] in ("active", "degraded"), report["capabilities"]
+    (found,) = report["findings"]["resources"]
+    assert (found["tier"], found["cgroup"], found["directory"], found["usage_file"]) == (
+        "gold", big, lab.dir("memory", big), usage), found
+    assert abs(found["usage_bytes"] - used) < 16 << 20, (found, used)  # the same cgroup's, read a moment apart
+    assert [(a["file"], a["limit_bytes"]) for a in found["above"]] == [(limit, 16 << 20)], found
+    text = subprocess.run(agent_argv("check", "--config", str(cfg)), env=agent_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    (line,) = [x for x in text.stdout.splitlines() if x.startswith("resources ") and lab.token in x]
+    assert f"tier gold: {lab.dir('memory', big)} (memory {lab.layout.versions['memory']}): {usage} " in line, line
+    assert f"above the {limit} 16MiB it would get" in line, line
+    assert {path: lab.files(path) for path in (big, small)} == before, "check writes nothing"
