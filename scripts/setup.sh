@@ -66,8 +66,8 @@ fi
 "$VENV/bin/python" -c 'import bcc, pyroute2, qosagent' || { echo "setup: imports failed" >&2; exit 1; }
 
 # llama-server, cached outside the repository by version and build flags (scripts/llama-server.sh): a cold build is
-# 13-18 minutes on 2 busy shared CPUs (791 s, and 1,102 s beside eight other builds and test runs), the warm check
-# instant.
+# 5-6 minutes on a fresh machine's 2 CPUs (324 s, 2026-12-02), 13-18 on busy shared ones (791 s, and 1,102 s beside
+# eight other builds and test runs), the warm check instant.
 if [ "${QOSAGENT_SETUP_TEST:-0}" = 1 ]; then
   VENV="$VENV" scripts/llama-server.sh build
 fi
