@@ -53,10 +53,12 @@ class Lab:
         return p
 
     def load(self, ns: str, host: str, port: int, src: str, threads: int, duration: float, delay: float = 0.5,
-             pause: float = 0.0, timeout: float = 30.0) -> subprocess.Popen:
+             pause: float = 0.0, timeout: float = 30.0, requests: int = 100000) -> subprocess.Popen:
+        """Client threads from src, each sending up to `requests` requests (quota_load.py's JSON on stdout)."""
         return self.spawn(ns, [sys.executable, LOAD, "load", "--host", host, "--port", str(port), "--src", src,
                                "--threads", str(threads), "--duration", str(duration), "--delay", str(delay),
-                               "--pause", str(pause), "--timeout", str(timeout)], stdout=subprocess.PIPE, text=True)
+                               "--pause", str(pause), "--timeout", str(timeout), "--max-requests", str(requests)],
+                          stdout=subprocess.PIPE, text=True)
 
     def delete(self, ns: str) -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
