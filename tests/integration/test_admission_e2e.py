@@ -9,6 +9,7 @@ the quota heartbeat times out, the kernel serves bronze on its baseline limit ag
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -91,7 +92,12 @@ def test_server_pressure_end_to_end(bpf: None, tmp_path: Path) -> None:
     """A vLLM-shaped server (metrics from inference_metrics.py, requests served by the worker pool) on a GPU at 92 %
     memory: nothing is limited while its KV cache has room; with the cache full and 20 waiting, bronze's limit is
     cut in the kernel (its requests are refused) and gold keeps its floor; when the cache drains, bronze's limit
-    comes back up."""
+    comes back up.
+
+    Server pressure alone: gold's SLO is out of reach here (a minute; clients give up after 5 s), so the latency
+    loop neither cuts nor holds back a raise. With the 100 ms of the closed-loop test, a CPU-loaded host took gold
+    over it (one request of its ~14 a second stalled 435 ms is its P99) and bronze was cut for slo_breach while
+    the cache had room (2 of 7 runs beside three busy loops)."""
     quota = "{enabled: true, interfaces: [lo], heartbeat_timeout: 2s}"
     admission = ("{enabled: true, mode: enforce, cooldown: 1s, healthy_ticks: 5, gpu_pressure: {gpus: [0]}, "
                  "server_pressure: {cut_every: 300ms}}")
@@ -99,7 +105,7 @@ def test_server_pressure_end_to_end(bpf: None, tmp_path: Path) -> None:
     write_json(control, {"kv": 0.30, "waiting": 0, "running": 4})
     mport = 19000  # the namespace is the test's own: nothing else listens there (the agent and server are >= 20000)
     servers = f'servers: [{{port: $PORT, kind: vllm, metrics: "http://127.0.0.1:{mport}/metrics"}}]'
-    with scenario(tmp_path, quota, admission, gold="floor: {rps: 50, burst: 50}", extra=servers) as (
+    with scenario(tmp_path, quota, admission, gold="floor: {rps: 50, burst: 50}", extra=servers, slo_ms=60_000) as (
             procs, agent, port):
         caps = agent.wait_ready()["capabilities"]
         assert {n: caps[n]["state"] for n in ("quota", "servers", "admission")} == {
@@ -131,13 +137,17 @@ def test_server_pressure_end_to_end(bpf: None, tmp_path: Path) -> None:
         t_floor = time.monotonic()
         gold_reqs, flood_reqs = results(gold, tmp_path / "gold2.json"), results(flood, tmp_path / "flood.json")
         assert gold_reqs and all(ok for _, _, ok in gold_reqs)
-        after = [(t, ok) for t, _, ok in flood_reqs if t > t_floor + 0.5]
-        served = sum(ok for _, ok in after)
-        span = after[-1][0] - after[0][0] if after else 0.0
-        # A 1/s limit with a burst of 1 lets about one request a second through (plus the burst); the rest are
-        # refused by the classifier. Each refused request waits out the client's 1 s timeout, so the count of
-        # attempts says little: the bound is the limit's, over the time the requests span.
-        assert after and served < len(after) and served <= 2 + span, (served, len(after), span)
+        after = [(t, ms, ok) for t, ms, ok in flood_reqs if t > t_floor + 0.5]
+        ok_after = [(t, t + ms / 1000.0) for t, ms, ok in after if ok]
+        # A 1/s limit with a burst of 1 admits a request only a whole second after the last it admitted; the rest
+        # are refused by the classifier (each waits out the client's 1 s timeout, so the count of attempts says
+        # little). Each request served was admitted between its start and its end: over the time from the first
+        # one's start to the last one's end, at most one a second and one more. (The start of the last request
+        # alone bounded it before: a client stalled by a loaded CPU between its start and its request, or served
+        # on a retransmission, could be admitted up to its timeout later and count one over.)
+        window = max(end for _, end in ok_after) - min(t for t, _ in ok_after) if ok_after else 0.0
+        assert after and len(ok_after) < len(after), (len(ok_after), len(after))
+        assert len(ok_after) <= 1 + math.floor(window), (len(ok_after), window, ok_after)
         gold_cuts = agent.decisions("gold-app", "cut")
         assert all(d["new"] >= 50 for d in gold_cuts), gold_cuts
         bronze_st = next(t for t in agent.status()["admission"]["tenants"] if t["tenant"] == "bronze-app")
