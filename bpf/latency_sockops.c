@@ -161,7 +161,7 @@ static __always_inline void lat_ops_sendmsg(struct bpf_sock_ops *skops)
         lat_response_bytes(s, bpf_ktime_get_ns());
     if (!s->noted) {
         /* sendmsg runs in the serving process: its tgid for the run-queue probes, its cgroup for lat_ingress. */
-        lat_note_process();
+        lat_note_process(s->slot);
         lat_note_cgroup();
         s->noted = 1;
     }

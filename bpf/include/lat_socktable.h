@@ -114,7 +114,7 @@ static __always_inline void lat_recv(__u64 sk, int ret, int flags)
     lat_request_bytes(s, s->arrived_ns ? s->arrived_ns : bpf_ktime_get_ns(), overlapped);
     s->arrived_ns = 0;
     if (!s->noted) {
-        lat_note_process();
+        lat_note_process(s->slot);
         s->noted = 1;
     }
 }

@@ -176,7 +176,14 @@ struct lat_sock {
 #define LAT_SLOTS 64
 #endif
 #define LAT_NCOUNTERS 18
-#define LAT_RUNQ_ROW (LAT_SLOTS * LAT_KINDS) /* the rows of the slots' kinds; one more row, run-queue waits */
+/* Run-queue waits have rows of their own past the slots' kinds: LAT_RUNQ_ROW + LAT_RUNQ_SHARED for the processes
+ * serving several tiers, then one per tier, numbered by the agent (qosagent/latency/slots.py); every serving process
+ * counts in exactly one of them. */
+#ifndef LAT_RUNQ_ROWS /* from the number of tiers, with room for reloads (qosagent/latency/bpfmaps.py) */
+#define LAT_RUNQ_ROWS 8
+#endif
+#define LAT_RUNQ_ROW (LAT_SLOTS * LAT_KINDS)
+#define LAT_RUNQ_SHARED 0
 
 struct lat_row {
     __u64 sum_ns;
@@ -187,7 +194,7 @@ struct lat_counts {
     __u64 n[LAT_NCOUNTERS];
 };
 
-/* lat_gen[slot]: the slot's generation (qos_common.h); lat_gen[LAT_SLOTS] the run-queue row's. */
+/* lat_gen[slot]: the slot's generation (qos_common.h); lat_gen[LAT_SLOTS] that of the run-queue rows, all of them. */
 struct lat_tenant_key {
     __u32 tenant;
 };
@@ -200,11 +207,29 @@ struct lat_pid_key {
     __u32 pid;
 };
 
-struct lat_pid_val {
-    __u64 v;
+/* runq_tgids' value: the slot of the first socket the process was seen serving, and whether it has served a tenant of
+ * another tier since (lat_slot_tier said so then): the agent puts its threads in that slot's tier's run-queue row, or,
+ * once it served several tiers, in the shared row, never in one tier's. */
+struct lat_served {
+    __u32 slot;
+    __u32 several;
 };
 
-BPF_ARRAY(lat_hist, struct lat_row, LAT_SLOTS * LAT_KINDS + 1);
+/* runq_pids' value (latency_runq.c): when the thread began waiting for a CPU (0 while it does not) and its run-queue
+ * row (of LAT_RUNQ_ROWS), both written by the agent, the first stamped and cleared in place by the sched probes. */
+struct lat_runq_val {
+    __u64 since;
+    __u32 row;
+    __u32 pad;
+};
+
+/* lat_slot_tier[slot]: the run-queue row of the tier of the slot's tenant (LAT_RUNQ_SHARED where none), written by
+ * the agent beside lat_slots. */
+struct lat_tier_row {
+    __u32 row;
+};
+
+BPF_ARRAY(lat_hist, struct lat_row, LAT_SLOTS * LAT_KINDS + LAT_RUNQ_ROWS);
 BPF_PERCPU_ARRAY(lat_counters, struct lat_counts, LAT_SLOTS);
 BPF_F_TABLE("array", int, struct qos_gen, lat_gen, LAT_SLOTS + 1, BPF_F_MMAPABLE); /* read by the agent in place */
 BPF_HASH(lat_slots, struct lat_tenant_key, struct lat_slot_val, LAT_SLOTS);
@@ -212,8 +237,9 @@ BPF_HASH(lat_slots, struct lat_tenant_key, struct lat_slot_val, LAT_SLOTS);
  * payload, overlapping requests cannot be told from one another, so these connections are counted, not timed. */
 BPF_HASH(lat_mux_ports, struct qos_port_key, struct qos_watch_val, 1024);
 /* Processes seen serving tracked sockets (by tgid), for the run-queue programs (latency_runq.c), which time their
- * threads. */
-BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_pid_val, 1024);
+ * threads, each in the row of the tiers it served. */
+BPF_HASH(runq_tgids, struct lat_pid_key, struct lat_served, 1024);
+BPF_ARRAY(lat_slot_tier, struct lat_tier_row, LAT_SLOTS);
 
 /* A tenant's slot, looked up once per connection (and when a header rule claims it), never per request. Every
  * configured tenant has one; LAT_NO_SLOT would mean the agent's slots and the kernel's maps disagree. */
@@ -241,19 +267,26 @@ static __always_inline void lat_count(__u16 slot, __u32 what)
     }
 }
 
-static __always_inline void lat_observe_row(__u32 row, __u64 delta_ns)
+/* One observation into lat_hist's row; 0 when there is no such row. */
+static __always_inline int lat_hist_add(__u32 row, __u64 delta_ns)
 {
     struct lat_row *r = lat_hist.lookup(&row);
     if (!r)
-        return;
+        return 0;
     __u32 b = qos_hist_index(delta_ns);
     /* clang knows b < QOS_HIST_NBUCKETS and would drop the check; the verifier needs to see it. */
     asm volatile("" : "+r"(b));
     if (b >= QOS_HIST_NBUCKETS)
-        return;
+        return 0;
     __sync_fetch_and_add(&r->count[b], 1);
     __sync_fetch_and_add(&r->sum_ns, delta_ns);
-    lat_touched(row / LAT_KINDS);
+    return 1;
+}
+
+static __always_inline void lat_observe_row(__u32 row, __u64 delta_ns)
+{
+    if (lat_hist_add(row, delta_ns))
+        lat_touched(row / LAT_KINDS);
 }
 
 /* An observation of a tenant without a slot is counted as lost (on the unmatched slot), never misattributed. */
@@ -282,13 +315,28 @@ static __always_inline void lat_request_tenant(struct lat_sock *s)
 #endif
 }
 
-static __always_inline void lat_note_process(void)
+static __always_inline __u32 lat_tier_row_of(__u32 slot)
+{
+    struct lat_tier_row *t = lat_slot_tier.lookup(&slot);
+    return t ? t->row : LAT_RUNQ_SHARED;
+}
+
+/* The current process serves a socket of slot's tenant (once per connection): noted with that slot when it is new,
+ * marked as serving several tiers when slot's tier is not that of the slot it was noted with. */
+static __always_inline void lat_note_process(__u16 slot)
 {
     struct lat_pid_key k = {.pid = bpf_get_current_pid_tgid() >> 32};
-    if (runq_tgids.lookup(&k))
-        return;
-    struct lat_pid_val one = {.v = 1};
-    runq_tgids.update(&k, &one);
+    struct lat_served *p = runq_tgids.lookup(&k);
+    if (!p) {
+        struct lat_served first = {.slot = slot};
+        if (runq_tgids.insert(&k, &first) == 0)
+            return;
+        p = runq_tgids.lookup(&k); /* noted meanwhile on another CPU, or the map is full */
+        if (!p)
+            return;
+    }
+    if (p->slot != slot && !p->several && lat_tier_row_of(p->slot) != lat_tier_row_of(slot))
+        p->several = 1;
 }
 
 /* A fresh socket's state: its tenant, and whether its port is multiplexed. The tenant is resolved in the quota

@@ -47,6 +47,9 @@ NO_TTFT_REASONS = {
 NCOUNTERS = 18  # LAT_NCOUNTERS
 ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
 MIN_SLOTS = 64
+# The run-queue rows past the slots' (LAT_RUNQ_ROW): the shared one (processes serving several tiers), then the tiers'.
+RUNQ_SHARED = 0  # LAT_RUNQ_SHARED
+MIN_RUNQ_ROWS = 8
 
 
 def slots_for(tenants: int) -> int:
@@ -57,6 +60,12 @@ def slots_for(tenants: int) -> int:
     while n < need:
         n *= 2
     return n
+
+
+def runq_rows_for(tiers: int) -> int:
+    """LAT_RUNQ_ROWS for a config with this many tiers: the shared row, unmatched traffic's tier ("none"), the tiers',
+    and as many again for tiers later reloads add (a tier keeps its row, and its waits since start stay reported)."""
+    return max(MIN_RUNQ_ROWS, 2 * (tiers + 2))
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,8 @@ class Changes:
     """One tick's read: the slots whose generation (lat_gen) moved, and only those."""
 
     tenants: Mapping[int, Cumulative]  # tenant id -> its state since start
-    runq: Histogram | None  # run-queue waits since start, when their row was read
-    rows_read: int  # slots whose rows were read, the run-queue row counted as one
+    runq: Mapping[int, Histogram] | None  # run-queue row -> its waits since start, when the rows were read
+    rows_read: int  # slots whose rows were read, the run-queue rows counted as one
 def counters(data: bytes) -> dict[int, int]:
     """A slot's lat_counters value (struct lat_counts for each possible CPU, back to back), summed; zeros left out."""
     q = memoryview(data).cast("Q")

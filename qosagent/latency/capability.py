@@ -12,9 +12,9 @@ from qosagent import netns, sandbox
 from qosagent.capability import (UNCHANGED, AgentContext, Attention, Capability, CapabilityError, Change, State,
                                  Verdict, rewrite)
 from qosagent.ebpf import pinned
-from qosagent.latency import datapath, export, hooks, planning, reading, runq
+from qosagent.latency import bpfmaps, datapath, export, hooks, planning, reading, runq
 from qosagent.latency.datapath import Datapath
-from qosagent.latency.model import LATENCY, LatencyPart, Plan
+from qosagent.latency.model import LATENCY, SHARED_TIER, LatencyPart, Plan
 from qosagent.latency.pods import PodTenants
 from qosagent.latency.slots import MapsPlan
 from qosagent.pods.service import Pods
@@ -73,6 +73,8 @@ class Latency(Capability):
         self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
+        self._threads = runq.Threads()
+        self._runq_names: dict[int, str] = {}  # run-queue row -> the name of its tier (SHARED_TIER: several)
         # process and pods tenants by their serving namespaces' addresses (lat_netns)
         self._pods: PodTenants | None = None
 
@@ -133,6 +135,7 @@ class Latency(Capability):
         self._view.configure(m.tenants, self._known, m.window)
         self._maps = m
         self._tracked = set(m.tracked)
+        self._runq_names = {bpfmaps.RUNQ_SHARED: SHARED_TIER, **{row: tier for tier, row in m.runq_rows.items()}}
         self._slos = ({info.name: info.slo_p99 for info in m.tenants.values()},
                       {info.tier: info.slo_p99 for tid, info in m.tenants.items() if tid != UNMATCHED_ID})
 
@@ -170,10 +173,11 @@ class Latency(Capability):
         if not self._refresh.due(now):
             return
         assert self.dp is not None and self.hooks is not None
-        if self.runq:
-            runq.refresh_threads(self.dp.map("runq_tgids"), self.dp.map("runq_pids"), self.ctx.hostfs)
-        self.hooks.maintain(self._tracked)
         assert self._maps is not None
+        if self.runq:
+            self._threads.refresh(self.dp.map("runq_tgids"), self.dp.map("runq_pids"), self.ctx.hostfs,
+                                  self._maps.slot_rows)
+        self.hooks.maintain(self._tracked)
         self._follow_pods(self._maps)
 
     def collect(self) -> LatencyPart:
@@ -187,12 +191,14 @@ class Latency(Capability):
         seen = self.hooks.verified_by_traffic(view.counted, now, self._tracked, cfg.latency.verify_within)
         if seen is not None:
             self.verdict = seen
-        runq, runq_window = view.runqueue() if self.runq else (None, None)
+        rq = view.runqueue(self._runq_names) if self.runq else None
         slos, tier_slo = self._slos
         verdict = SloVerdict(dict(view.windows), slos, tier_slo, adm.signal, adm.quantile, adm.near_slo,
                              adm.healthy_below, frozenset(view.busy))
-        return LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants), runqueue=runq,
-                           runqueue_window=runq_window, found_open=self.hooks.found(),
+        return LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants),
+                           runqueue=rq.total if rq else None, runqueue_window=rq.window if rq else None,
+                           runqueue_tiers=rq.tiers if rq else {}, runqueue_tiers_window=rq.tiers_window if rq else {},
+                           found_open=self.hooks.found(),
                            unobserved=self.hooks.unobserved(), hooks=self.hooks.view(self.attached(), self.programs),
                            slo=slos, namespaces=self._pods.followed if self._pods is not None else (),
                            verdict=verdict, rows_read=changes.rows_read)

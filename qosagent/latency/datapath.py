@@ -36,11 +36,14 @@ KPROBE_ARRIVAL = ("sock_def_readable", "kp_data_ready")
 class Datapath:
     """One loaded program: what its tenant maps say (`slots`: tenant id -> row) and how a tick reads its rows."""
 
-    def __init__(self, prog: pinned.Program, nslots: int, runq: bool):
+    def __init__(self, prog: pinned.Program, nslots: int, nrows: int):
         self.prog = prog
         self.nslots = nslots  # LAT_SLOTS of the loaded program
-        self.runq = runq
+        self.nrows = nrows  # LAT_RUNQ_ROWS of the loaded program; 0 without the run-queue probes
+        self.runq = nrows > 0
         self.slots: dict[int, int] = {}  # tenant id -> its slot (row) in the kernel's arrays; 0 is unmatched
+        self.runq_rows: dict[str, int] = {}  # tier -> its run-queue row (bpfmaps.RUNQ_SHARED: the shared one)
+        self.slot_rows: dict[int, int] = {}  # slot -> the run-queue row of its tenant's tier, as lat_slot_tier says
         self._rows = bm.RowParser()
         self._ports = TenantPorts(prog.map("tenant_ports").fd)  # a fresh map: all zero
         hist, counters = prog.map("lat_hist"), prog.map("lat_counters")
@@ -51,7 +54,7 @@ class Datapath:
         self._by_slot: dict[int, int] = {}  # slot -> tenant id, and the generations each tick reads (_plan_reads)
         self._gens: Generations | None = None
         self._runq_gen: Generations | None = None
-        self._runq_row: ArrayRange | None = None
+        self._runq_read: ArrayRange | None = None  # the run-queue rows in use, from the shared one up
 
     @staticmethod
     def begin(cfg: "Config", plan: Plan) -> None:
@@ -83,7 +86,7 @@ class Datapath:
         except (BpfError, OSError) as e:
             prog.close()
             raise CapabilityError(f"attaching the latency probes failed: {e}") from None
-        return cls(prog, nslots, plan.runq)
+        return cls(prog, nslots, runq_rows(cfg, plan) if plan.runq else 0)
 
     def map(self, name: str) -> "Map":
         return self.prog.map(name)
@@ -92,7 +95,7 @@ class Datapath:
     def plan(self, cfg: "Config") -> MapsPlan:
         """What cfg makes of the tenant and port maps, keeping the slots tenants have; writes nothing."""
         try:
-            return slots.plan(cfg, self.slots, self.nslots)
+            return slots.plan(cfg, self.slots, self.nslots, self.runq_rows, self.nrows)
         except ValueError as e:
             raise CapabilityError(str(e)) from None
 
@@ -101,6 +104,12 @@ class Datapath:
         lat_slots = self.map("lat_slots")
         sync(lat_slots, ((lat_slots.key(tenant=tid), lat_slots.value(slot=slot)) for tid, slot in m.slots.items()))
         self.slots = dict(m.slots)
+        tiers = self.map("lat_slot_tier")
+        for slot in sorted(set(m.slot_rows) | set(self.slot_rows)):
+            row = m.slot_rows.get(slot, bm.RUNQ_SHARED)
+            if row != self.slot_rows.get(slot, bm.RUNQ_SHARED):
+                tiers.update(slot, tiers.value(row=row))
+        self.slot_rows, self.runq_rows = dict(m.slot_rows), dict(m.runq_rows)
         self._plan_reads()
         for name, want in (("tracked_ports", m.tracked), ("lat_mux_ports", m.mux)):
             ports = self.map(name)
@@ -124,8 +133,11 @@ class Datapath:
                 c = counts[i * self._counters_size:(i + 1) * self._counters_size]
                 tenants[self._by_slot[first + i]] = bm.Cumulative(hist, bm.counters(c))
         runq = None
-        if self._runq_gen is not None and self._runq_row is not None and self._runq_gen.changed():
-            runq = bm.histogram(bm.KINDS * self.nslots, self._runq_row.data(), self._rows)
+        if self._runq_gen is not None and self._runq_read is not None and self._runq_gen.changed():
+            data, first = self._runq_read.data(), bm.KINDS * self.nslots
+            rows = (bm.histogram(first + r, data[r * bm.ROW_SIZE:(r + 1) * bm.ROW_SIZE], self._rows)
+                    for r in range(self._runq_read.count))
+            runq = {r: h for r, h in enumerate(rows) if h.count}  # rows never observed are left out
         return bm.Changes(tenants, runq, len(slots) + (runq is not None))
 
     def counted(self) -> int:
@@ -137,16 +149,18 @@ class Datapath:
                    for c in (bm.counters(data[i:i + size]) for i in range(0, len(data), size)))
 
     def _plan_reads(self) -> None:
-        """The generations each tick reads, worked out when the slots change (start, reload) rather than every tick:
-        those of the slots in use, which are numbered from 0 up, and the run-queue row's."""
+        """The generations and rows each tick reads, worked out when the slots change (start, reload) rather than
+        every tick: the generations of the slots in use, which are numbered from 0 up, and the run-queue rows' one;
+        the run-queue rows in use, past every slot's, also numbered from 0 (the shared row) up."""
         self._by_slot = {slot: tid for tid, slot in self.slots.items()}
         used = max(self._by_slot) + 1
         if self._gens is None:
             self._gens = Generations(self._gen_fd, 0, used)
             self._runq_gen = Generations(self._gen_fd, self.nslots, 1) if self.runq else None
-            # The run-queue histogram's one row, past every tenant's: where it is never changes.
-            self._runq_row = ArrayRange(self._hist_fd, bm.KINDS * self.nslots, 1, bm.ROW_SIZE) if self.runq else None
         self._gens.resize(used)
+        rows = max(self.runq_rows.values(), default=bm.RUNQ_SHARED) + 1
+        if self.runq and (self._runq_read is None or self._runq_read.count != rows):
+            self._runq_read = ArrayRange(self._hist_fd, bm.KINDS * self.nslots, rows, bm.ROW_SIZE)
 
     # ---- its programs ------------------------------------------------------------------------------------
     def attached(self) -> int:
@@ -187,14 +201,14 @@ def map_sizes(cfg: "Config", plan: Plan) -> list[mapsize.MapSize]:
     M = mapsize.MapSize
     nslots = bm.slots_for(len(cfg.tenants))
     out = [M("tenant_ports", mapsize.ARRAY, PORTS, 4, 8),
-           M("lat_hist", mapsize.ARRAY, bm.KINDS * nslots + 1, 4, bm.ROW_SIZE),
+           M("lat_hist", mapsize.ARRAY, bm.KINDS * nslots + runq_rows(cfg, plan), 4, bm.ROW_SIZE),
            M("lat_counters", mapsize.PERCPU_ARRAY, nslots, 4, 8 * bm.NCOUNTERS),
            M("lat_gen", mapsize.ARRAY, nslots + 1, 4, GEN_SIZE),
-           M("lat_slots", mapsize.HASH, nslots, 4, 4),
+           M("lat_slots", mapsize.HASH, nslots, 4, 4), M("lat_slot_tier", mapsize.ARRAY, nslots, 4, 4),
            M("lat_netns", mapsize.HASH, 4096, 20, 4),
            M("tracked_ports", mapsize.HASH, 1024, 4, 4), M("lat_mux_ports", mapsize.HASH, 1024, 4, 4),
            M("runq_tgids", mapsize.HASH, 1024, 4, 8),
-           M("runq_pids", mapsize.HASH, 65536, 4, 8) if plan.runq else None,
+           M("runq_pids", mapsize.HASH, 65536, 4, 16) if plan.runq else None,
            M("lat_adopt", mapsize.BUCKETS, 65536, 36, 1), M("lat_fresh", mapsize.BUCKETS, 8192, 36, 1),
            M("lat_cgroups", mapsize.HASH, 1024, 8, 1) if plan.mode == "sockops" else None]
     if plan.mode != "sockops":
@@ -218,6 +232,7 @@ def build(cfg: "Config", plan: Plan) -> pinned.Spec:
             defines["QOS_EGRESS"] = 1
         defines["LAT_SOCK_BUCKETS_LOG2"] = (cfg.latency.socket_slots // 4).bit_length() - 1
     defines["LAT_SLOTS"] = bm.slots_for(len(cfg.tenants))
+    defines["LAT_RUNQ_ROWS"] = runq_rows(cfg, plan)
     defines.update(_flows_defines(cfg))
     return spec(plan, defines, _flows_pin(cfg))
 
@@ -249,6 +264,12 @@ def sources(plan: Plan) -> list[str]:
     else:
         out = ["latency_trace"] + (["latency_trace_skb"] if plan.egress else [])
     return out + (["latency_runq"] if plan.runq else [])
+
+
+def runq_rows(cfg: "Config", plan: Plan) -> int:
+    """LAT_RUNQ_ROWS of plan's program for cfg: room for its tiers and more (bpfmaps.runq_rows_for), or the shared
+    row alone, never written, without the run-queue probes."""
+    return bm.runq_rows_for(len(cfg.tiers)) if plan.runq else 1
 
 
 def _flows_pin(cfg: "Config") -> str | None:

@@ -20,7 +20,7 @@ from qosagent.exposition import Family, NativeHistogramMetricFamily, Series, one
 from qosagent.hist import Histogram, export_bounds_ns
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.config import ClassicBucketsConfig
-from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.latency.model import SHARED_TIER, LatencyPart, TenantLatency
 from qosagent.retention import EVERYONE
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -212,7 +212,10 @@ FAMILIES: tuple[Family[Source], ...] = (
            "adopt was full)", ("reason",), lambda s: (([r], n) for r, n in s.part.unobserved.items()),
            shown=lambda s: bool(s.part.unobserved), old="qosagent_connections_unobserved"),
     Family("qosagent_latency_runqueue_seconds", "histogram", "Time threads of the processes serving watched ports "
-           "waited runnable for a CPU, since start", (), lambda s: (((), (s.part.runqueue, s.tier_bounds)),),
+           "waited runnable for a CPU, since start, by the tier the process serves (tier=\"" + SHARED_TIER + "\": "
+           "processes serving several tiers, never counted as one tier's); every process counts in one series, so "
+           "their sum without tier is every serving process's", ("tier",),
+           lambda s: (([tier], (h, s.tier_bounds)) for tier, h in s.part.runqueue_tiers.items()),
            shown=lambda s: s.part.runqueue is not None, add=_add_histogram,
            old="qosagent_runqueue_latency_seconds"),
 )
@@ -301,6 +304,8 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
     if part.runqueue is not None and part.runqueue_window is not None:
         out["runqueue"] = _quantiles(part.runqueue_window)
         out["runqueue_total"] = _quantiles(part.runqueue)
+        out["runqueue_tiers"] = {tier: _quantiles(h) for tier, h in part.runqueue_tiers_window.items()}
+        out["runqueue_tiers_total"] = {tier: _quantiles(h) for tier, h in part.runqueue_tiers.items()}
     h = part.hooks
     out["mode"] = h.mode
     out["ttft"] = h.ttft
@@ -365,4 +370,8 @@ def render(st: dict[str, Any]) -> str:
     if rq:
         lines.append(f"run-queue latency of serving processes: p50 {_ms(rq['p50'])}  p95 {_ms(rq['p95'])}  "
                      f"p99 {_ms(rq['p99'])} ms ({rq['count']} waits)")
+        for tier, t in (st.get("runqueue_tiers") or {}).items():
+            who = "serving several tiers" if tier == SHARED_TIER else f"tier {tier}"
+            lines.append(f"  {who:<22} p50 {_ms(t['p50'])}  p95 {_ms(t['p95'])}  p99 {_ms(t['p99'])} ms "
+                         f"({t['count']} waits)")
     return "\n".join(lines)

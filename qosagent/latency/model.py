@@ -10,6 +10,10 @@ from qosagent.hist import Histogram
 from qosagent.slo import SloVerdict
 from qosagent.snapshot import PartKey
 
+# The run-queue row of the processes serving several tiers, as the `tier` label and status name it: never one tier's,
+# and never a tier's name (those begin with a letter or a digit, qosagent.config.Name).
+SHARED_TIER = "_shared"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -72,8 +76,11 @@ class Hooks:
 class LatencyPart:
     window_s: float
     tenants: Mapping[str, TenantLatency] = field(default_factory=dict)
-    runqueue: Histogram | None = None  # run-queue latency of watched processes, since start
+    runqueue: Histogram | None = None  # run-queue latency of every serving process's threads, since start
     runqueue_window: Histogram | None = None
+    # The same by the tier the process serves (SHARED_TIER: several), those with waits only; they sum to the above.
+    runqueue_tiers: Mapping[str, Histogram] = field(default_factory=dict)
+    runqueue_tiers_window: Mapping[str, Histogram] = field(default_factory=dict)
     # Connections found open on a port when it became watched (at start or a reload), since start, and the watched-port
     # connections not observed now, by reason (qosagent/latency/adopt.py REASONS).
     found_open: int = 0

@@ -8,7 +8,7 @@ change of admission.signal. An idle tenant costs nothing per tick."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
@@ -16,13 +16,24 @@ from qosagent.latency.model import TenantLatency
 from qosagent.tenants import TenantInfo
 from qosagent.window import Windows
 
-RUNQ = "runq"
+
+
+class RunQueue(NamedTuple):
+    """Run-queue waits of the serving processes' threads, since start and over the window: every one's, and by row
+    (the name of the row's tier, or model.SHARED_TIER for processes serving several tiers)."""
+
+    total: Histogram
+    window: Histogram
+    tiers: dict[str, Histogram]
+    tiers_window: dict[str, Histogram]
 
 
 class Tenants:
     def __init__(self, window_s: float):
         self._windows: Windows[int, bm.Cumulative] = Windows(window_s, bm.ZERO)
-        self._runq: Windows[str, Histogram] = Windows(window_s, Histogram())
+        self._runq: Windows[int, Histogram] = Windows(window_s, Histogram())  # by run-queue row
+        self._runq_view: RunQueue | None = None  # what runqueue() made of them, until they or the names change
+        self._runq_names: Mapping[int, str] = {}
         self._built: dict[int, TenantLatency] = {}
         self._windowed: set[int] = set()
         self._everything = True
@@ -40,6 +51,7 @@ class Tenants:
         if window_s != self._windows.span:
             self._windows.restart(window_s)
             self._runq.restart(window_s)
+            self._runq_view = None
         self._current, self._known, self._everything = current, known, True
 
     def update(self, now: float, changes: bm.Changes, signal: str) -> None:
@@ -47,7 +59,8 @@ class Tenants:
         for tid, new in changes.tenants.items():
             self.counted += _counted(new) - _counted(w.current(tid))
         moved = w.tick(now, changes.tenants)
-        self._runq.tick(now, {RUNQ: changes.runq} if changes.runq is not None else {})
+        if self._runq.tick(now, changes.runq or {}) or changes.runq:
+            self._runq_view = None
         elapsed = now - w.start
         everything = self._everything or signal != self._signal
         if everything:
@@ -77,10 +90,20 @@ class Tenants:
                 self.busy.discard(t.tenant)
         self._everything, self._signal = False, signal
 
-    def runqueue(self) -> tuple[Histogram, Histogram]:
-        """The run-queue histogram since start and over the window."""
-        h = self._runq.current(RUNQ)
-        return h, Since(h, self._runq.base(RUNQ))
+    def runqueue(self, names: Mapping[int, str]) -> RunQueue:
+        """The run-queue histograms (names: row -> its name), made again only when a row or its window moved: the
+        rows partition the serving processes, so every process's waits are the rows' sum."""
+        if self._runq_view is not None and names is self._runq_names:
+            return self._runq_view
+        r = self._runq
+        rows = sorted(r.keys())
+        total = sum((r.current(i) for i in rows), Histogram())
+        base = sum((r.base(i) for i in rows), Histogram())
+        tiers = {names.get(i, f"row-{i}"): (r.current(i), Since(r.current(i), r.base(i))) for i in rows}
+        self._runq_names = names
+        self._runq_view = RunQueue(total, Since(total, base), {n: h for n, (h, _) in tiers.items()},
+                                   {n: w for n, (_, w) in tiers.items()})
+        return self._runq_view
 
 
 def _counted(c: bm.Cumulative) -> int:

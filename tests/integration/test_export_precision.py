@@ -88,7 +88,8 @@ class KnownLatency:
             tenants[name] = TenantLatency(tenant=name, tier="gold", requests=h.count, headers=h, ttft=h, response=h,
                                           inter_token=h, headers_window=h, ttft_window=h, response_window=h,
                                           inter_token_window=h, rate_rps=0.0)
-        part = LatencyPart(10.0, tenants, scaled(self.runq, m), self.runq)
+        runq = scaled(self.runq, m)
+        part = LatencyPart(10.0, tenants, runq, self.runq, {"gold": runq}, {"gold": self.runq})
         return export.families(part, 1, "ttft", 0.95, self.buckets)
 
 

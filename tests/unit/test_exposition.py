@@ -24,7 +24,7 @@ from qosagent.hist import Histogram, bucket_index, bucket_upper
 from qosagent.hostfs import HostFS
 from qosagent.latency import export
 from qosagent.latency.config import ClassicBucketsConfig
-from qosagent.latency.model import LatencyPart, TenantLatency
+from qosagent.latency.model import SHARED_TIER, LatencyPart, TenantLatency
 from qosagent.metrics import MetricsServer
 from qosagent.nativehist import native
 
@@ -214,8 +214,9 @@ def part() -> LatencyPart:
         tenants[name] = TenantLatency(tenant=name, tier="gold", requests=h.count, headers=h, ttft=h, response=h,
                                       inter_token=h, headers_window=h, ttft_window=h, response_window=h,
                                       inter_token_window=h, rate_rps=1.0, unpaired_send=2, in_flight=3)
-    rq = Histogram.of(lognormal(0.00005, 1.0, 300, 3))
-    return LatencyPart(10.0, tenants, rq, rq)
+    gold, shared = Histogram.of(lognormal(0.00005, 1.0, 300, 3)), Histogram.of(lognormal(0.002, 1.0, 20, 4))
+    rq = gold + shared
+    return LatencyPart(10.0, tenants, rq, rq, {"gold": gold, SHARED_TIER: shared}, {"gold": gold, SHARED_TIER: shared})
 
 
 class Collector:
@@ -306,8 +307,9 @@ def test_native_histograms_beside_classic_buckets_and_their_quantiles() -> None:
             seen += b[k]
         truth = vals[math.ceil(q * 5000) - 1] / 1e9
         assert abs(est - truth) / truth < 0.03, (q, est, truth)
-    rq = fams["qosagent_latency_runqueue_seconds"]["metrics"][0]
-    assert rq["labels"] == {} and rq["histogram"]["count"] == 300
+    rq = {m["labels"]["tier"]: m["histogram"] for m in fams["qosagent_latency_runqueue_seconds"]["metrics"]}
+    # A series per tier the serving processes serve, and the processes serving several apart.
+    assert {tier: h["count"] for tier, h in rq.items()} == {"gold": 300, SHARED_TIER: 20}
 
 
 # ---- classic layout ----------------------------------------------------------------------------------------------

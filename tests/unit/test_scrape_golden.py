@@ -83,6 +83,8 @@ def parts() -> dict[str, Any]:
         "latency": LatencyPart(
             window_s=30.0, tenants={"chat": _latency("chat", "gold", 1), "batch": _latency("batch", "bronze", 3)},
             runqueue=Histogram.of([20_000, 70_000, 3_000_000]), runqueue_window=Histogram.of([20_000]),
+            runqueue_tiers={"gold": Histogram.of([20_000, 70_000]), "_shared": Histogram.of([3_000_000])},
+            runqueue_tiers_window={"gold": Histogram.of([20_000])},
             found_open=2, unobserved={"awaiting_request": 1, "not_hooked": 0}, hooks=Hooks("tracepoint", 6)),
         "servers": ServersPart(servers=(
             ServerReading(8000, "vllm", "http://127.0.0.1:8000/metrics", False, True, age_s=0.4, pid=4242,

@@ -1,0 +1,165 @@
+"""Run-queue latency by tier, for real: the sched probes count each serving process's threads in the row of the tier
+it serves, and a process serving two tiers in the shared row, never in one tier's (bpf/latency_runq.c,
+bpf/include/lat_state.h's lat_note_process, qosagent/latency/runq.py).
+
+Four server processes, each one thread blocked in select() between connections (nothing wakes them but a client):
+A serves gold's port, B bronze's, E two gold tenants' ports (one tier: still gold's), C a gold and a bronze tenant's.
+Each phase sends connections to one process and reads which rows moved. Runs as root with BPF (CI=true makes a
+missing capability a failure), in every latency mode the kernel offers: each notes the serving process from another
+hook (sockops: the sendmsg callback; tracepoint and kprobe: the read)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from qosagent.capability import AgentContext, State
+from qosagent.config import parse
+from qosagent.features import ensure_mounted, probe
+from qosagent.gpu.backend import NoGpu
+from qosagent.hist import Histogram
+from qosagent.hostfs import HostFS
+from qosagent.latency.capability import Latency
+from qosagent.latency.model import SHARED_TIER, LatencyPart
+from tests.integration.latency_helpers import free_port, until
+from tests.kernel_modes import latency_modes
+
+# One thread, one select() over its listening sockets: each connection is read to its blank line, answered, closed.
+SERVER = """
+import selectors, socket, sys
+sel = selectors.DefaultSelector()
+for port in sys.argv[1:]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", int(port)))
+    s.listen(64)
+    sel.register(s, selectors.EVENT_READ)
+print("listening", flush=True)
+while True:
+    for key, _ in sel.select():
+        conn, _ = key.fileobj.accept()
+        buf = b""
+        while b"\\r\\n\\r\\n" not in buf:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            buf += chunk
+        conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 3\\r\\nConnection: close\\r\\n\\r\\nok\\n")
+        conn.close()
+"""
+
+
+def request(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        while c.recv(4096):
+            pass
+
+
+class Lab:
+    def __init__(self) -> None:
+        self.ports = {name: free_port() for name in ("a", "b", "c_gold", "c_bronze", "e_one", "e_two")}
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def config(self, mode: str) -> Any:
+        p = self.ports
+        tenants = [("gold-a", "gold", p["a"]), ("bronze-b", "bronze", p["b"]), ("gold-c", "gold", p["c_gold"]),
+                   ("bronze-c", "bronze", p["c_bronze"]), ("gold-e1", "gold", p["e_one"]),
+                   ("gold-e2", "gold", p["e_two"])]
+        return parse({"tenants": [{"name": n, "tier": t, "match": {"ports": [port]}} for n, t, port in tenants],
+                      "latency": {"mode": mode, "ports": sorted(p.values()), "window": "1s"}}, "test")
+
+    def serve(self, *names: str) -> None:
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, *(str(self.ports[n]) for n in names)],
+                                stdout=subprocess.PIPE)
+        self.procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"listening"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    lab = Lab()
+    try:
+        for names in (("a",), ("b",), ("c_gold", "c_bronze"), ("e_one", "e_two")):
+            lab.serve(*names)
+        yield lab
+    finally:
+        lab.close()
+
+
+def counts(part: LatencyPart) -> dict[str, int]:
+    return {tier: h.count for tier, h in part.runqueue_tiers.items()}
+
+
+def settle(cap: Latency, past: float = 1.2) -> LatencyPart:
+    """Ticks for `past` seconds (the capability re-lists the serving threads once a second), the last part."""
+    end = time.monotonic() + past
+    part = cap.collect()
+    while time.monotonic() < end:
+        cap.maintain()
+        part = cap.collect()
+        time.sleep(0.05)
+    return part
+
+
+def traffic(cap: Latency, port: int, rows: set[str], before: dict[str, int], n: int = 20) -> dict[str, int]:
+    """n connections to port (each wakes its server), then ticks until every row of `rows` gained waits."""
+    for _ in range(n):
+        request(port)
+
+    def now() -> dict[str, int]:
+        cap.maintain()
+        return counts(cap.collect())
+
+    return until(now, lambda got: all(got.get(r, 0) > before.get(r, 0) for r in rows))
+
+
+@pytest.mark.privileged
+@pytest.mark.parametrize("mode", latency_modes())
+def test_each_server_waits_in_its_tiers_row_and_one_serving_two_tiers_in_the_shared_row(bpf: None, lab: Lab,
+                                                                                      mode: str) -> None:
+    fs = HostFS("/")
+    ensure_mounted(fs)
+    cap = Latency(AgentContext(config=lab.config(mode), hostfs=fs, gpu=NoGpu("test")))
+    verdict = cap.probe(probe(fs))
+    assert verdict.state is not State.UNAVAILABLE and verdict.plan.runq, verdict.reason
+    cap.start(verdict.plan)
+    try:
+        # A process is noted by its first connection, its threads followed from the next re-listing (1 s): a first
+        # connection to each, then their waits.
+        for port in lab.ports.values():
+            if port != lab.ports["c_bronze"]:  # C's bronze port last: C serves gold alone until then
+                request(port)
+        base = counts(settle(cap))
+        assert SHARED_TIER not in base, base
+        got = traffic(cap, lab.ports["a"], {"gold"}, base)
+        assert got.get("gold", 0) > base.get("gold", 0), got
+        got = traffic(cap, lab.ports["b"], {"bronze"}, got)
+        assert got.get("bronze", 0) > base.get("bronze", 0), got
+        # E serves two gold tenants: one tier, so gold's row, not the shared one.
+        request(lab.ports["e_two"])
+        got = counts(settle(cap))
+        got = traffic(cap, lab.ports["e_one"], {"gold"}, got)
+        assert SHARED_TIER not in got, got
+        # C, so far gold's, now serves bronze too: from the next re-listing on, its waits are the shared row's.
+        request(lab.ports["c_bronze"])
+        before = counts(settle(cap))
+        got = traffic(cap, lab.ports["c_gold"], {SHARED_TIER}, before)
+        got = traffic(cap, lab.ports["c_bronze"], {SHARED_TIER}, got)
+        assert got.get(SHARED_TIER, 0) > 0, got
+        # ... and in neither tier's: A, B and E were idle meanwhile.
+        assert (got.get("gold"), got.get("bronze")) == (before.get("gold"), before.get("bronze")), (before, got)
+        part = cap.collect()
+        assert part.runqueue == sum(part.runqueue_tiers.values(), Histogram())  # every process's: the rows' sum
+    finally:
+        cap.stop()
