@@ -28,6 +28,7 @@ from qosagent.latency.capability import Latency
 from qosagent.latency.model import SHARED_TIER, LatencyPart
 from tests.integration.latency_helpers import free_port, until
 from tests.kernel_modes import latency_modes
+from testkit.agent import TIME_SCALE
 
 # One thread, one select() over its listening sockets: each connection is read to its blank line, answered, closed.
 SERVER = """
@@ -121,7 +122,7 @@ def traffic(cap: Latency, port: int, rows: set[str], before: dict[str, int], n: 
         cap.maintain()
         return counts(cap.collect())
 
-    return until(now, lambda got: all(got.get(r, 0) > before.get(r, 0) for r in rows))
+    return until(now, lambda got: all(got.get(r, 0) > before.get(r, 0) for r in rows), timeout=10.0 * TIME_SCALE)
 
 
 @pytest.mark.privileged

@@ -32,6 +32,8 @@ from tests.vm import runner
 KERNEL_DEPENDENT = [
     "tests/integration/test_kernel_modes.py",
     "tests/integration/test_latency_probes.py",
+    # The run-queue probes by tier: the sched tracepoints and each mode's hook noting the serving process.
+    "tests/integration/test_latency_runq_tiers.py",
     # Not the silent-hooks test by traffic: it needs sockops (>= 6.15), which no kernel of the matrix has (its empty
     # parameter set would be a skip, which the matrix fails).
     "tests/integration/test_latency_selftest.py::test_hooks_seen_running_keep_the_verdict",
