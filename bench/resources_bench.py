@@ -8,7 +8,8 @@ request, bronze four burning 50 ms, each in a cgroup of its own with equal CPU w
 network namespace of their own. Gold's clients: one connection at a time, 20 ms apart; bronze's flood: eight
 connections back to back. Each request is answered in one write, so its time to first byte is its time to first
 token (measured by the client). Each phase runs an agent of its own (latency and resources, nothing else: no
-request is dropped, CPU is the only lever); its run-queue histogram covers both servers' threads.
+request is dropped, CPU is the only lever); its run-queue histograms give gold's server's threads apart (its tier's
+row) and both servers' (every tier's).
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ def phase(ns: str, tmp: Path, pins: str, name: str, n: int, gp: int, bp: int, se
         agent.kill()
     ms = [r[1] for r in json.loads((d / "gold.json").read_text()) if r[2]]  # testkit.load writes ms
     cuts = [x for x in st.get("decisions", []) if x["capability"] == "resources" and x["action"] == "cut"]
-    rq = st.get("latency", {}).get("runqueue_total") or {}
-    return {"ms": ms, "cuts": len(cuts), "runq_p99_ms": (rq.get("p99") or 0) * 1000}
+    lat = st.get("latency", {})
+    rq = lat.get("runqueue_total") or {}
+    gold_rq = (lat.get("runqueue_tiers_total") or {}).get("gold") or {}
+    return {"ms": ms, "cuts": len(cuts), "runq_p99_ms": (rq.get("p99") or 0) * 1000,
+            "gold_runq_p99_ms": (gold_rq.get("p99") or 0) * 1000, "gold_runq_waits": gold_rq.get("count", 0)}
 
 
 @contextlib.contextmanager
@@ -141,18 +145,22 @@ def main() -> None:
           f"{os.cpu_count()} CPUs shared, kernel {platform.release()})\n")
     print(f"{args.rounds} rounds x {args.seconds:g} s per phase, interleaved; gold's SLO {GOLD_SLO_MS:g} ms (p95 of "
           "`response`).\n")
-    print("| phase | gold requests | TTFT p50 ms | TTFT p99 ms | p99 / alone | run-queue p99 ms, both servers "
-          "(agent) | loop's cuts (would, in dry-run) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| phase | gold requests | TTFT p50 ms | TTFT p99 ms | p99 / alone | run-queue p99 ms, gold's server "
+          "(agent, its tier's row) | run-queue p99 ms, both servers | loop's cuts (would, in dry-run) |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in PHASES:
         rq = statistics.median(run["runq_p99_ms"] for run in got[p])
-        print(f"| {p} | {len(pooled[p])} | {p50[p]:.1f} | {p99[p]:.1f} | {p99[p] / p99['alone']:.2f} | {rq:.1f} | "
-              f"{sum(run['cuts'] for run in got[p])} |")
+        gold_rq = statistics.median(run["gold_runq_p99_ms"] for run in got[p])
+        print(f"| {p} | {len(pooled[p])} | {p50[p]:.1f} | {p99[p]:.1f} | {p99[p] / p99['alone']:.2f} | "
+              f"{gold_rq:.2f} | {rq:.1f} | {sum(run['cuts'] for run in got[p])} |")
     print(f"\nOn against off: p99 {p99['on'] / p99['off']:.2f}x, p50 {p50['on'] / p50['off']:.2f}x. p99 / alone per "
           "round, off: " + ", ".join(f"{pct(o['ms'], 0.99) / pct(a['ms'], 0.99):.2f}" for o, a in
                                      zip(got["off"], got["alone"]))
           + "; on: " + ", ".join(f"{pct(o['ms'], 0.99) / pct(a['ms'], 0.99):.2f}" for o, a in
                                  zip(got["on"], got["alone"])) + ".")
+    print("\nGold's own run-queue p99 per round (ms, waits): " + "; ".join(
+        f"{p} " + ", ".join(f"{run['gold_runq_p99_ms']:.2f} ({run['gold_runq_waits']})" for run in got[p])
+        for p in PHASES) + ".")
 
 
 if __name__ == "__main__":
