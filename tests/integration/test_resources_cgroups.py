@@ -391,10 +391,8 @@ def test_check_names_a_serving_cgroup_already_above_what_it_would_get_and_writes
         "gold", big, lab.dir("memory", big), usage), found
     assert abs(found["usage_bytes"] - used) < 16 << 20, (found, used)  # the same cgroup's, read a moment apart
     assert [(a["file"], a["limit_bytes"]) for a in found["above"]] == [(limit, 16 << 20)], found
-    text = subprocess.run(agent_argv("check", "--config", str(cfg)), env=agent_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert text.returncode == 0, text.stderr
-    (line,) = [x for x in text.stdout.splitlines() if x.startswith("resources ") and lab.token in x]
+    # The line the text output prints under FOUND (one check run: each costs ~25 s in the emulated matrix VM).
+    line = found["text"]
     assert f"tier gold: {lab.dir('memory', big)} (memory {lab.layout.versions['memory']}): {usage} " in line, line
     assert f"above the {limit} 16MiB it would get" in line, line
     assert {path: lab.files(path) for path in (big, small)} == before, "check writes nothing"

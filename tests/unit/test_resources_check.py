@@ -111,6 +111,7 @@ def test_check_names_each_v1_group_above_what_it_would_get_and_exits_as_before(t
            "reclaim brings it under" in bronze, bronze
     assert "tier gold: /sys/fs/cgroup/memory/srv/spare (memory v1): cannot tell whether it is above the limits it " \
            "would get: memory.usage_in_bytes reads 'max', not a byte count" in spare, spare
+    assert [f["text"] for f in js["findings"]["resources"]] == [line[len("resources    "):] for line in lines]
     found = {f["cgroup"]: f for f in js["findings"]["resources"]}
     assert set(found) == {"/srv/gold", "/srv/bronze", "/srv/spare"}
     assert found["/srv/gold"]["usage_bytes"] == 5 * GiB + (1 << 29)
