@@ -10,7 +10,9 @@ here). Rows are read as the kernel writes them, not the whole table first.
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -54,9 +56,63 @@ def listening_ports(lines: Iterable[str]) -> set[int]:
     return {s.port for s in parse(lines)}
 
 
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20  # linux/netlink.h, linux/sock_diag.h
+NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
+TCPF_LISTEN = 1 << 10
+_NLMSG = struct.Struct("=IHHII")  # struct nlmsghdr
+_REQ = struct.Struct("=BBBBI48x")  # struct inet_diag_req_v2, its socket id left zero
+# struct inet_diag_msg: family, state, timer, retrans; id: sport, dport (big-endian), src, dst (16 bytes each), if,
+# cookie; expires, rqueue, wqueue, uid, inode.
+_MSG = struct.Struct("=BBBB2s2x16s16x4x8x4x4x4x4xI")
+
+
+def _diag(family: int) -> list[Listener]:
+    """The listening TCP sockets of `family` in the agent's own network namespace, from the kernel's sock_diag:
+    only the listening hash is walked (/proc/net/tcp walks the whole established hash for its rows, ~5 ms per file
+    with 262,144 buckets even on an idle host). Each as /proc/net/tcp writes it: the address as host-order 32-bit
+    words in hex."""
+    out = []
+    words = 1 if family == socket.AF_INET else 4
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as s:
+        req = _REQ.pack(family, socket.IPPROTO_TCP, 0, 0, TCPF_LISTEN)
+        s.send(_NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + req)
+        while True:
+            data = s.recv(65536)
+            off = 0
+            while off + _NLMSG.size <= len(data):
+                length, kind = _NLMSG.unpack_from(data, off)[:2]
+                if kind == NLMSG_DONE:
+                    return out
+                if kind == NLMSG_ERROR:
+                    err = -struct.unpack_from("=i", data, off + _NLMSG.size)[0]
+                    raise OSError(err, f"sock_diag: {os.strerror(err)}")
+                _fam, state, _t, _r, sport, src, inode = _MSG.unpack_from(data, off + _NLMSG.size)
+                if state == 10:  # TCP_LISTEN
+                    local = "".join(f"{w:08X}" for w in struct.unpack_from(f"={words}I", src))
+                    out.append(Listener(int.from_bytes(sport, "big"), local, inode))
+                off += (length + 3) & ~3
+            if not data:
+                return out
+
+
+def own_netns(fs: HostFS) -> bool:
+    """Whether /proc/net under the host root is the agent's own network namespace's (the host's /proc, or the
+    agent's, rather than a copy of another host's tree): then the kernel's sock_diag answers for it."""
+    try:
+        return os.stat(fs.path("/proc/self/ns/net")).st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return False
+
+
 def listeners(fs: HostFS, pid: int | None = None) -> list[Listener] | None:
     """The listening sockets of pid's network namespace (tcp and tcp6; None: the agent's own), None when its
-    /proc entries are gone."""
+    /proc entries are gone. The agent's own are asked of the kernel (sock_diag) where it can: the same rows as
+    /proc/net/tcp{,6}, without its walk of every established socket's bucket."""
+    if pid is None and own_netns(fs):
+        try:
+            return _diag(socket.AF_INET) + _diag(socket.AF_INET6)
+        except OSError:
+            pass  # no sock_diag (a kernel without inet_diag): the tables, as before
     out: list[Listener] = []
     seen = False
     base = "/proc/net" if pid is None else f"/proc/{pid}/net"

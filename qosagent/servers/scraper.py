@@ -32,6 +32,7 @@ log = logging.getLogger("qosagent.servers")
 
 MAX_BODY = 32 << 20  # a vLLM exposition with every histogram is a few hundred KiB
 DISCOVER_EVERY = 10.0  # seconds between walks of /proc (ports, owners, process tree)
+ROUND_S = 0.05  # the least time between two passes of the reading thread
 
 NOT_A_SERVER = ("not read: its command line names no vllm, sglang, tgi, triton or llama-server server; list it "
                 "under servers: to read it")
@@ -203,6 +204,8 @@ class Scraper:
         self.round_errors = 0
         self._next_discovery = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by watch() and stop(): the thread's wait ends before its time
+        self.rounds = 0  # passes the thread made (tests count that it sleeps while nothing is due)
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -229,9 +232,11 @@ class Scraper:
         # After the ports: a round that has just taken the old time walks with the new ports (rediscover reads them
         # under the lock), one that has not walks now.
         self._next_discovery = self.clock()
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
@@ -248,8 +253,19 @@ class Scraper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the round: a watch() from here on is seen by it or ends the wait
             self._guarded(self.round)
-            self._stop.wait(0.05)
+            self.rounds += 1
+            self._wake.wait(self.idle_for())
+
+    def idle_for(self) -> float:
+        """Seconds until the next pass has anything to do: the next walk of /proc or the next server read due. A
+        wakeup costs ~65 us of CPU here even with nothing due (2026-12-02): at a fixed 50 ms that was 0.13 % of a
+        core for an idle agent. At least ROUND_S between passes, as before: a round that failed before its reads
+        does not spin."""
+        with self.lock:
+            due = min((t.next_at for t in self.targets.values() if t.read), default=self._next_discovery)
+        return min(max(ROUND_S, min(due, self._next_discovery) - self.clock()), self.discover_every)
 
     def round(self) -> None:
         """One pass: rediscover when due, then read every server whose interval has come round, in parallel."""

@@ -4,6 +4,7 @@ namespace and any process's), their addresses, and the processes that hold them.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from qosagent import listeners
@@ -80,3 +81,37 @@ def test_holders_first_or_every_process_of_a_shared_socket(tmp_path: Path) -> No
     assert holders(fs, [5001, 5002], pids) == {5001: [100], 5002: [200]}
     assert holders(fs, [5001, 5002], pids, every=True) == {5001: [100, 101, 102], 5002: [200]}
     assert holders(fs, [5003], pids) == {}
+
+
+def test_the_kernels_sock_diag_answers_as_the_agents_own_tables_do() -> None:
+    """The agent's own namespace is asked of sock_diag (only the listening hash walked): the same rows, address
+    text included, as /proc/net/tcp{,6} on this host, with listeners of both families bound here for the test; a
+    fixture root is no namespace of the agent's, so its files are read."""
+    socks = []
+    try:
+        for family, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::1"),
+                             (socket.AF_INET6, "::")):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((addr, 0))
+            s.listen()
+        fs = HostFS("/")
+        assert listeners.own_netns(fs)
+        files = []
+        for name in listeners.TABLES:
+            with open(f"/proc/net/{name}", encoding="ascii") as f:
+                files.extend(parse(f))
+        ours = {s.getsockname()[1] for s in socks}
+        got = listeners.listeners(fs)
+        assert got is not None and sorted(got, key=repr) == sorted(files, key=repr)
+        assert ours <= {s.port for s in got}
+        assert {s.address for s in on_ports(fs, ours)} == {"127.0.0.1", "0.0.0.0", "::1", "::"}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_fixture_root_is_not_the_agents_namespace(tmp_path: Path) -> None:
+    tables(tmp_path / "proc" / "net", V4, V6)
+    assert not listeners.own_netns(HostFS(tmp_path))
+    assert {s.inode for s in listeners.listeners(HostFS(tmp_path)) or ()} == {5001, 5002, 5003, 5004}

@@ -28,6 +28,7 @@ from qosagent.servers.scraper import (
     HTTP_ERROR,
     OK,
     REFUSED,
+    ROUND_S,
     TIMEOUT,
     Scraper,
     resolution,
@@ -415,6 +416,41 @@ def test_a_failing_round_is_counted_and_the_readings_go_on(tmp_path: Path) -> No
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert s.part().servers[0].scrapes.get("down", 0) >= 1  # still reading, between the failing walks
+    finally:
+        s.stop()
+
+
+def test_the_reading_thread_sleeps_until_something_is_due_and_a_watch_wakes_it(tmp_path: Path) -> None:
+    """Counted: with no server to read, the thread passes once per walk of /proc, not every 50 ms; a reload's new
+    ports end its wait at once."""
+    now = [100.0]
+    s = Scraper(HostFS(host(tmp_path)), None, [7000], clock=lambda: now[0], discover_every=10.0)
+    assert s.idle_for() == ROUND_S  # the first walk is due
+    s.round()
+    assert s.idle_for() == 10.0  # nothing read: the next walk, 10 s on
+    now[0] += 9.99
+    assert s.idle_for() == ROUND_S  # never under one round's time: a failing round does not spin
+    now[0] += 0.01
+    s.round()
+    t = s.targets[9000] = Scraper._target(ServerConfig(port=9000, kind="vllm"), True, "vllm")
+    t.next_at = now[0] + 1.0
+    assert s.idle_for() == 1.0  # the next read due
+    t.read = False
+    assert s.idle_for() == 10.0
+    del s.targets[9000]
+    s.start()
+    try:
+        deadline = time.monotonic() + 10
+        while s.rounds < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)  # six 50 ms rounds before
+        assert s.rounds == 1
+        s.watch([7000, 7001])  # the fake clock does not move: only the wake can bring the next walk
+        while s.rounds < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert s.ports == [7000, 7001]
     finally:
         s.stop()
 
