@@ -22,7 +22,7 @@ from qosagent.config import Config
 from qosagent.hostfs import HostFS
 from qosagent.ebpf import mapsize, pinned, pins
 from qosagent.ebpf.libbpf import obj_pin, pinned_map_info
-from qosagent.ebpf.maps import GEN_SIZE, Generations, Map, sync
+from qosagent.ebpf.maps import GEN_SIZE, ArrayRange, Generations, Map, sync
 from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
@@ -220,6 +220,12 @@ class Datapath:
         self._by_slot: dict[int, int] = {0: UNMATCHED_ID}  # slot -> tenant id, as of the last assignment
         # Which slots' counts to read each tick; every one at the first (adopted pins hold counts already).
         self._gens = Generations(self.program.map("quota_gen").fd, 0, 1, everything=True)
+        # The packets passed unchecked, by reason: every entry in one BPF_MAP_LOOKUP_BATCH, summed only when the bytes
+        # moved (at rest the same dict is handed on).
+        st = self.maps["quota_stats"]
+        self._stats_range = ArrayRange(st.fd, 0, len(layout.STAT_REASONS), ctypes.sizeof(st.value))
+        self._stats_raw = b""
+        self._stats: dict[str, int] = {}
         fd = self.maps["tenant_ports"].fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
 
@@ -314,6 +320,10 @@ class Datapath:
         self._gens.resize(max(keep.values(), default=0) + 1)  # the generations each tick reads: the slots in use
 
     def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
+        """Admission in enforce mode writes its overrides every tick: the same ones again change no entry, so no
+        slot's limit is worked out again (write_config and set_fleet write them all after any other change)."""
+        if overrides == self.overrides:
+            return
         self.overrides = dict(overrides)
         self._write_limits()
 
@@ -462,8 +472,9 @@ class Datapath:
     def read_changed(self) -> Reading:
         """The tick's read: the counts and buckets of only the slots whose generation moved (quota_gen: qos_common.h;
         every slot at the first two reads), the limits and the heartbeat as last written (this agent is
-        quota_config's only writer), the stats."""
-        return self._read(self._gens.changed(), dict(self._written), self.heartbeat_ns)
+        quota_config's only writer; a new dict each time they are written, never changed in place, so not copied
+        here), the stats."""
+        return self._read(self._gens.changed(), self._written, self.heartbeat_ns)
 
     def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit], heartbeat_ns: int) -> Reading:
         m = self.maps
@@ -479,11 +490,18 @@ class Datapath:
             if tid:
                 bk = bucket_t.lookup(slot)
                 buckets[tid] = (bk.req_tat, bk.conn_tat)
-        stats = {}
-        st = m["quota_stats"]
-        for i, reason in enumerate(layout.STAT_REASONS):
-            stats[reason] = sum(v.packets for v in st.lookup(i))
-        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, heartbeat_ns, len(read))
+        return Reading(time.monotonic_ns(), counts, self.stats(), limits, buckets, heartbeat_ns, len(read))
+
+    def stats(self) -> Mapping[str, int]:
+        """quota_stats summed over the CPUs, by reason; the same dict as last time while no count moved."""
+        raw = self._stats_range.data()
+        if raw != self._stats_raw:
+            per = len(raw) // len(layout.STAT_REASONS)
+            view = memoryview(raw)
+            self._stats = {reason: sum(view[i * per:(i + 1) * per].cast("Q"))
+                           for i, reason in enumerate(layout.STAT_REASONS)}
+            self._stats_raw = raw
+        return self._stats
 
     def flows(self) -> dict[tuple[str, int, str, int], tuple[int, str]]:
         """(client addr, client port, local addr, local port) -> (tenant id, how it was resolved); for tests/status."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 from qosagent.config import parse
 from qosagent.quota.datapath import Reading
 from qosagent.quota.layout import QuotaLimit
-from qosagent.quota.reading import Tenants
-from qosagent.tenants import TenantLimit, baseline, tenant_id, tenant_table
+from qosagent.quota.model import QuotaPart
+from qosagent.quota.reading import Tenants, part
+from qosagent.tenants import UNMATCHED_ID, TenantLimit, baseline, tenant_id, tenant_table
 
 CFG = parse({"tenants": [{"name": f"t{i}", "tier": "silver", "match": {"ports": [18000 + i]},
                           "quota": {"rps": 100, "burst": 10}} for i in range(100)]}, "test")
@@ -36,14 +37,49 @@ def test_only_tenants_that_moved_are_rebuilt_and_rates_drain_unread() -> None:
     for i in range(11, 24):
         view.update(read(i / 10, {}), TABLE, SPECS, {}, {}, 1.0)
     assert view.tenants["t3"].admitted == 50 and view.tenants["t3"].admitted_rps == 0.0
-    # An override of one tenant may change what is in force: every tenant is worked out again, once.
-    before = dict(view.tenants)
+    # An override of one tenant may change what is in force: every tenant is worked out again, once; those that came
+    # out the same are handed on as they were.
+    before, version = dict(view.tenants), view.version
     view.update(read(2.4, {}), TABLE, SPECS, {"t7": TenantLimit(10, 1)}, {}, 1.0)
-    assert view.tenants["t7"].limit == TenantLimit(10, 1)
-    assert view.tenants["t8"] is not before["t8"] and view.tenants["t8"] == before["t8"]
+    assert view.tenants["t7"].limit == TenantLimit(10, 1) and view.version == version + 1
+    assert view.tenants["t8"] is before["t8"]
     again = dict(view.tenants)
     view.update(read(2.5, {}), TABLE, SPECS, {"t7": TenantLimit(10, 1)}, {}, 1.0)
     assert view.tenants["t8"] is again["t8"]
+
+
+def test_a_tick_at_rest_hands_on_the_last_part_and_copies_no_tenant() -> None:
+    """Counted: with no slot read, no rate draining and the same stats, the part is the one made the tick before (no
+    copy of the 100 tenants' rows); a tenant that moves, a count passed unchecked or the unmatched tenant's count
+    each make a new one."""
+    view = Tenants()
+    view.update(read(0.0, {tid: (0, 0, 0, 0) for tid in TABLE}), TABLE, SPECS, {}, {}, 1.0)
+    stats = {"unmatched": 0}
+
+    def tick(t: float, counts: dict[int, tuple[int, int, int, int]], st: dict[str, int] = stats) -> QuotaPart:
+        r = read(t, counts)
+        r = Reading(r.ktime_ns, r.counts, st, r.limits, r.buckets, r.heartbeat_ns, r.rows_read)
+        view.update(r, TABLE, SPECS, {}, {}, 1.0)
+        return part(r, view, ("lo",), "/pins", (), ())
+
+    first = tick(0.1, {})
+    version = view.version
+    for i in range(2, 30):
+        assert tick(i / 10, {}) is first
+    assert view.version == version
+    busy = tick(3.0, {BUSY: (1, 0, 0, 0)})
+    assert busy is not first and busy.tenants["t3"].admitted == 1 and busy.rows_read == 1
+    # Its rate over the last second moves with time alone, until its window is empty: a part is handed on exactly
+    # when it would be made equal.
+    parts = [busy] + [tick(3.1 + i / 10, {}) for i in range(14)]
+    assert all((b is a) == (b == a) for a, b in zip(parts, parts[1:]))
+    assert any(b is not a for a, b in zip(parts[1:], parts[2:]))
+    assert parts[-1].tenants["t3"].admitted_rps == 0.0 and parts[-1] is parts[-2]
+    unchecked = tick(4.5, {}, {"unmatched": 2})
+    assert unchecked is not parts[-1] and unchecked.unmatched_packets == 2
+    assert tick(4.6, {}, {"unmatched": 2}) is unchecked
+    unmatched = tick(4.7, {UNMATCHED_ID: (4, 0, 0, 0)}, {"unmatched": 2})
+    assert unmatched is not unchecked and unmatched.unmatched_counts == (4, 0, 0, 0)
 
 
 def test_the_heartbeat_is_written_five_times_per_timeout_not_every_tick() -> None:
@@ -68,3 +104,26 @@ def test_the_heartbeat_is_written_five_times_per_timeout_not_every_tick() -> Non
         q.maintain()
     assert beats == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
     assert heartbeat_every(5.0) == 1.0  # the default timeout: once a second
+
+
+def test_the_same_overrides_again_work_out_no_limit() -> None:
+    """Counted: admission in enforce mode hands quota its overrides every tick; the same ones again walk no slot
+    (at 1,000 tenants that walk was every tenant's limit built and compared each tick), a change does."""
+    from qosagent.quota.datapath import Datapath
+    from qosagent.quota.rules import Bucket
+
+    class Maps:
+        overrides: dict[int, Bucket] = {}
+        walks = 0
+
+        def _write_limits(self) -> None:
+            self.walks += 1
+
+    d = Maps()
+    cut = {BUSY: Bucket(20_000_000, 200_000_000)}
+    for _ in range(5):
+        Datapath.set_overrides(d, dict(cut))  # type: ignore[arg-type]
+    assert d.walks == 1 and d.overrides == cut
+    Datapath.set_overrides(d, {})  # type: ignore[arg-type]
+    Datapath.set_overrides(d, {})  # type: ignore[arg-type]
+    assert d.walks == 2 and d.overrides == {}
