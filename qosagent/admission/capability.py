@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Container, Iterable
 
 from qosagent.admission import export, policy
-from qosagent.admission.inputs import baseline, tick_input
+from qosagent.admission.inputs import INPUT_PARTS, baseline, same_parts, tick_input
 from qosagent.admission.model import ADMISSION, AdmissionPart, GpuAdmission, TenantAdmission, TierAdmission
 from qosagent.admission.precleanup import PreCleanup
 from qosagent.capability import UNCHANGED, Attention, Capability, Change, State, Verdict
@@ -75,6 +75,8 @@ class Admission(Capability):
         self._at_rest: dict[str, TenantAdmission] = {}
         self._all_at_rest: tuple[TenantAdmission, ...] = ()  # the report's rows while no tenant is cut or shed
         self._tier_slo: dict[str, float] = {}  # the SLO of each tier with tenants (slo.tier_slos), per config
+        # The last input, and what it was made of: (config, baseline, the parts it read).
+        self._input: tuple[tuple[Any, Any, tuple[Any, ...]], policy.TickInput] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:
@@ -141,7 +143,15 @@ class Admission(Capability):
                                           policy.BASELINE) for t in cfg.tenants}
             self._all_at_rest = tuple(self._at_rest.values())
             self._tier_slo = tier_slos(cfg)
-        inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
+        # The parts it reads handed on from the tick before (a tick at rest: latency's and quota's are the same
+        # objects), the same input at this tick's time.
+        made = (cfg, self.baseline, tuple(snapshot.part(k) for k in INPUT_PARTS))
+        last = self._input
+        if last is not None and last[0][0] is cfg and last[0][1] is self.baseline and same_parts(last[0][2], made[2]):
+            inp = dataclasses.replace(self._input[1], now=snapshot.monotonic)
+        else:
+            inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
+        self._input = (made, inp)
         out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state
         self.outcome = out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from qosagent.admission.policy import (
     MEMORY_EVIDENCE,
@@ -184,6 +184,18 @@ class TenantInputs(Mapping[str, TenantInput]):
             sheddable=tier.sheddable,
             ports=frozenset(t.match.ports),
         )
+
+
+# Every part tick_input reads of the snapshot (besides its time): the same parts as the last tick's give the same
+# input. Latency's and quota's by identity: at rest they are the parts of the tick before, handed on, and comparing
+# their tenants' rows by value would cost what it saves; the small ones by value (the servers' is made anew each tick).
+INPUT_PARTS = (LATENCY, QUOTA, SERVERS, RESOURCES, GPU)
+_BY_IDENTITY = 2
+
+
+def same_parts(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two ticks' INPUT_PARTS give tick_input the same input."""
+    return all(x is y for x, y in zip(a[:_BY_IDENTITY], b[:_BY_IDENTITY])) and a[_BY_IDENTITY:] == b[_BY_IDENTITY:]
 
 
 def tick_input(snap: Snapshot, cfg: Config, baseline: Mapping[str, TenantLimit],

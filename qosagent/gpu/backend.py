@@ -132,6 +132,7 @@ class NoGpu:
     kind: str = UNAVAILABLE
     name: str = "none"
     _devices: list[GpuDevice] = field(default_factory=list)
+    _last: GpuState | None = field(default=None, repr=False, compare=False)
 
     def open(self) -> None:
         pass
@@ -143,7 +144,12 @@ class NoGpu:
         return []
 
     def sample(self) -> GpuState:
-        return GpuState(available=False, reason=self.reason, cause=self.kind)
+        # The same (frozen) state every tick while reason and kind stay: nothing built, and what is made from it
+        # downstream may be handed on.
+        last = self._last
+        if last is None or last.reason != self.reason or last.cause != self.kind:
+            last = self._last = GpuState(available=False, reason=self.reason, cause=self.kind)
+        return last
 
     def _none(self, *_a: object) -> None:
         raise GpuError(UNAVAILABLE, self.reason)

@@ -71,6 +71,7 @@ class Latency(Capability):
         self._view = reading.Tenants(ctx.config.latency.window)
         # The configured tenants' SLOs and their tiers', as of the last start or reload (SloVerdict's).
         self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        self._published: tuple[tuple[Any, ...], LatencyPart] | None = None  # the last part, and what it was made of
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
         self._threads = runq.Threads()
@@ -191,17 +192,24 @@ class Latency(Capability):
         seen = self.hooks.verified_by_traffic(view.counted, now, self._tracked, cfg.latency.verify_within)
         if seen is not None:
             self.verdict = seen
+        found, unobserved = self.hooks.found(), self.hooks.unobserved()
+        hooks = self.hooks.view(self.attached(), self.programs)
+        namespaces = self._pods.followed if self._pods is not None else ()
+        made = (view.version, cfg, self._slos, self._runq_names, found, unobserved, hooks, namespaces,
+                changes.rows_read)
+        if self._published is not None and self._published[0] == made:
+            return self._published[1]  # a tick at rest: nothing in the part would differ, no tenant's row copied
         rq = view.runqueue(self._runq_names) if self.runq else None
         slos, tier_slo = self._slos
         verdict = SloVerdict(dict(view.windows), slos, tier_slo, adm.signal, adm.quantile, adm.near_slo,
                              adm.healthy_below, frozenset(view.busy))
-        return LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants),
+        part = LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants),
                            runqueue=rq.total if rq else None, runqueue_window=rq.window if rq else None,
                            runqueue_tiers=rq.tiers if rq else {}, runqueue_tiers_window=rq.tiers_window if rq else {},
-                           found_open=self.hooks.found(),
-                           unobserved=self.hooks.unobserved(), hooks=self.hooks.view(self.attached(), self.programs),
-                           slo=slos, namespaces=self._pods.followed if self._pods is not None else (),
+                           found_open=found, unobserved=unobserved, hooks=hooks, slo=slos, namespaces=namespaces,
                            verdict=verdict, rows_read=changes.rows_read)
+        self._published = (made, part)
+        return part
 
     def kernel_maps(self, plan: Plan) -> list[Any]:
         return datapath.map_sizes(self.ctx.config, plan)

@@ -44,6 +44,7 @@ class Tenants:
         self.windows: dict[str, tuple[str, Histogram]] = {}  # name -> (tier, its window of the signal)
         self.busy: set[str] = set()  # the tenants whose window of the signal holds requests
         self.counted = 0  # connections tracked and requests started, every tenant's (hooks.counted)
+        self.version = 0  # moves whenever tenants, windows, busy or the run queue's windows may have: a part anew
 
     def configure(self, current: Mapping[int, TenantInfo], known: Mapping[int, TenantInfo], window_s: float) -> None:
         """The config's tenants (current), and the names of any a reload removed (known); a new window length starts
@@ -59,10 +60,13 @@ class Tenants:
         for tid, new in changes.tenants.items():
             self.counted += _counted(new) - _counted(w.current(tid))
         moved = w.tick(now, changes.tenants)
-        if self._runq.tick(now, changes.runq or {}) or changes.runq:
+        runq_moved = self._runq.tick(now, changes.runq or {})
+        if runq_moved or changes.runq:
             self._runq_view = None
         elapsed = now - w.start
         everything = self._everything or signal != self._signal
+        if everything or changes.tenants or moved or self._windowed or changes.runq or runq_moved:
+            self.version += 1
         if everything:
             # Configured tenants, and any a reload removed that still have counts since start.
             rebuild = sorted(set(self._current) | set(w.keys()))

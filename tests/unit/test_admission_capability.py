@@ -125,6 +125,30 @@ def test_enforce_writes_overrides_every_tick_and_clears_them_on_stop() -> None:
     assert w.calls[-1] == {}
 
 
+def test_a_tick_whose_parts_are_the_last_ones_builds_no_new_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted: parts handed on from the tick before (a tick at rest) are the same input at the new time: no input
+    is built again, and what the loop does with time (the breach streak, the cut) is as with inputs built anew."""
+    from qosagent.admission import capability as module
+
+    built = []
+    monkeypatch.setattr(module, "tick_input", lambda *a, **k: built.append(a[0].seq) or tick_input(*a, **k))
+    w = FakeLimits()
+    cap = capability("enforce", w)
+    parts = dict(snapshot(0, gold_ms=200).parts)
+    decisions = []
+    for i in range(3):
+        d = cap.decide(Snapshot.build(i, 100.0 + i * 0.1, 1.7e9 + i * 0.1, parts))
+        cap.apply(d)
+        decisions += d
+    assert built == [0]
+    assert [(d.target, d.action, d.reason, d.applied) for d in decisions] == [("hobby", "cut", "slo_breach", True)]
+    assert cap.state.healthy_streak == 0 and cap.state.breach_streak["gold"] == 3
+    assert w.calls[-1] == {"hobby": TenantLimit(56.0, 6)}
+    parts["latency"] = snapshot(3, gold_ms=50).parts["latency"]  # a part that moved: built anew
+    cap.decide(Snapshot.build(3, 100.3, 1.7e9 + 0.3, parts))
+    assert built == [0, 3] and cap.state.breach_streak["gold"] == 0
+
+
 def test_dry_run_computes_and_reports_but_writes_nothing() -> None:
     w = FakeLimits()
     cap = capability("dry-run", w)

@@ -1,0 +1,41 @@
+"""Latency's tick as the part's numbers (qosagent/latency/reading.py): what moves the version the capability makes a
+new part at, and what leaves it (a tick at rest rebuilds nothing and copies no tenant)."""
+
+from __future__ import annotations
+
+from qosagent.hist import Histogram
+from qosagent.latency import bpfmaps as bm
+from qosagent.latency.reading import Tenants
+from qosagent.tenants import TenantInfo
+
+TABLE = {i: TenantInfo(i, f"t{i}", "silver", 0, 1.0) for i in range(1, 101)}
+QUIET = bm.Changes({}, None, 0)
+
+
+def sent(n: int) -> bm.Cumulative:
+    h = Histogram.of([1_000_000] * n)
+    return bm.Cumulative((h,) * bm.KINDS, {bm.C_STARTED: n})
+
+
+def test_a_tick_at_rest_moves_nothing_and_a_window_draining_does() -> None:
+    view = Tenants(1.0)
+    view.configure(TABLE, TABLE, 1.0)
+    view.update(0.0, QUIET, "response")  # every tenant, once
+    first, version = dict(view.tenants), view.version
+    for i in range(1, 20):
+        view.update(i / 10, QUIET, "response")
+    assert view.version == version and all(view.tenants[n] is t for n, t in first.items())
+    view.update(2.0, bm.Changes({3: sent(5)}, None, 1), "response")
+    assert view.version == version + 1 and view.tenants["t3"].requests == 5
+    # t3's window holds requests: its rate moves with time, a new part each tick, until the window is empty.
+    drained = []
+    for i in range(1, 16):
+        before = view.version
+        view.update(2.0 + i / 10, QUIET, "response")
+        drained.append((view.version != before, view.tenants["t3"].response_window.count))
+    assert drained[0] == (True, 5) and drained[-1] == (False, 0)
+    assert [moved for moved, _ in drained].index(False) == [n for _, n in drained].index(0) + 1
+    # The run queue's row read moves it too (its window is in the part).
+    before = view.version
+    view.update(4.0, bm.Changes({}, {bm.RUNQ_SHARED: Histogram.of([1_000])}, 1), "response")
+    assert view.version == before + 1
