@@ -47,7 +47,11 @@ struct lat_scan {
     __u8 psh;
 };
 
-BPF_PROG_ARRAY(lat_tail, 1); /* lat_egress_framing, put there by the agent */
+/* The tail-call slots, filled by the agent (qosagent/latency/links.py): lat_egress_framing, and (sockops mode) lat_egress
+ * for the egress learner. */
+#define LAT_TAIL_FRAMING 0
+#define LAT_TAIL_EGRESS 1
+BPF_PROG_ARRAY(lat_tail, 2);
 
 BPF_PERCPU_ARRAY(lat_scan_buf, struct lat_scan, 1);
 
@@ -333,7 +337,7 @@ static __always_inline void lat_response_segment(struct __sk_buff *skb, struct l
      * body bytes: verified apart, its paths do not multiply with this one's. When the header block ended in a later
      * segment than it began (its lines were not all scanned here), or the call fails, the end comes from what follows. */
     if (!s->scanned)
-        lat_tail.call(skb, 0);
+        lat_tail.call(skb, LAT_TAIL_FRAMING);
     if (used < len)
         lat_body(skb, s, off + used, len - used, psh, now);
 }

@@ -68,7 +68,7 @@ class CgroupWatch:
         try:
             sockops = self.prog.fd("lat_sockops")
             learn = self.prog.fd("lat_ingress_learn")
-            egress_learn = self.prog.fd("lat_egress_learn")
+            egress_learn = links.load_egress_learn(self.prog)
             self._ingress = CgroupLinks(self.prog.fd("lat_ingress"), ATTACH_CGROUP_INET_INGRESS, self.fs)
             self._egress = CgroupLinks(links.load_egress(self.prog), ATTACH_CGROUP_INET_EGRESS, self.fs)
             self._index = CgroupIndex(self.fs, self.root)

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from qosagent.ebpf.pinned import Program
     from qosagent.hostfs import HostFS
 
+TAIL_FRAMING, TAIL_EGRESS = 0, 1  # lat_tail's slots (bpf/include/lat_http.h)
+
 
 def cgroup_root(fs: "HostFS") -> str:
     """The host path of the cgroup2 hierarchy the programs are linked on."""
@@ -37,8 +39,16 @@ def load_egress(prog: "Program") -> int:
     """lat_egress (its fd), with lat_egress_framing in its tail-call slot: the framing reader is verified as a
     program of its own (bpf/include/lat_http.h, lat_response_segment)."""
     egress = prog.fd("lat_egress")
-    prog.map("lat_tail").update(0, prog.fd("lat_egress_framing"))
+    prog.map("lat_tail").update(TAIL_FRAMING, prog.fd("lat_egress_framing"))
     return egress
+
+
+def load_egress_learn(prog: "Program") -> int:
+    """lat_egress_learn (its fd; sockops mode), with lat_egress, which it tail-calls, in its slot: one copy of the
+    egress parser compiled and verified, not two (bpf/latency_sockops.c)."""
+    learn = prog.fd("lat_egress_learn")
+    prog.map("lat_tail").update(TAIL_EGRESS, load_egress(prog))
+    return learn
 
 
 def close(fd: int | None) -> None:

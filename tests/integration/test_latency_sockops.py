@@ -19,6 +19,7 @@ from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
 from qosagent.latency.capability import Latency
+from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.links import cgroup_root
 from qosagent.latency.model import Plan
 from tests.conftest import require
@@ -128,6 +129,28 @@ def test_a_server_running_before_the_agent_is_timed_by_the_learner_from_its_firs
         server.kill()
         server.wait()
     assert not programs_on(cgroup)
+
+
+@pytest.mark.privileged
+def test_the_learners_alone_time_a_request_to_its_response(bpf: None, cgroup: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """lat_egress_learn runs lat_egress by a tail call (one copy compiled and verified): with the server's cgroup
+    never linked, the root's learners alone see the request arrive and its response leave."""
+    port = free_port()
+    server = start_server(cgroup, port)
+    monkeypatch.setattr(CgroupWatch, "link", lambda self, cgid, tgid, path=None: None)
+    cap, plan = latency(port)
+    cap.start(plan)
+    try:
+        get(port)
+        t = until(lambda: cap.collect().tenants["svc"], lambda t: t.requests >= 1)
+        assert (t.requests, t.connections, t.unpaired, t.headers.count) == (1, 1, 0, 1)
+        assert 0.02 <= t.headers.quantile(0.5) <= 0.03
+        assert cap.hooks.watch.cgroups() == []
+    finally:
+        cap.stop()
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.privileged
