@@ -20,7 +20,11 @@ def verdict(cfg: LatencyConfig, features: Features) -> Verdict:
     sockops_ok = features.sockops_sendmsg and bool(features.cgroup2)
     tracepoints_ok = all(features.has_tracepoint(tp) for tp in SOCKET_TRACEPOINTS)
     set_state = features.has_tracepoint("sock/inet_sock_set_state")
-    kprobe_fns = all(features.kprobe_functions.get(fn, False) for fn, _ in KPROBES)
+
+    def kprobe_fns() -> bool:
+        # Asked only where kprobe mode is considered: the answer reads /proc/kallsyms (~0.05 s, features.py).
+        return all(features.kprobe_functions.get(fn, False) for fn, _ in KPROBES)
+
     notes = []
     arrival = egress = False
     if cfg.mode == "sockops" or (cfg.mode == "auto" and sockops_ok):
@@ -33,7 +37,7 @@ def verdict(cfg: LatencyConfig, features: Features) -> Verdict:
         egress = True  # and the egress program response bytes leave
     elif cfg.mode in ("auto", "tracepoint") and set_state and tracepoints_ok:
         mode = "tracepoint"
-    elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes and kprobe_fns:
+    elif cfg.mode in ("auto", "kprobe") and set_state and features.kprobes and kprobe_fns():
         mode = "kprobe"
         notes.append("kprobe fallback on " + "/".join(fn for fn, _ in KPROBES))
     else:

@@ -273,6 +273,27 @@ def test_probe_prefers_sockops_where_the_kernel_and_a_cgroup2_mount_allow_and_ho
     assert state == "unavailable" and "kprobes" in reason
 
 
+class _Unasked(dict):  # type: ignore[type-arg]
+    """kprobe_functions that fail when asked: answering reads /proc/kallsyms (features.KprobeFunctions)."""
+
+    def __getitem__(self, name: str) -> bool:
+        raise AssertionError(f"kprobe_functions asked about {name}")
+
+    get = __getitem__  # type: ignore[assignment]
+
+
+def test_planning_sockops_or_tracepoints_never_asks_for_kprobe_functions() -> None:
+    from qosagent.features import TRACEPOINTS, Features
+    from qosagent.latency import planning
+    from qosagent.latency.config import LatencyConfig
+
+    for sockops, mode in ((True, "sockops"), (False, "tracepoint")):
+        f = Features(tracepoints={tp: tp in ALL_TP for tp in TRACEPOINTS}, kprobes=True,
+                     kprobe_functions=_Unasked(), sockops_sendmsg=sockops, cgroup2="/sys/fs/cgroup")
+        v = planning.verdict(LatencyConfig(), f)
+        assert v.plan is not None and v.plan.mode == mode
+
+
 def test_probe_degrades_without_sched_tracepoints_only_when_runqueue_is_wanted() -> None:
     sock_only = {tp for tp in ALL_TP if tp.startswith("sock/")}
     state, reason, _ = _probe(sock_only)
