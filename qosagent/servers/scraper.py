@@ -252,8 +252,13 @@ class Scraper:
             log.exception("read round failed")
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.clear()  # before the round: a watch() from here on is seen by it or ends the wait
+        while True:
+            # The wake is cleared before the stop is looked at: a stop() from here on is seen now or ends the wait.
+            # Looked at first, a stop() between the look and the clear had its wake wiped, and the thread slept on
+            # for up to discover_every while stop() gave up its join and shut the pool down under it.
+            self._wake.clear()  # before the round too: a watch() from here on is seen by it or ends the wait
+            if self._stop.is_set():
+                break
             self._guarded(self.round)
             self.rounds += 1
             self._wake.wait(self.idle_for())

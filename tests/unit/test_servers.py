@@ -455,6 +455,45 @@ def test_the_reading_thread_sleeps_until_something_is_due_and_a_watch_wakes_it(t
         s.stop()
 
 
+def test_a_stop_between_the_threads_look_and_its_clear_of_the_wake_is_not_lost(tmp_path: Path) -> None:
+    """Ordered, not timed: stop() lands just before the thread clears its wake (what stop() does is done inside
+    that clear). The thread must end without another round and without entering a wait with the stop set: that
+    wait would last discover_every (an hour here, the clock does not move) while stop() gave up its join."""
+    s = Scraper(HostFS(host(tmp_path)), None, [7000], clock=lambda: 100.0, discover_every=3600.0)
+
+    class Wake(threading.Event):
+        clears = 0
+        waits_stopped: list[bool] = []
+
+        def clear(self) -> None:
+            type(self).clears += 1
+            if type(self).clears == 2:  # the second pass, as stop() would: the stop, then the wake
+                s._stop.set()
+                self.set()
+            super().clear()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits_stopped.append(s._stop.is_set())
+            return True if s._stop.is_set() else super().wait(timeout)  # a lost stop fails the assert, not the clock
+
+    s._wake = Wake()
+    s.start()
+    try:
+        deadline = time.monotonic() + 10
+        while s.rounds < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s._wake.set()  # end the first wait: the next pass clears the wake with the stop landing just before
+        thread = s._thread
+        assert thread is not None
+        thread.join(30)  # a bound for a broken thread only; the assert below is what fails
+        assert not thread.is_alive()
+        assert Wake.clears == 2 and s.rounds == 1
+        assert True not in Wake.waits_stopped
+    finally:
+        s.stop()
+
+
 def test_probe_warns_when_a_tenant_claims_the_port_the_metrics_are_read_on(tmp_path: Path) -> None:
     from qosagent.capability import AgentContext, State
     from qosagent.config import parse as parse_config
