@@ -105,7 +105,11 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
         health_listen: str | None, web_config_file: str | None) -> None:
     """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config). On exit every capability
     rolls back, except that quota's classifier stays enforcing for the next agent (see --detach-on-exit)."""
-    from qosagent import logs, prestart
+    from qosagent import logs
+    from qosagent.daemon import Agent
+    from qosagent.metrics import MetricsServer, health_server
+    from qosagent.status import StatusServer
+    from qosagent.weblisten import security
 
     overrides = {"listen": metrics_listen, "health_listen": health_listen, "web_config_file": web_config_file}
     try:
@@ -116,15 +120,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
     _refuse_old_kernel(cfg)
     logs.setup(cfg.log_level)
     log = logging.getLogger("qosagent.cli")
-    hostfs = HostFS(host_root)
-    # Latency's compile child (a cold start's longest wait) begins before the rest of the agent is imported.
-    features = prestart.begin(cfg, hostfs)
-    from qosagent.daemon import Agent
-    from qosagent.metrics import MetricsServer, health_server
-    from qosagent.status import StatusServer
-    from qosagent.weblisten import security
-
-    agent = Agent(cfg, hostfs, config_path)
+    agent = Agent(cfg, HostFS(host_root), config_path)
     agent.metrics_overrides = overrides
     agent.ctx.detach_on_exit = detach_on_exit
     agent.install_signal_handlers()
@@ -157,7 +153,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
         # The loop pings once per tick: a unit's WatchdogSec shorter than three ticks would kill a healthy agent.
         sd_notify(f"WATCHDOG_USEC={int(3 * cfg.interval * 1e6)}")
     try:
-        agent.start(settle=False, features=features)
+        agent.start(settle=False)
         agent.run(notify=sd_notify)
     finally:
         sd_notify("STOPPING=1")

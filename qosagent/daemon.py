@@ -7,7 +7,6 @@ unavailable and the rest run on; one that fails in a tick is counted and degrade
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import logging
 import signal
@@ -121,12 +120,11 @@ class Agent:
         """endpoint (the status socket, the metrics server) is closed when the agent stops."""
         self._endpoints.append(endpoint)
 
-    def start(self, settle: bool = True, features: features_mod.Features | None = None) -> None:
+    def start(self, settle: bool = True) -> None:
         """Probe and start every enabled capability; then settle_heap(), unless `settle` is False: then run() does
-        it a tick after ready (~20 ms that a restart's ready need not wait for). `features`: the host as
-        prestart.begin probed it moments before (bpffs and the rest already mounted), not probed again."""
+        it a tick after ready (~20 ms that a restart's ready need not wait for)."""
         enabled = capabilities.enabled(self.config, self.kinds)
-        if features is None and any(cls.loads_bpf for cls in enabled):
+        if any(cls.loads_bpf for cls in enabled):
             try:
                 mounted = features_mod.ensure_mounted(self.hostfs)
                 if mounted:
@@ -134,8 +132,7 @@ class Agent:
             except OSError as e:
                 log.warning("could not mount tracefs, bpffs or cgroup2: %s", e)
         nvml_state = f"{self.gpu.name}: {'no GPU data' if isinstance(self.gpu, NoGpu) else 'open'}"
-        self.features = (features_mod.probe(self.hostfs, nvml_state) if features is None
-                         else dataclasses.replace(features, nvml=nvml_state))
+        self.features = features_mod.probe(self.hostfs, nvml_state)
         self.services = [self.ctx.service(kind) for kind in capabilities.services(enabled)]
         # What the sandbox (the unit, a container) refuses a capability is said before it tries.
         refusals = {cls: sandbox.refusal(cls.sandbox_needs(self.config), hostfs=self.hostfs)

@@ -84,15 +84,9 @@ class Latency(Capability):
         return planning.verdict(self.ctx.config.latency, features)
 
     def begin(self, features: "Features") -> None:
-        self.begin_build(self.ctx.config, features)
-
-    @staticmethod
-    def begin_build(config: "Config", features: "Features") -> None:
-        """begin() without a capability object: `qosagent run` calls it before the other capabilities are imported
-        (qosagent/prestart.py)."""
-        verdict = planning.verdict(config.latency, features)
+        verdict = self.probe(features)
         if verdict.state is not State.UNAVAILABLE:
-            Datapath.begin(config, verdict.plan)
+            Datapath.begin(self.ctx.config, verdict.plan)
 
     def start(self, plan: Plan) -> None:
         self.mode, self.arrival, self.runq = plan.mode, plan.arrival, plan.runq

@@ -228,39 +228,6 @@ def test_latency_builds_beside_quota(env: Env) -> None:
     assert agent.stop() == 0
 
 
-PRESTART = """
-import json, sys
-from qosagent import prestart
-from qosagent.config import load
-from qosagent.ebpf import pinned
-from qosagent.hostfs import HostFS
-found = prestart.begin(load(sys.argv[1]), HostFS("/"))
-begun = [child for child, _ in pinned._ahead.values()]
-imported = sorted(m for m in sys.modules if m.startswith("qosagent."))
-for child in begun:
-    child.wait()
-print(json.dumps({"probed": found is not None, "begun": [c.returncode for c in begun], "imported": imported}))
-"""
-
-
-def test_latency_build_begins_before_the_other_capabilities_are_imported(env: Env) -> None:
-    """`qosagent run` begins latency's compile child (prestart.begin) right after the config is read: with no
-    other capability, nor the composition root, imported yet; the build it makes is the one the agent opens."""
-    env.write(latency=True)
-    out = subprocess.run([*agent_argv()[:1], "-c", PRESTART, str(env.config)], env=agent_env(), capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    got = json.loads(out)
-    assert got["probed"] and got["begun"] == [0], got
-    later = {"qosagent.capabilities", "qosagent.daemon", "qosagent.quota.capability", "qosagent.admission.capability"}
-    assert not later & set(got["imported"]), got["imported"]
-    [build] = env.builds("latency")
-    agent = env.agent()
-    st = agent.start()
-    assert states(st)["latency"][0] == "active", st["capabilities"]
-    assert "opened the kept latency build" in agent.output() and env.builds("latency") == [build], agent.output()
-    assert agent.stop() == 0
-
-
 def test_killed_compile_child_leaves_nothing(env: Env) -> None:
     """kill -9 of each compile child (latency's, begun ahead, and quota's): the agent runs on with both
     unavailable, saying so, and no pin of a half-made build is left."""

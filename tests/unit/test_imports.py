@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "qosagent"
 
 TOP = {"qosagent.__main__", "qosagent.cli", "qosagent.daemon", "qosagent.capabilities", "qosagent.status",
-       "qosagent.metrics", "qosagent.readiness", "qosagent.prestart"}
+       "qosagent.metrics", "qosagent.readiness"}
 SERVICES = {"netns", "pods"}
 BOTTOM = {"hostfs", "snapshot", "hist", "schedule", "statefile", "units", "cpulist", "window", "syscall"}
 FLOORS = ("bottom", "shared", "services", "capabilities", "top")
