@@ -207,7 +207,8 @@ struct lat_pid_key {
     __u32 pid;
 };
 
-/* runq_tgids' value: the slot of the first socket the process was seen serving, and whether it has served a tenant of
+/* runq_tgids' value: the slot of the first socket the process was seen serving (of the first tenant's socket once
+ * one comes, unmatched traffic being no tier's, lat_note_process), and whether it has served a tenant of
  * another tier since (lat_slot_tier said so then): the agent puts its threads in that slot's tier's run-queue row, or,
  * once it served several tiers, in the shared row, never in one tier's. */
 struct lat_served {
@@ -321,8 +322,19 @@ static __always_inline __u32 lat_tier_row_of(__u32 slot)
     return t ? t->row : LAT_RUNQ_SHARED;
 }
 
+/* Unmatched traffic (slot 0) and a tenant without a slot are no tier's: a probe, a scrape or a client outside every
+ * tenant's network reaching a tier's server must not move it out of that tier's row. */
+static __always_inline int lat_slot_tierless(__u32 slot)
+{
+    return slot == 0 || slot == LAT_NO_SLOT;
+}
+
 /* The current process serves a socket of slot's tenant (once per connection): noted with that slot when it is new,
- * marked as serving several tiers when slot's tier is not that of the slot it was noted with. */
+ * or when it was noted with a tierless slot and now serves a tenant's; marked as serving several tiers when slot's
+ * tier is not that of the tenant's slot it was noted with. A tierless slot never marks it: a process that only ever
+ * served unmatched traffic stays in the unmatched row. Two first tenants of different tiers noted at once on two
+ * CPUs may both overwrite a tierless slot, the later one kept and the process not marked: a lost update in a window
+ * of instructions, for one process, until its next connection of the other tier marks it. */
 static __always_inline void lat_note_process(__u16 slot)
 {
     struct lat_pid_key k = {.pid = bpf_get_current_pid_tgid() >> 32};
@@ -335,7 +347,11 @@ static __always_inline void lat_note_process(__u16 slot)
         if (!p)
             return;
     }
-    if (p->slot != slot && !p->several && lat_tier_row_of(p->slot) != lat_tier_row_of(slot))
+    if (p->slot == slot || p->several || lat_slot_tierless(slot))
+        return;
+    if (lat_slot_tierless(p->slot))
+        p->slot = slot;
+    else if (lat_tier_row_of(p->slot) != lat_tier_row_of(slot))
         p->several = 1;
 }
 

@@ -1,10 +1,11 @@
 """Which threads the run-queue probes follow, and in which tier's row.
 
 The kernel side notes a process in `runq_tgids` when it is seen serving a watched socket, with the slot of the first
-socket's tenant and whether it served a tenant of another tier since (bpf/include/lat_state.h, lat_note_process);
-the sched tracepoints name threads, so the agent expands each noted process into its threads in `runq_pids`, each
-with the run-queue row its waits count in: the row of that slot's tier, or the shared row once the process served
-several tiers. It forgets processes that are gone and threads that ended.
+socket's tenant (the first configured tenant's once one comes: unmatched traffic is no tier's) and whether it
+served a tenant of another tier since (bpf/include/lat_state.h, lat_note_process); the sched tracepoints name
+threads, so the agent expands each noted process into its threads in `runq_pids`, each with the run-queue row its
+waits count in: the row of that slot's tier, or the shared row once the process served several tiers. It forgets
+processes that are gone and threads that ended.
 """
 
 from __future__ import annotations

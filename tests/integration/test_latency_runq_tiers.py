@@ -2,8 +2,10 @@
 it serves, and a process serving two tiers in the shared row, never in one tier's (bpf/latency_runq.c,
 bpf/include/lat_state.h's lat_note_process, qosagent/latency/runq.py).
 
-Four server processes, each one thread blocked in select() between connections (nothing wakes them but a client):
-A serves gold's port, B bronze's, E two gold tenants' ports (one tier: still gold's), C a gold and a bronze tenant's.
+Five server processes, each one thread blocked in select() between connections (nothing wakes them but a client):
+A serves gold's port, B bronze's, E two gold tenants' ports (one tier: still gold's), C a gold and a bronze tenant's,
+D a port whose gold tenant is its clients' network (127.0.0.4), first reached by an unmatched client (a probe's or a
+scrape's: unmatched traffic is no tier's, so D still waits in gold's row).
 Each phase sends connections to one process and reads which rows moved. Runs as root with BPF (CI=true makes a
 missing capability a failure), in every latency mode the kernel offers: each notes the serving process from another
 hook (sockops: the sendmsg callback; tracepoint and kprobe: the read)."""
@@ -55,8 +57,11 @@ while True:
 """
 
 
-def request(port: int) -> None:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+GOLD_NET = "127.0.0.4"  # gold-d's clients; the others connect from 127.0.0.1, matched by no tenant on D's port
+
+
+def request(port: int, src: str = "127.0.0.1") -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(src, 0)) as c:
         c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         while c.recv(4096):
             pass
@@ -64,7 +69,7 @@ def request(port: int) -> None:
 
 class Lab:
     def __init__(self) -> None:
-        self.ports = {name: free_port() for name in ("a", "b", "c_gold", "c_bronze", "e_one", "e_two")}
+        self.ports = {name: free_port() for name in ("a", "b", "c_gold", "c_bronze", "e_one", "e_two", "d")}
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def config(self, mode: str) -> Any:
@@ -72,7 +77,9 @@ class Lab:
         tenants = [("gold-a", "gold", p["a"]), ("bronze-b", "bronze", p["b"]), ("gold-c", "gold", p["c_gold"]),
                    ("bronze-c", "bronze", p["c_bronze"]), ("gold-e1", "gold", p["e_one"]),
                    ("gold-e2", "gold", p["e_two"])]
-        return parse({"tenants": [{"name": n, "tier": t, "match": {"ports": [port]}} for n, t, port in tenants],
+        by_net = {"name": "gold-d", "tier": "gold", "match": {"cidrs": [f"{GOLD_NET}/32"]}}
+        return parse({"tenants": [*({"name": n, "tier": t, "match": {"ports": [port]}} for n, t, port in tenants),
+                                  by_net],
                       "latency": {"mode": mode, "ports": sorted(p.values()), "window": "1s"}}, "test")
 
     def serve(self, *names: str) -> None:
@@ -91,7 +98,7 @@ class Lab:
 def lab() -> Iterator[Lab]:
     lab = Lab()
     try:
-        for names in (("a",), ("b",), ("c_gold", "c_bronze"), ("e_one", "e_two")):
+        for names in (("a",), ("b",), ("c_gold", "c_bronze"), ("e_one", "e_two"), ("d",)):
             lab.serve(*names)
         yield lab
     finally:
@@ -113,10 +120,11 @@ def settle(cap: Latency, past: float = 1.2) -> LatencyPart:
     return part
 
 
-def traffic(cap: Latency, port: int, rows: set[str], before: dict[str, int], n: int = 20) -> dict[str, int]:
-    """n connections to port (each wakes its server), then ticks until every row of `rows` gained waits."""
+def traffic(cap: Latency, port: int, rows: set[str], before: dict[str, int], n: int = 20,
+            src: str = "127.0.0.1") -> dict[str, int]:
+    """n connections to port from src (each wakes its server), then ticks until every row of `rows` gained waits."""
     for _ in range(n):
-        request(port)
+        request(port, src)
 
     def now() -> dict[str, int]:
         cap.maintain()
@@ -139,7 +147,8 @@ def test_each_server_waits_in_its_tiers_row_and_one_serving_two_tiers_in_the_sha
         # A process is noted by its first connection, its threads followed from the next re-listing (1 s): a first
         # connection to each, then their waits.
         for port in lab.ports.values():
-            if port != lab.ports["c_bronze"]:  # C's bronze port last: C serves gold alone until then
+            # C's bronze port last (C serves gold alone until then); D's in its own phase.
+            if port not in (lab.ports["c_bronze"], lab.ports["d"]):
                 request(port)
         base = counts(settle(cap))
         assert SHARED_TIER not in base, base
@@ -151,6 +160,13 @@ def test_each_server_waits_in_its_tiers_row_and_one_serving_two_tiers_in_the_sha
         request(lab.ports["e_two"])
         got = counts(settle(cap))
         got = traffic(cap, lab.ports["e_one"], {"gold"}, got)
+        assert SHARED_TIER not in got, got
+        # D: an unmatched client first (its process noted for no tier), then gold-d's; gold's row, not the shared one.
+        request(lab.ports["d"])
+        request(lab.ports["d"], GOLD_NET)
+        got = counts(settle(cap))
+        got = traffic(cap, lab.ports["d"], {"gold"}, got, src=GOLD_NET)
+        got = traffic(cap, lab.ports["d"], {"gold"}, got)  # unmatched again: still gold's
         assert SHARED_TIER not in got, got
         # C, so far gold's, now serves bronze too: from the next re-listing on, its waits are the shared row's.
         request(lab.ports["c_bronze"])
