@@ -94,8 +94,14 @@ def phase(ns: str, tmp: Path, pins: str, name: str, n: int, gp: int, bp: int, se
     lat = st.get("latency", {})
     rq = lat.get("runqueue_total") or {}
     gold_rq = (lat.get("runqueue_tiers_total") or {}).get("gold") or {}
+    if ms and not gold_rq.get("count"):
+        # Gold's server woke for every request: no waits in its tier's row means it was never counted there (noted
+        # in another row, or not followed), and its column would say nothing true.
+        raise SystemExit(f"phase {name}, round {n}: gold served {len(ms)} requests but its tier's run-queue row has "
+                         f"no waits (rows: {sorted(lat.get('runqueue_tiers_total') or {})})")
     return {"ms": ms, "cuts": len(cuts), "runq_p99_ms": (rq.get("p99") or 0) * 1000,
-            "gold_runq_p99_ms": (gold_rq.get("p99") or 0) * 1000, "gold_runq_waits": gold_rq.get("count", 0)}
+            "gold_runq_p99_ms": gold_rq["p99"] * 1000 if gold_rq.get("p99") is not None else None,
+            "gold_runq_waits": gold_rq.get("count", 0)}
 
 
 @contextlib.contextmanager
@@ -109,6 +115,15 @@ def detached(pins: str) -> Iterator[None]:
             cfg.flush()
             subprocess.run(agent_argv("detach", "--config", cfg.name), env=agent_env(), capture_output=True,
                            timeout=60, check=False)
+
+
+def ms_or_na(v: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def median_or_none(xs: list[float | None]) -> float | None:
+    have = [x for x in xs if x is not None]
+    return statistics.median(have) if have else None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -150,16 +165,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for p in PHASES:
         rq = statistics.median(run["runq_p99_ms"] for run in got[p])
-        gold_rq = statistics.median(run["gold_runq_p99_ms"] for run in got[p])
+        gold_rq = median_or_none([run["gold_runq_p99_ms"] for run in got[p]])
         print(f"| {p} | {len(pooled[p])} | {p50[p]:.1f} | {p99[p]:.1f} | {p99[p] / p99['alone']:.2f} | "
-              f"{gold_rq:.2f} | {rq:.1f} | {sum(run['cuts'] for run in got[p])} |")
+              f"{ms_or_na(gold_rq)} | {rq:.1f} | {sum(run['cuts'] for run in got[p])} |")
     print(f"\nOn against off: p99 {p99['on'] / p99['off']:.2f}x, p50 {p50['on'] / p50['off']:.2f}x. p99 / alone per "
           "round, off: " + ", ".join(f"{pct(o['ms'], 0.99) / pct(a['ms'], 0.99):.2f}" for o, a in
                                      zip(got["off"], got["alone"]))
           + "; on: " + ", ".join(f"{pct(o['ms'], 0.99) / pct(a['ms'], 0.99):.2f}" for o, a in
                                  zip(got["on"], got["alone"])) + ".")
     print("\nGold's own run-queue p99 per round (ms, waits): " + "; ".join(
-        f"{p} " + ", ".join(f"{run['gold_runq_p99_ms']:.2f} ({run['gold_runq_waits']})" for run in got[p])
+        f"{p} " + ", ".join(f"{ms_or_na(run['gold_runq_p99_ms'])} ({run['gold_runq_waits']})" for run in got[p])
         for p in PHASES) + ".")
 
 
