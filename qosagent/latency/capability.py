@@ -234,9 +234,9 @@ class Latency(Capability):
     def metrics(self, snapshot: "Snapshot", shown: Container[str] = EVERYONE) -> Iterable["Metric"]:
         part = snapshot.part(LATENCY)
         cfg = self.ctx.config
-        fams = export.families(part, part.hooks.attached if part is not None else 0, cfg.admission.signal,
-                               cfg.admission.quantile, cfg.latency.classic_buckets, shown, cfg.latency.tier_histograms)
-        yield from export.with_deprecated(fams) if cfg.metrics.deprecated_names else fams
+        yield from export.families(part, part.hooks.attached if part is not None else 0, cfg.admission.signal,
+                                   cfg.admission.quantile, cfg.latency.classic_buckets, shown,
+                                   cfg.latency.tier_histograms, cfg.metrics.deprecated_names)
 
     def traffic(self, snapshot: "Snapshot") -> Mapping[str, tuple[int, ...]]:
         part = snapshot.part(LATENCY)

@@ -171,6 +171,15 @@ def _no_ttft(s: Source) -> Series:
 
 _SIGNALS = [_signal(name, help_) for name, help_ in SIGNALS.items()]
 
+# Every serving process's waits for a CPU, a series per tier (its deprecated copy is RUNQ_OLD, below).
+RUNQ: Family[Source] = Family(
+    "qosagent_latency_runqueue_seconds", "histogram", "Time threads of the processes serving watched ports waited "
+    "runnable for a CPU, since start, by the tier the process serves (tier=\"" + SHARED_TIER + "\": processes "
+    "serving several tiers, never counted as one tier's); every process counts in one series, so their sum without "
+    "tier is every serving process's", ("tier",),
+    lambda s: (([tier], (h, s.tier_bounds)) for tier, h in s.part.runqueue_tiers.items()),
+    shown=lambda s: s.part.runqueue is not None, add=_add_histogram)
+
 # In the order a scrape writes them; `old`: the name before the families were grouped under qosagent_latency_
 # (0.2.0), kept as a deprecated copy (exposition.with_deprecated).
 FAMILIES: tuple[Family[Source], ...] = (
@@ -211,14 +220,17 @@ FAMILIES: tuple[Family[Source], ...] = (
            "request), not_hooked (no program sees their packets), no_room (the kernel's list of connections to "
            "adopt was full)", ("reason",), lambda s: (([r], n) for r, n in s.part.unobserved.items()),
            shown=lambda s: bool(s.part.unobserved), old="qosagent_connections_unobserved"),
-    Family("qosagent_latency_runqueue_seconds", "histogram", "Time threads of the processes serving watched ports "
-           "waited runnable for a CPU, since start, by the tier the process serves (tier=\"" + SHARED_TIER + "\": "
-           "processes serving several tiers, never counted as one tier's); every process counts in one series, so "
-           "their sum without tier is every serving process's", ("tier",),
-           lambda s: (([tier], (h, s.tier_bounds)) for tier, h in s.part.runqueue_tiers.items()),
-           shown=lambda s: s.part.runqueue is not None, add=_add_histogram,
-           old="qosagent_runqueue_latency_seconds"),
+    RUNQ,
 )
+# The run-queue family's name before 0.2.0 was one series without labels, every serving process's: its deprecated
+# copy stays that series (the total over the tiers' rows), not a renamed copy of the tiers' series, which would
+# change what rules and dashboards over the old name compute.
+RUNQ_OLD: Family[Source] = Family(
+    "qosagent_runqueue_latency_seconds", "histogram",
+    f"Deprecated: the name of {RUNQ.name} before 0.2.0, removed in {exposition.DEPRECATED_NAMES_REMOVED_IN} "
+    "(metrics.deprecated_names: false drops it now), as it was: one series, every serving process's (the sum of "
+    f"{RUNQ.name} without tier). Time threads of the processes serving watched ports waited runnable for a CPU, "
+    "since start", (), lambda s: (((), (s.part.runqueue, s.tier_bounds)),), add=_add_histogram)
 ATTACHED: Family[int] = Family("qosagent_latency_programs_attached", "gauge", "Latency BPF programs attached to "
                                "their hooks", (), one(lambda n: n))
 RENAMED = exposition.renamed(FAMILIES)
@@ -230,13 +242,22 @@ def with_deprecated(fams: Iterable[Metric]) -> Iterator[Metric]:
 
 def families(part: LatencyPart | None, programs_attached: int, signal: str, quantile: float,
              classic_buckets: ClassicBucketsConfig = DEFAULT_BUCKETS, shown: Container[str] = EVERYONE,
-             tier_histograms: bool = True) -> Iterable[Metric]:
-    """The latency families; per-tenant series of the tenants in `shown` (metrics.retention)."""
+             tier_histograms: bool = True, deprecated: bool = False) -> Iterable[Metric]:
+    """The latency families; per-tenant series of the tenants in `shown` (metrics.retention); with `deprecated`
+    (metrics.deprecated_names) each renamed one followed by its copy under its old name."""
     yield ATTACHED.build(programs_attached)
-    if part is not None:
-        yield from exposition.families(FAMILIES, Source(part, signal, quantile, classic_bounds_ns(classic_buckets),
-                                                        classic_bounds_ns(classic_buckets, tier=True), shown,
-                                                        tier_histograms))
+    if part is None:
+        return
+    source = Source(part, signal, quantile, classic_bounds_ns(classic_buckets),
+                    classic_bounds_ns(classic_buckets, tier=True), shown, tier_histograms)
+    fams = exposition.families(FAMILIES, source)
+    if not deprecated:
+        yield from fams
+        return
+    for fam in with_deprecated(fams):
+        yield fam
+        if fam.name == RUNQ.name:
+            yield RUNQ_OLD.build(source)
 
 
 def traffic(part: LatencyPart) -> dict[str, tuple[int, ...]]:

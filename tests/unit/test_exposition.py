@@ -440,7 +440,7 @@ def test_each_old_latency_name_is_still_exposed_and_equals_its_new_one() -> None
 
     p = dataclasses.replace(part(), unobserved={"awaiting_request": 2, "not_hooked": 1, "no_room": 0})
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(Collector(list(export.with_deprecated(export.families(p, 5, "ttft", 0.95)))))  # type: ignore[arg-type]
+    reg.register(Collector(list(export.families(p, 5, "ttft", 0.95, deprecated=True))))  # type: ignore[arg-type]
     text = generate_latest(reg).decode()
     # Counters are named with their _total in protobuf.
     proto = {f["name"].removesuffix("_total") if TYPES[f["type"]] == "counter" else f["name"]: f
@@ -457,6 +457,19 @@ def test_each_old_latency_name_is_still_exposed_and_equals_its_new_one() -> None
         assert proto[old]["help"].startswith(f"Deprecated: the name of {new} before 0.2.0, removed in 0.3.0"), old
         assert proto[old]["help"].endswith(proto[new]["help"]), old
     assert "qosagent_latency_programs_attached" not in export.RENAMED  # already grouped: one name
+    # The run-queue family's old name stays what it was: one series without labels, every serving process's (the
+    # tiers' sum), not a copy of the new name's series by tier.
+    runq, old = export.RUNQ.name, export.RUNQ_OLD.name
+    assert runq not in export.RENAMED
+    assert [m["labels"] for m in proto[runq]["metrics"]] == [{"tier": "gold"}, {"tier": SHARED_TIER}]
+    assert [(m["labels"], m["histogram"]["count"]) for m in proto[old]["metrics"]] == [({}, 320)]
+    assert proto[old]["help"].startswith(f"Deprecated: the name of {runq} before 0.2.0, removed in 0.3.0"), old
+    for samples in (text_samples, proto_samples):
+        by_le: dict[tuple[str, str], float] = {}
+        for suffix, labels, v in _under(samples, runq):
+            key = (suffix, dict(labels).get("le", ""))
+            by_le[key] = by_le.get(key, 0.0) + v
+        assert {(suffix, dict(labels).get("le", "")): v for suffix, labels, v in _under(samples, old)} == by_le
 
 
 def test_the_old_latency_names_come_only_with_metrics_deprecated_names_on() -> None:
@@ -473,5 +486,6 @@ def test_the_old_latency_names_come_only_with_metrics_deprecated_names_on() -> N
 
     on, off = names(True), names(False)
     assert "qosagent_ttft_seconds" in on and "qosagent_requests" in on
-    assert off == on - set(export.RENAMED.values()) and "qosagent_latency_ttft_seconds" in off
+    assert off == on - set(export.RENAMED.values()) - {export.RUNQ_OLD.name}
+    assert "qosagent_latency_ttft_seconds" in off and export.RUNQ_OLD.name in on
     assert not config_mod.parse({}, "t").metrics.deprecated_names  # off unless turned on
