@@ -101,15 +101,18 @@ class Datapath:
 
     def write(self, m: MapsPlan) -> None:
         """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
-        lat_slots = self.map("lat_slots")
-        sync(lat_slots, ((lat_slots.key(tenant=tid), lat_slots.value(slot=slot)) for tid, slot in m.slots.items()))
-        self.slots = dict(m.slots)
+        # The slots' tiers first: a new tenant's slot has its tier's row before lat_slots gives the slot out, and a
+        # slot whose tenant moved to another tier says so before more connections are noted with it. What is left
+        # between the two writes is docs/latency.md's ("Run-queue latency").
         tiers = self.map("lat_slot_tier")
         for slot in sorted(set(m.slot_rows) | set(self.slot_rows)):
             row = m.slot_rows.get(slot, bm.RUNQ_SHARED)
             if row != self.slot_rows.get(slot, bm.RUNQ_SHARED):
                 tiers.update(slot, tiers.value(row=row))
         self.slot_rows, self.runq_rows = dict(m.slot_rows), dict(m.runq_rows)
+        lat_slots = self.map("lat_slots")
+        sync(lat_slots, ((lat_slots.key(tenant=tid), lat_slots.value(slot=slot)) for tid, slot in m.slots.items()))
+        self.slots = dict(m.slots)
         self._plan_reads()
         for name, want in (("tracked_ports", m.tracked), ("lat_mux_ports", m.mux)):
             ports = self.map(name)
