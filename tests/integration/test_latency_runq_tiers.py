@@ -24,8 +24,8 @@ from qosagent.capability import AgentContext, State
 from qosagent.config import parse
 from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
-from qosagent.hist import Histogram
 from qosagent.hostfs import HostFS
+from qosagent.latency import bpfmaps as bm
 from qosagent.latency.capability import Latency
 from qosagent.latency.model import SHARED_TIER, LatencyPart
 from tests.integration.latency_helpers import free_port, until
@@ -109,6 +109,18 @@ def counts(part: LatencyPart) -> dict[str, int]:
     return {tier: h.count for tier, h in part.runqueue_tiers.items()}
 
 
+def kernel_rows(cap: Latency) -> tuple[int, int]:
+    """The waits (count, sum in ns) lat_hist's run-queue rows hold, summed over every row, read from the map itself."""
+    dp = cap.dp
+    assert dp is not None
+    hist, first = dp.map("lat_hist"), bm.KINDS * dp.nslots  # LAT_RUNQ_ROW
+    count = sum_ns = 0
+    for row in range(first, first + dp.nrows):
+        q = memoryview(bytes(hist.lookup(row))).cast("Q")  # struct lat_row: sum_ns, then the buckets' counts
+        count, sum_ns = count + sum(q[1:]), sum_ns + q[0]
+    return count, sum_ns
+
+
 def settle(cap: Latency, past: float = 1.2) -> LatencyPart:
     """Ticks for `past` seconds (the capability re-lists the serving threads once a second), the last part."""
     end = time.monotonic() + past
@@ -176,7 +188,14 @@ def test_each_server_waits_in_its_tiers_row_and_one_serving_two_tiers_in_the_sha
         assert got.get(SHARED_TIER, 0) > 0, got
         # ... and in neither tier's: A, B and E were idle meanwhile.
         assert (got.get("gold"), got.get("bronze")) == (before.get("gold"), before.get("bronze")), (before, got)
-        part = cap.collect()
-        assert part.runqueue == sum(part.runqueue_tiers.values(), Histogram())  # every process's: the rows' sum
+        # Every process's waits as reported are what the kernel's run-queue rows hold, all of them, read from the map
+        # (the servers are idle now; a late wait between the reads is read again).
+        def reads() -> tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]:
+            before, part = kernel_rows(cap), cap.collect()
+            rq = part.runqueue
+            return before, (rq.count, rq.sum_ns) if rq is not None else None, kernel_rows(cap)
+
+        before_read, reported, after_read = until(reads, lambda r: r[0] == r[2], timeout=5.0 * TIME_SCALE)
+        assert before_read[0] > 0 and reported == before_read == after_read, (before_read, reported, after_read)
     finally:
         cap.stop()
