@@ -122,8 +122,8 @@ def kernel_rows(cap: Latency) -> tuple[int, int]:
 
 
 def settle(cap: Latency, past: float = 1.2) -> LatencyPart:
-    """Ticks for `past` seconds (the capability re-lists the serving threads once a second), the last part."""
-    end = time.monotonic() + past
+    """Ticks for `past` seconds, scaled (the capability re-lists the serving threads once a second), the last part."""
+    end = time.monotonic() + past * TIME_SCALE
     part = cap.collect()
     while time.monotonic() < end:
         cap.maintain()
