@@ -226,7 +226,8 @@ class Resources(Capability):
 
     def findings(self, plan: Plan) -> list[Finding]:
         """The serving groups it would set whose memory use is already above a limit they would get (or cannot be
-        read): the agent throttles, reclaims or is refused there from its first write."""
+        read): the agent throttles, reclaims or is refused there from its first write (in enforce: a dry-run writes
+        nothing, and its lines say so)."""
         out = []
         for g in self._discover(plan.layout, starting=True)[1]:
             if g.state != OK or g.controller != "memory":
@@ -234,7 +235,7 @@ class Resources(Capability):
             values = planner.values("memory", g.version, self.config.tiers[g.tier], None, False)
             found = memory_check(self.ctx.hostfs, g, dict(values))
             if found is not None:
-                out.append(Finding(found.line(), found.as_dict()))
+                out.append(Finding(found.line(mode=self.cfg.mode), found.as_dict(self.cfg.mode)))
         return out
 
     def _rules(self) -> policy.Rules:

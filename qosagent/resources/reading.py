@@ -97,8 +97,11 @@ class MemoryCheck:
     above: tuple[Above, ...] = ()
     why: str = ""
 
-    def line(self, gets: str = "would get") -> str:
-        """One line for the operator; `gets`: "would get" (`qosagent check`) or "gets" (the agent, at the write)."""
+    def line(self, gets: str = "would get", mode: str = "enforce") -> str:
+        """One line for the operator; `gets`: "would get" (`qosagent check`) or "gets" (the agent, at the write);
+        `mode`: resources.mode, under dry-run nothing is written, so the limits are those enforce would write."""
+        if mode == "dry-run":
+            gets = f"{gets} (in enforce)"
         g = self.group
         head = f"tier {g.tier}: {g.directory} (memory {g.version})"
         if self.usage is None:
@@ -108,9 +111,9 @@ class MemoryCheck:
             f"(now {a.now}): {a.effect}" for a in self.above)
         return f"{head}: {self.usage_file} {approx_size(self.usage)}, {limits}"
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, mode: str = "enforce") -> dict[str, Any]:
         g = self.group
-        return {"tier": g.tier, "cgroup": g.path, "directory": g.directory, "version": g.version,
+        return {"tier": g.tier, "cgroup": g.path, "directory": g.directory, "version": g.version, "mode": mode,
                 "usage_file": self.usage_file, "usage_bytes": self.usage, "error": self.why or None,
                 "above": [{"file": a.file, "limit_bytes": a.limit, "now": a.now, "effect": a.effect}
                           for a in self.above]}

@@ -77,9 +77,11 @@ resources: {enabled: true}
 """
 
 
-def check(tmp_path: Path, root: Path, *extra: str) -> tuple[int, str, dict]:
+def check(tmp_path: Path, root: Path, *extra: str, mode: str = "") -> tuple[int, str, dict]:
+    """`qosagent check` in text and --json; `mode`: resources.mode (default: the config's default, dry-run)."""
     cfg = tmp_path / "qosagent.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(CONFIG.replace("resources: {enabled: true}", f"resources: {{enabled: true, mode: {mode}}}")
+                   if mode else CONFIG)
     text = run_cli("check", "--config", str(cfg), "--host-root", str(root), *extra)
     js = run_cli("check", "--json", "--config", str(cfg), "--host-root", str(root), *extra)
     assert text.returncode == js.returncode, (text.stderr, js.stderr)
@@ -103,16 +105,18 @@ def test_check_names_each_v1_group_above_what_it_would_get_and_exits_as_before(t
     lines = [line for line in out.splitlines() if line.startswith("resources ") and "/srv/" in line]
     assert len(lines) == 3, out
     bronze, gold, spare = lines  # in cgroup order
+    # resources.mode is dry-run (the default): nothing would be written, so the limits are enforce's.
     assert ("tier gold: /sys/fs/cgroup/memory/srv/gold (memory v1): memory.usage_in_bytes 5.5GiB, above the "
-            "memory.soft_limit_in_bytes 4GiB it would get by 1.5GiB (now max): reclaimed first when the node runs "
-            "short of memory (no throttle, no kill)") in gold, gold
-    assert "memory.soft_limit_in_bytes 1GiB it would get by 2GiB (now 'garbage', not a size)" in bronze, bronze
-    assert "memory.limit_in_bytes 2GiB it would get by 1GiB (now 8GiB): the write is refused (EBUSY) unless " \
-           "reclaim brings it under" in bronze, bronze
+            "memory.soft_limit_in_bytes 4GiB it would get (in enforce) by 1.5GiB (now max): reclaimed first when the "
+            "node runs short of memory (no throttle, no kill)") in gold, gold
+    assert "memory.soft_limit_in_bytes 1GiB it would get (in enforce) by 2GiB (now 'garbage', not a size)" in bronze
+    assert "memory.limit_in_bytes 2GiB it would get (in enforce) by 1GiB (now 8GiB): the write is refused (EBUSY) " \
+           "unless reclaim brings it under" in bronze, bronze
     assert "tier gold: /sys/fs/cgroup/memory/srv/spare (memory v1): cannot tell whether it is above the limits it " \
-           "would get: memory.usage_in_bytes reads 'max', not a byte count" in spare, spare
+           "would get (in enforce): memory.usage_in_bytes reads 'max', not a byte count" in spare, spare
     assert [f["text"] for f in js["findings"]["resources"]] == [line[len("resources    "):] for line in lines]
     found = {f["cgroup"]: f for f in js["findings"]["resources"]}
+    assert {f["mode"] for f in found.values()} == {"dry-run"}
     assert set(found) == {"/srv/gold", "/srv/bronze", "/srv/spare"}
     assert found["/srv/gold"]["usage_bytes"] == 5 * GiB + (1 << 29)
     assert [(a["file"], a["limit_bytes"]) for a in found["/srv/gold"]["above"]] == [
@@ -130,15 +134,16 @@ def test_check_on_cgroup_v2_reads_memory_current_against_memory_high(tmp_path) -
         11: (8001, "/srv/silver", {"memory.current": str(8 * GiB)}),  # memory_high: max, no throttle to be above
         12: (8002, "/srv/bronze", {}),  # no memory.current at all
     })
-    rc, out, js = check(tmp_path, root)
+    rc, out, js = check(tmp_path, root, mode="enforce")
     assert rc == 0, out
     lines = [line for line in out.splitlines() if line.startswith("resources ") and "/srv/" in line]
-    assert len(lines) == 2, out
+    assert len(lines) == 2 and "(in enforce)" not in out, out
     assert ("tier gold: /sys/fs/cgroup/srv/gold (memory v2): memory.current 6GiB, above the memory.high 4GiB it "
             "would get by 2GiB (now max): throttled from the first write") in lines[1], lines[1]
     assert ("tier bronze: /sys/fs/cgroup/srv/bronze (memory v2): cannot tell whether it is above the limits it "
             "would get: memory.current cannot be read") in lines[0], lines[0]
-    assert [f["cgroup"] for f in js["findings"]["resources"]] == ["/srv/bronze", "/srv/gold"]
+    assert [(f["cgroup"], f["mode"]) for f in js["findings"]["resources"]] == [("/srv/bronze", "enforce"),
+                                                                               ("/srv/gold", "enforce")]
 
 
 def test_nothing_above_says_nothing(tmp_path) -> None:
