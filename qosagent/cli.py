@@ -226,21 +226,25 @@ def _probe_all(cfg: Any, fs: HostFS) -> _Probed:
     ctx = AgentContext(config=cfg, hostfs=fs, gpu=gpu)
     verdicts: dict[str, Verdict] = ctx.verdicts
     enabled = capabilities.enabled(cfg)
-    for cls in capabilities.CAPABILITIES:
-        if cls not in enabled:
-            verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
-        elif (refused := sandbox.refusal(cls.sandbox_needs(cfg), hostfs=fs)) is not None:
-            verdicts[cls.name] = Verdict(State.UNAVAILABLE, refused)
-        else:
-            ctx.record(cls, cls(ctx).probe(feats))
-    gpu.close()
-    cpus = mapsize.possible_cpus(fs)
-    usable = [cls for cls in enabled if verdicts[cls.name].state in (State.ACTIVE, State.DEGRADED)]
-    maps = {cls.name: m for cls in usable if (m := cls(ctx).kernel_maps(verdicts[cls.name].plan))}
-    findings = {cls.name: f for cls in usable if (f := _findings(cls, ctx, verdicts[cls.name].plan))}
-    for svc in ctx.services.values():
-        if isinstance(svc, Service):
-            svc.stop()
+    # The services the probes start (the pods' listing threads) are stopped however the look ends: an exception
+    # out of a probe, kernel_maps or findings must not leave their threads running (the process would not exit).
+    try:
+        for cls in capabilities.CAPABILITIES:
+            if cls not in enabled:
+                verdicts[cls.name] = Verdict(State.DISABLED, "disabled in config")
+            elif (refused := sandbox.refusal(cls.sandbox_needs(cfg), hostfs=fs)) is not None:
+                verdicts[cls.name] = Verdict(State.UNAVAILABLE, refused)
+            else:
+                ctx.record(cls, cls(ctx).probe(feats))
+        gpu.close()
+        cpus = mapsize.possible_cpus(fs)
+        usable = [cls for cls in enabled if verdicts[cls.name].state in (State.ACTIVE, State.DEGRADED)]
+        maps = {cls.name: m for cls in usable if (m := cls(ctx).kernel_maps(verdicts[cls.name].plan))}
+        findings = {cls.name: f for cls in usable if (f := _findings(cls, ctx, verdicts[cls.name].plan))}
+    finally:
+        for svc in ctx.services.values():
+            if isinstance(svc, Service):
+                svc.stop()
     return _Probed(feats, enabled, verdicts, cpus, maps, findings)
 
 

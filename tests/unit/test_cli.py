@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from testkit.agent import agent_argv, agent_env
 
 
@@ -72,3 +74,44 @@ def test_check_says_what_the_tiers_ask_beyond_the_node(tmp_path) -> None:
     assert verdict["state"] == "degraded", verdict
     assert "tiers.gold.resources.cpus 8 is more than the node's 2 online CPUs" in verdict["reason"], verdict
     assert "tiers.gold.resources.memory 8GiB is more than the node's memory (4.0GiB)" in verdict["reason"], verdict
+
+
+def test_check_stops_the_services_its_probes_started_when_the_look_fails(monkeypatch, node_exporter_sysfs) -> None:
+    """`qosagent check`'s look at the host (cli._probe_all): a service a probe started (the pods' listing threads) is
+    stopped even when kernel_maps or findings raise, so the process does not hang on its threads."""
+    from qosagent import capabilities, cli
+    from qosagent.capability import State, Verdict
+    from qosagent.config import parse
+    from qosagent.hostfs import HostFS
+    from qosagent.services import Service
+
+    stopped: list[str] = []
+
+    class Listing(Service):
+        name = "test-listing"
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    class Failing:
+        name, offers = "failing", ()
+
+        def __init__(self, ctx) -> None:
+            self.ctx = ctx
+
+        @staticmethod
+        def sandbox_needs(_cfg) -> list:
+            return []
+
+        def probe(self, _feats) -> Verdict:
+            self.ctx.services[Listing.name] = Listing()
+            return Verdict(State.ACTIVE, "probed")
+
+        def kernel_maps(self, _plan) -> list:
+            raise RuntimeError("kernel_maps failed")
+
+    monkeypatch.setattr(capabilities, "CAPABILITIES", (Failing,))
+    monkeypatch.setattr(capabilities, "enabled", lambda _cfg: [Failing])
+    with pytest.raises(RuntimeError, match="kernel_maps failed"):
+        cli._probe_all(parse({}, "t"), HostFS(str(node_exporter_sysfs)))
+    assert stopped == ["test-listing"]
