@@ -17,7 +17,6 @@ from qosagent.tenants import TenantInfo
 from qosagent.window import Windows
 
 
-
 class RunQueue(NamedTuple):
     """Run-queue waits of the serving processes' threads, since start and over the window: every one's, and by row
     (the name of the row's tier, or model.SHARED_TIER for processes serving several tiers)."""
