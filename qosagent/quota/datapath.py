@@ -216,6 +216,7 @@ class Datapath:
         self._netns: dict[tuple[int, int], int] | None = None  # quota_netns as last written (None: as adopted)
         self.heartbeat_ns = 0  # as last written (write_config writes the first)
         self._limits: dict[int, bytes] = {}  # slot -> its quota_limits entry as written
+        self._limits_whole = False  # the last walk of quota_limits wrote every slot (one that raised did not)
         self._written: dict[int, QuotaLimit] = {}  # tenant id -> the same, as the tick's reading carries it
         self._by_slot: dict[int, int] = {0: UNMATCHED_ID}  # slot -> tenant id, as of the last assignment
         # Which slots' counts to read each tick; every one at the first (adopted pins hold counts already).
@@ -321,8 +322,10 @@ class Datapath:
 
     def set_overrides(self, overrides: Mapping[int, Bucket]) -> None:
         """Admission in enforce mode writes its overrides every tick: the same ones again change no entry, so no
-        slot's limit is worked out again (write_config and set_fleet write them all after any other change)."""
-        if overrides == self.overrides:
+        slot's limit is worked out again (write_config and set_fleet write them all after any other change). Only
+        after a whole walk: one that a map update ended partway left slots unwritten, and the same overrides on the
+        next tick walk again."""
+        if overrides == self.overrides and self._limits_whole:
             return
         self.overrides = dict(overrides)
         self._write_limits()
@@ -334,6 +337,7 @@ class Datapath:
         self._write_limits()
 
     def _write_limits(self) -> None:
+        self._limits_whole = False
         t = self.maps["quota_limits"]
         written = {}
         for tid, slot in self.slots.items():
@@ -364,6 +368,7 @@ class Datapath:
             self._limits[slot] = bytes(lim)
             written[tid] = lim
         self._written = written
+        self._limits_whole = True
 
     def _bump_rules_gen(self) -> None:
         t = self.maps["quota_config"]

@@ -115,6 +115,7 @@ def test_the_same_overrides_again_work_out_no_limit() -> None:
     class Maps:
         overrides: dict[int, Bucket] = {}
         walks = 0
+        _limits_whole = True
 
         def _write_limits(self) -> None:
             self.walks += 1
@@ -127,3 +128,52 @@ def test_the_same_overrides_again_work_out_no_limit() -> None:
     Datapath.set_overrides(d, {})  # type: ignore[arg-type]
     Datapath.set_overrides(d, {})  # type: ignore[arg-type]
     assert d.walks == 2 and d.overrides == {}
+
+
+def test_overrides_whose_write_failed_partway_are_written_again_on_the_next_tick() -> None:
+    """A quota_limits update that raises ends the walk with later slots unwritten: the same overrides on the next
+    tick are not taken as written and every slot gets its override (before, slot 2 kept none for good)."""
+    from qosagent.quota.datapath import Datapath
+    from qosagent.quota.rules import Bucket
+
+    class Limits:
+        def __init__(self) -> None:
+            self.kern = {1: bytes(QuotaLimit()), 2: bytes(QuotaLimit())}
+            self.fail = True
+            self.updates = 0
+
+        def lookup(self, slot: int) -> QuotaLimit:
+            return QuotaLimit.from_buffer_copy(self.kern[slot])
+
+        def update(self, slot: int, value: bytes) -> None:
+            if self.fail and slot == 2:
+                self.fail = False
+                raise OSError(12, "ENOMEM")
+            self.updates += 1
+            self.kern[slot] = value
+
+    class Maps:
+        _write_limits = Datapath._write_limits
+
+        def __init__(self) -> None:
+            self.maps = {"quota_limits": Limits()}
+            self.slots = {101: 1, 102: 2}
+            self.baseline: dict[int, tuple[None, None]] = {}
+            self.overrides: dict[int, Bucket] = {}
+            self.fleet: dict[int, tuple[Bucket, int]] = {}
+            self._limits: dict[int, bytes] = {}
+            self._written: dict[int, QuotaLimit] = {}
+            self._limits_whole = True
+
+    d = Maps()
+    cut = {101: Bucket(10_000_000, 100_000_000), 102: Bucket(10_000_000, 100_000_000)}
+    failed = 0
+    for _ in range(3):
+        try:
+            Datapath.set_overrides(d, dict(cut))  # type: ignore[arg-type]
+        except OSError:
+            failed += 1
+    kern = d.maps["quota_limits"]
+    assert failed == 1 and kern.updates == 2  # slot 1 on the failing tick, slot 2 on the next; none on the third
+    assert all(kern.lookup(s).override.interval_ns == 10_000_000 for s in (1, 2))
+    assert set(d._written) == {101, 102}
