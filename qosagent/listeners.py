@@ -10,6 +10,7 @@ here). Rows are read as the kernel writes them, not the whole table first.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from qosagent.hostfs import HostFS
+
+log = logging.getLogger("qosagent.listeners")
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 TABLES = ("tcp", "tcp6")
@@ -95,6 +98,9 @@ def _diag(family: int) -> list[Listener]:
                 return out
 
 
+diag_failures = 0  # listeners() calls whose sock_diag failed and fell back to the tables
+
+
 def own_netns(fs: HostFS) -> bool:
     """Whether /proc/net under the host root is the agent's own network namespace's (the host's /proc, or the
     agent's, rather than a copy of another host's tree): then the kernel's sock_diag answers for it."""
@@ -108,11 +114,16 @@ def listeners(fs: HostFS, pid: int | None = None) -> list[Listener] | None:
     """The listening sockets of pid's network namespace (tcp and tcp6; None: the agent's own), None when its
     /proc entries are gone. The agent's own are asked of the kernel (sock_diag) where it can: the same rows as
     /proc/net/tcp{,6}, without its walk of every established socket's bucket."""
+    global diag_failures
     if pid is None and own_netns(fs):
         try:
             return _diag(socket.AF_INET) + _diag(socket.AF_INET6)
-        except OSError:
-            pass  # no sock_diag (a kernel without inet_diag): the tables, as before
+        except (OSError, struct.error) as e:
+            # No sock_diag (a kernel without inet_diag), or an answer shorter than its header says: the tables, as
+            # before. Counted; logged the first time only, as discovery asks every few seconds.
+            diag_failures += 1
+            if diag_failures == 1:
+                log.warning("sock_diag failed (%s): the listeners are read from /proc/net/tcp{,6}", e)
     out: list[Listener] = []
     seen = False
     base = "/proc/net" if pid is None else f"/proc/{pid}/net"

@@ -3,9 +3,14 @@ namespace and any process's), their addresses, and the processes that hold them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import struct
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from qosagent import listeners
 from qosagent.hostfs import HostFS
@@ -83,10 +88,9 @@ def test_holders_first_or_every_process_of_a_shared_socket(tmp_path: Path) -> No
     assert holders(fs, [5003], pids) == {}
 
 
-def test_the_kernels_sock_diag_answers_as_the_agents_own_tables_do() -> None:
-    """The agent's own namespace is asked of sock_diag (only the listening hash walked): the same rows, address
-    text included, as /proc/net/tcp{,6} on this host, with listeners of both families bound here for the test; a
-    fixture root is no namespace of the agent's, so its files are read."""
+@contextlib.contextmanager
+def bound() -> Iterator[set[int]]:
+    """Listeners of both families, wildcard and loopback, on ports the kernel picks: their ports."""
     socks = []
     try:
         for family, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::1"),
@@ -95,20 +99,44 @@ def test_the_kernels_sock_diag_answers_as_the_agents_own_tables_do() -> None:
             socks.append(s)
             s.bind((addr, 0))
             s.listen()
-        fs = HostFS("/")
-        assert listeners.own_netns(fs)
-        files = []
-        for name in listeners.TABLES:
-            with open(f"/proc/net/{name}", encoding="ascii") as f:
-                files.extend(parse(f))
-        ours = {s.getsockname()[1] for s in socks}
-        got = listeners.listeners(fs)
-        assert got is not None and sorted(got, key=repr) == sorted(files, key=repr)
-        assert ours <= {s.port for s in got}
-        assert {s.address for s in on_ports(fs, ours)} == {"127.0.0.1", "0.0.0.0", "::1", "::"}
+        yield {s.getsockname()[1] for s in socks}
     finally:
         for s in socks:
             s.close()
+
+
+def test_the_kernels_sock_diag_answers_as_the_agents_own_tables_do() -> None:
+    """sock_diag itself (listeners() would fall back to the tables unseen): for the test's own listeners, the same
+    rows, address text and inode included, as /proc/net/tcp{,6} on this host. Only the test's ports are compared:
+    other listeners on the host may come and go between the two reads."""
+    with bound() as ours:
+        diag = [s for s in listeners._diag(socket.AF_INET) + listeners._diag(socket.AF_INET6) if s.port in ours]
+        files = []
+        for name in listeners.TABLES:
+            with open(f"/proc/net/{name}", encoding="ascii") as f:
+                files.extend(s for s in parse(f) if s.port in ours)
+        assert len(diag) == 4 and all(s.inode for s in diag)
+        assert sorted(diag, key=repr) == sorted(files, key=repr)
+        fs = HostFS("/")
+        assert listeners.own_netns(fs)
+        assert {s.address for s in on_ports(fs, ours)} == {"127.0.0.1", "0.0.0.0", "::1", "::"}
+
+
+@pytest.mark.parametrize("error", [OSError(93, "Protocol not supported"), struct.error("unpack_from requires 72")])
+def test_a_failing_sock_diag_falls_back_to_the_tables_and_is_counted(
+        monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """No inet_diag in the kernel, or an answer shorter than its header says: the agent's own tables are read, the
+    failure counted; discovery sees the listeners all the same."""
+
+    def broken(family: int) -> list[Listener]:
+        raise error
+
+    monkeypatch.setattr(listeners, "_diag", broken)
+    monkeypatch.setattr(listeners, "diag_failures", 0)
+    with bound() as ours:
+        got = listeners.listeners(HostFS("/"))
+        assert got is not None and ours <= {s.port for s in got}
+    assert listeners.diag_failures == 1
 
 
 def test_a_fixture_root_is_not_the_agents_namespace(tmp_path: Path) -> None:
