@@ -177,3 +177,31 @@ def test_overrides_whose_write_failed_partway_are_written_again_on_the_next_tick
     assert failed == 1 and kern.updates == 2  # slot 1 on the failing tick, slot 2 on the next; none on the third
     assert all(kern.lookup(s).override.interval_ns == 10_000_000 for s in (1, 2))
     assert set(d._written) == {101, 102}
+
+
+def test_a_lease_ending_or_the_heartbeat_ageing_makes_a_new_part_on_that_tick() -> None:
+    """What a tick at rest hands on must still change when time alone changes the limit in force: the fleet share's
+    lease ends (t5 back to its baseline) and the heartbeat grows older than its timeout (t7's override no longer
+    holds). Each makes a new part on the very tick it happens, not the one handed on."""
+    view = Tenants()
+    share = {"t5": (TenantLimit(50, 5), int(2.0e9))}  # t5's share until 2 s by the kernel's clock
+    cut = {"t7": TenantLimit(10, 1)}
+
+    def tick(t: float, heartbeat: float) -> QuotaPart:
+        r = read(t, {})
+        r = Reading(r.ktime_ns, {}, {}, r.limits, {}, int(heartbeat * 1e9), 0)
+        view.update(r, TABLE, SPECS, cut, share, 1.0)
+        return part(r, view, ("lo",), "/pins", (), ())
+
+    view.update(read(0.0, {tid: (0, 0, 0, 0) for tid in TABLE}), TABLE, SPECS, cut, share, 1.0)
+    first = tick(0.1, 0.1)
+    assert first.tenants["t5"].limit == TenantLimit(50, 5) and first.tenants["t7"].limit == TenantLimit(10, 1)
+    at_rest = [tick(0.1 + i / 10, 0.1 + i / 10) for i in range(1, 19)]  # the heartbeat kept fresh, to 1.9 s
+    assert all(p is first for p in at_rest)
+    ended = tick(2.0, 2.0)
+    assert ended is not first and ended.tenants["t5"].limit == SPECS["t5"].requests
+    assert ended.tenants["t7"].limit == TenantLimit(10, 1)
+    assert tick(2.5, 2.0) is ended and tick(3.0, 2.0) is ended  # 1 s old: still fresh
+    stale = tick(3.1, 2.0)
+    assert stale is not ended and stale.tenants["t7"].limit == SPECS["t7"].requests
+    assert tick(3.2, 2.0) is stale
