@@ -1,11 +1,13 @@
-"""Who listens on a port, through HostFS: the listening TCP sockets of a network namespace (/proc/PID/net/tcp{,6};
-/proc/net/tcp{,6} for the agent's own), and the processes that hold them (/proc/PID/fd links name a socket by inode).
-One reader for every capability that asks: quota's interfaces, latency's serving cgroups, server discovery and the
-serving network namespaces.
+"""Who listens on a port, through HostFS: the listening TCP sockets of a network namespace, and the processes that hold
+them (/proc/PID/fd links name a socket by inode). The agent's own namespace is asked of the kernel (sock_diag, only
+the listening hash walked), with /proc/net/tcp{,6} as the fallback where that fails (counted, logged once); another
+namespace is read from /proc/PID/net/tcp{,6}, and a host root that is not the agent's own (a copy of another host's
+tree) from its /proc/net/tcp{,6}. One reader for every capability that asks: quota's interfaces, latency's serving
+cgroups, server discovery and the serving network namespaces.
 
-Only listeners are read: the kernel lists them before every other socket, so the first row in another state ends
-them, and a busy server's thousands of connections are never read (reading them all cost ~13 ms for 2 800 sockets
-here). Rows are read as the kernel writes them, not the whole table first.
+From the tables, only listeners are read: the kernel lists them before every other socket, so the first row in
+another state ends them, and a busy server's thousands of connections are never read (reading them all cost ~13 ms
+for 2 800 sockets here). Rows are read as the kernel writes them, not the whole table first.
 """
 
 from __future__ import annotations

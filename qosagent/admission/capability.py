@@ -148,7 +148,7 @@ class Admission(Capability):
         made = (cfg, self.baseline, tuple(snapshot.part(k) for k in INPUT_PARTS))
         last = self._input
         if last is not None and last[0][0] is cfg and last[0][1] is self.baseline and same_parts(last[0][2], made[2]):
-            inp = dataclasses.replace(self._input[1], now=snapshot.monotonic)
+            inp = dataclasses.replace(last[1], now=snapshot.monotonic)
         else:
             inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
         self._input = (made, inp)
@@ -177,8 +177,9 @@ class Admission(Capability):
         writer = self._writer()
         if self._enforcing():
             assert writer is not None
-            # Every tick, not only on change: replacing is idempotent, and it re-asserts the limits should the
-            # quota side have been reset (a reload, re-adopted pins).
+            # Every tick, not only on change: the same overrides again are a no-op on the quota side (no slot is
+            # walked). A reset there needs no call of ours: a reload's write_config writes the overrides it holds
+            # into every slot, and a new Datapath (re-adopted pins) remembers none, so this tick's call writes them.
             writer.set_overrides(out.overrides)
             self._written = bool(out.overrides)
         elif self._written and writer is not None:

@@ -1,6 +1,8 @@
-"""The tick's read of the quota maps (datapath.Reading) as the part, pure: each tenant's counts, its rates over the
+"""The tick's read of the quota maps (datapath.Reading) as the part: each tenant's counts, its rates over the
 last second, the limit in force (the configured one; admission's override while the heartbeat is fresh; the fleet's
-share while its lease lasts, where it is lower) and the tokens left in that limit's bucket."""
+share while its lease lasts, where it is lower) and the tokens left in that limit's bucket. No map is read here; the
+only state is the Tenants view's (the rates, the rows built, and the part last published, which part() records so a
+tick at rest can hand it on)."""
 
 from __future__ import annotations
 
