@@ -17,9 +17,9 @@ from qosagent.pods.service import Pods
 from qosagent.quota import datapath as dp
 from qosagent.quota import export, planning, reading, tc
 from qosagent.quota.interfaces import NamespaceEgress, interfaces
-from qosagent.quota.limits import FleetWriter, LimitsWriter
+from qosagent.quota.limits import FleetWriter, LimitsWriter, override_buckets
 from qosagent.quota.model import QUOTA, QuotaPart
-from qosagent.quota.rules import baseline_buckets, bucket
+from qosagent.quota.rules import baseline_buckets
 from qosagent.retention import EVERYONE
 from qosagent.schedule import Every
 from qosagent import sandbox
@@ -32,7 +32,6 @@ from qosagent.tenants import (
     TenantInfo,
     TenantLimit,
     baseline,
-    tenant_id,
     tenant_table,
 )
 
@@ -168,7 +167,7 @@ class Quota(Capability):
         d = self.datapath
         assert d is not None
         d.write_config(w.config, baseline_buckets(w.config))
-        d.set_overrides({tenant_id(n): bucket(v.rps, v.burst) for n, v in w.overrides.items()})
+        d.set_overrides(override_buckets(w.overrides, w.derived[0]))  # clamped to the floor, as the writer does
         for line in d.attach(w.interfaces, self.namespaces.names()):
             log.info("%s", line)
         self.attached = list(w.interfaces)

@@ -8,7 +8,7 @@ import logging
 from typing import Mapping, Protocol
 
 from qosagent.quota.datapath import Datapath
-from qosagent.quota.rules import bucket
+from qosagent.quota.rules import Bucket, bucket
 from qosagent.tenants import TenantLimit, TenantQuotaSpec, tenant_id, with_floor
 
 log = logging.getLogger("qosagent.quota")
@@ -24,6 +24,17 @@ class Holder(Protocol):
     datapath: Datapath | None
 
 
+def override_buckets(limits: Mapping[str, TenantLimit], specs: Mapping[str, TenantQuotaSpec]) -> dict[int, Bucket]:
+    """Admission's overrides as the datapath takes them (tenant id -> bucket), each clamped to its tier's floor;
+    a tenant specs does not name is left out. The one clamp for the writer and for a reload's rewrite."""
+    out = {}
+    for name, lim in limits.items():
+        if name in specs:
+            lim = with_floor(lim, specs[name].floor)
+            out[tenant_id(name)] = bucket(lim.rps, lim.burst)
+    return out
+
+
 class LimitsWriter:
     """tenants.LimitsWriter over the quota maps: overrides are clamped to the tier floor and expire in the kernel
     with the heartbeat."""
@@ -33,13 +44,10 @@ class LimitsWriter:
 
     def set_overrides(self, limits: Mapping[str, TenantLimit]) -> None:
         specs = self.quota.specs
-        out = {}
-        for name, lim in limits.items():
+        for name in limits:
             if name not in specs:  # e.g. removed by a reload the caller has not seen yet
                 log.warning("override for unknown tenant %r ignored", name)
-                continue
-            lim = with_floor(lim, specs[name].floor)
-            out[tenant_id(name)] = bucket(lim.rps, lim.burst)
+        out = override_buckets(limits, specs)
         self.quota.overrides = {n: v for n, v in limits.items() if n in specs}
         if self.quota.datapath is not None:
             self.quota.datapath.set_overrides(out)

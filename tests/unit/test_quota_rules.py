@@ -127,3 +127,34 @@ def test_metrics_pass_promtool(tmp_path):
     if shutil.which("promtool"):
         out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_reloads_rewrite_clamps_the_overrides_to_the_tier_floor_as_the_writer_does():
+    """Admission's overrides are kept as it gave them; a reload writes them again (quota's _write) and must clamp
+    them as LimitsWriter does: before, tenant a's 1 rps went to the maps under its gold floor of 5 rps."""
+    from qosagent.capability import AgentContext
+    from qosagent.gpu.backend import NoGpu
+    from qosagent.hostfs import HostFS
+    from qosagent.quota.capability import _Written
+    from qosagent.quota.limits import LimitsWriter
+
+    told: list[dict[int, object]] = []
+
+    class Datapath:
+        def write_config(self, *args: object) -> None:
+            pass
+
+        def set_overrides(self, overrides: dict[int, object]) -> None:
+            told.append(dict(overrides))
+
+        def attach(self, *args: object) -> list[str]:
+            return []
+
+    c = cfg()
+    q = Quota(AgentContext(config=c, hostfs=HostFS("/"), gpu=NoGpu("test")))
+    q.datapath = Datapath()  # type: ignore[assignment]
+    cut = {"a": TenantLimit(1, 1), "c": TenantLimit(3, 4)}  # c's bronze tier has no floor
+    q._write(_Written(c, [], q._derive(c), cut))
+    q.specs = q._derive(c)[0]
+    LimitsWriter(q).set_overrides(cut)
+    assert told[0] == told[1] == {tenant_id("a"): bucket(5, 2), tenant_id("c"): bucket(3, 4)}
