@@ -188,7 +188,8 @@ class TenantInputs(Mapping[str, TenantInput]):
 
 # Every part tick_input reads of the snapshot (besides its time): the same parts as the last tick's give the same
 # input. Latency's and quota's by identity: at rest they are the parts of the tick before, handed on, and comparing
-# their tenants' rows by value would cost what it saves; the small ones by value (the servers' is made anew each tick).
+# their tenants' rows by value would cost what it saves; the small ones by value (the servers' is made anew each tick,
+# and while a server is read its readings' age_s moves, so then the input is always built again).
 INPUT_PARTS = (LATENCY, QUOTA, SERVERS, RESOURCES, GPU)
 _BY_IDENTITY = 2
 
