@@ -12,7 +12,7 @@ import pytest
 
 from testkit.agent import AgentThread
 
-from qosagent import config
+from qosagent import config, configwatch
 from qosagent.configwatch import ConfigWatch
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
@@ -36,6 +36,12 @@ def polled(w: ConfigWatch, clock: Clock) -> bool:
     return w.changed()
 
 
+def settled(w: ConfigWatch, clock: Clock) -> bool:
+    """What the watch makes of a change once the file has stood still for an interval: never at the first poll."""
+    assert not polled(w, clock), "a change is acted on only once it has stood still for an interval"
+    return polled(w, clock)
+
+
 def test_an_edit_in_place_or_a_rename_over_the_file_is_one_change(tmp_path: Path) -> None:
     path, clock = tmp_path / "c.yaml", Clock()
     path.write_text("interval: 100ms\n")
@@ -43,11 +49,11 @@ def test_an_edit_in_place_or_a_rename_over_the_file_is_one_change(tmp_path: Path
     assert not polled(w, clock)
     path.write_text("interval: 200ms\n")
     assert not w.changed(), "not before the interval has passed"
-    assert polled(w, clock) and not polled(w, clock)
+    assert settled(w, clock) and not polled(w, clock)
     new = tmp_path / "c.yaml.new"
     new.write_text("interval: 300ms\n")
     os.replace(new, path)
-    assert polled(w, clock) and not polled(w, clock)
+    assert settled(w, clock) and not polled(w, clock)
 
 
 def test_a_configmap_symlink_swap_is_one_change(tmp_path: Path) -> None:
@@ -62,13 +68,13 @@ def test_a_configmap_symlink_swap_is_one_change(tmp_path: Path) -> None:
     (vol / "..2026_02" / "config.yaml").write_text("interval: 200ms\n")
     (vol / "..data_tmp").symlink_to("..2026_02")
     os.replace(vol / "..data_tmp", vol / "..data")
-    assert polled(w, clock) and not polled(w, clock)
+    assert settled(w, clock) and not polled(w, clock)
     # The same text again (kubelet resyncing, an operator re-applying): nothing to reload.
     (vol / "..2026_03").mkdir()
     (vol / "..2026_03" / "config.yaml").write_text("interval: 200ms\n")
     (vol / "..data_tmp").symlink_to("..2026_03")
     os.replace(vol / "..data_tmp", vol / "..data")
-    assert not polled(w, clock)
+    assert not settled(w, clock)
 
 
 def test_a_touch_or_a_vanished_file_is_no_change(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -76,14 +82,39 @@ def test_a_touch_or_a_vanished_file_is_no_change(tmp_path: Path, caplog: pytest.
     path.write_text("interval: 100ms\n")
     w = watch(path, clock)
     os.utime(path, ns=(1, 1))
-    assert not polled(w, clock)
+    assert not settled(w, clock)
     path.unlink()
     assert not polled(w, clock) and not polled(w, clock)
     assert [r.message for r in caplog.records].count(f"config file {path} is gone; the running config stays") == 1
     path.write_text("interval: 100ms\n")
-    assert not polled(w, clock), "back with the text already running"
+    assert not settled(w, clock), "back with the text already running"
     path.write_text("interval: 150ms\n")
-    assert polled(w, clock)
+    assert settled(w, clock)
+
+
+def test_a_file_seen_mid_write_is_not_reloaded(tmp_path: Path) -> None:
+    """An edit in place truncates before it writes: a poll between the two sees an empty file, which is a valid
+    config (every default) and must not be applied; the new text, once it stands still, is one change."""
+    path, clock = tmp_path / "c.yaml", Clock()
+    path.write_text("interval: 100ms\n")
+    w = watch(path, clock)
+    with open(path, "w") as f:
+        f.truncate()
+        assert not polled(w, clock), "the truncated file is not taken for a new config"
+        f.write("interval: 200ms\n")
+    assert settled(w, clock) and not polled(w, clock)
+
+
+def test_a_write_in_the_same_mtime_tick_with_the_same_size_is_seen(tmp_path: Path) -> None:
+    """Two writes of the same size within one mtime tick (a jiffy) leave the same stat: while the mtime is that
+    recent the content is read as well, so the second write is not lost."""
+    path, clock = tmp_path / "c.yaml", Clock()
+    path.write_text("interval: 100ms\n")
+    w = watch(path, clock)
+    mtime = path.stat().st_mtime_ns
+    path.write_text("interval: 200ms\n")
+    os.utime(path, ns=(mtime, mtime))  # the same tick as the text the watch began with
+    assert polled(w, clock) and not polled(w, clock)
 
 
 def wait_for(cond, timeout: float = 5.0) -> None:
@@ -98,6 +129,9 @@ def test_the_agent_reloads_a_changed_file_and_refuses_a_bad_one(tmp_path: Path, 
     path = tmp_path / "cfg.yaml"
     base = "latency: {enabled: false}\nconfig_watch: {interval: 100ms}\n"
     path.write_text("interval: 20ms\n" + base)
+    stats: list[str] = []  # one per stat() the watch takes: a poll past its interval, or a reload's seen()
+    identity = configwatch._identity
+    monkeypatch.setattr(configwatch, "_identity", lambda p: stats.append(p) or identity(p))
     a = Agent(config.load(str(path)), HostFS(tmp_path), str(path), gpu=NoGpu())
     with AgentThread(a, timeout=5):
         path.write_text("interval: 30ms\n" + base)
@@ -106,12 +140,14 @@ def test_the_agent_reloads_a_changed_file_and_refuses_a_bad_one(tmp_path: Path, 
         path.write_text("interval: fast\n" + base)
         wait_for(lambda: a.stats.reloads_failed == 1)
         assert a.config.interval == pytest.approx(0.03) and "interval" in a.stats.last_reload_error
-        threading.Event().wait(0.3)
+        done = len(stats)
+        wait_for(lambda: len(stats) >= done + 3)  # three polls: two would act on a change
         assert a.stats.reloads_failed == 1, "the same bad text is not tried again"
         path.write_text("interval: 40ms\nlatency: {enabled: false}\nconfig_watch: {enabled: false}\n")
         wait_for(lambda: a.stats.reloads_ok == 2)
         path.write_text("interval: 50ms\n" + base)
-        threading.Event().wait(0.4)
+        ticks = a.stats.ticks
+        wait_for(lambda: a.stats.ticks >= ticks + 10)  # 400 ms of 40 ms ticks: a watch still on would act within 200
         assert a.stats.reloads_ok == 2 and a.config.interval == pytest.approx(0.04), "the watch is off now"
 
 
