@@ -279,7 +279,8 @@ class _Unasked(dict):  # type: ignore[type-arg]
     def __getitem__(self, name: str) -> bool:
         raise AssertionError(f"kprobe_functions asked about {name}")
 
-    get = __getitem__  # type: ignore[assignment]
+    def get(self, name: str, default: object = None) -> bool:  # type: ignore[override]
+        raise AssertionError(f"kprobe_functions asked about {name}")
 
 
 def test_planning_sockops_or_tracepoints_never_asks_for_kprobe_functions() -> None:
