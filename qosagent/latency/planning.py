@@ -41,13 +41,14 @@ def verdict(cfg: LatencyConfig, features: Features) -> Verdict:
         mode = "kprobe"
         notes.append("kprobe fallback on " + "/".join(fn for fn, _ in KPROBES))
     else:
-        kp_why = "no kprobes" if not features.kprobes else "no " + "/".join(
-            fn for fn, _ in KPROBES if not features.kprobe_functions.get(fn, False)) + " to probe"
+        def kp_why() -> str:  # only where kprobe mode was considered: it may read /proc/kallsyms
+            return "no kprobes" if not features.kprobes else "no " + "/".join(
+                fn for fn, _ in KPROBES if not features.kprobe_functions.get(fn, False)) + " to probe"
         missing = ("no sock:inet_sock_set_state tracepoint (kernel < 4.16)" if not set_state else
                    "no sock:sock_recv_length/sock_send_length tracepoints (kernel < 6.4)" if cfg.mode != "kprobe"
-                   else kp_why)
+                   else kp_why())
         if cfg.mode == "auto":
-            missing += f", {kp_why} for the kprobe fallback" if set_state else ""
+            missing += f", {kp_why()} for the kprobe fallback" if set_state else ""
             missing += ", and no per-socket sock_ops hooks (kernel < 6.15 or no cgroup v2)"
         return Verdict(State.UNAVAILABLE, f"latency.mode {cfg.mode}: {missing}")
     if mode != "sockops":

@@ -295,6 +295,20 @@ def test_planning_sockops_or_tracepoints_never_asks_for_kprobe_functions() -> No
         assert v.plan is not None and v.plan.mode == mode
 
 
+def test_planning_unavailable_without_kprobe_mode_never_asks_for_kprobe_functions() -> None:
+    """The reason for an unavailable verdict names kprobe functions only where kprobe mode was considered."""
+    from qosagent.features import TRACEPOINTS, Features
+    from qosagent.latency import planning
+    from qosagent.latency.config import LatencyConfig
+
+    set_state_only = {tp for tp in TRACEPOINTS if tp.endswith("inet_sock_set_state")}
+    for mode, tps in (("tracepoint", set_state_only), ("auto", set()), ("tracepoint", set())):
+        f = Features(tracepoints={tp: tp in tps for tp in TRACEPOINTS}, kprobes=True,
+                     kprobe_functions=_Unasked(), sockops_sendmsg=False, cgroup2="/sys/fs/cgroup")
+        v = planning.verdict(LatencyConfig(mode=mode), f)
+        assert v.plan is None and "unavailable" in str(v.state).lower(), (mode, v)
+
+
 def test_probe_degrades_without_sched_tracepoints_only_when_runqueue_is_wanted() -> None:
     sock_only = {tp for tp in ALL_TP if tp.startswith("sock/")}
     state, reason, _ = _probe(sock_only)
