@@ -68,9 +68,10 @@ class CgroupWatch:
         try:
             sockops = self.prog.fd("lat_sockops")
             learn = self.prog.fd("lat_ingress_learn")
-            egress_learn = links.load_egress_learn(self.prog)
+            egress = links.load_egress(self.prog)  # once: its fd goes both to the learner's slot and to the cgroups
+            egress_learn = links.load_egress_learn(self.prog, egress)
             self._ingress = CgroupLinks(self.prog.fd("lat_ingress"), ATTACH_CGROUP_INET_INGRESS, self.fs)
-            self._egress = CgroupLinks(links.load_egress(self.prog), ATTACH_CGROUP_INET_EGRESS, self.fs)
+            self._egress = CgroupLinks(egress, ATTACH_CGROUP_INET_EGRESS, self.fs)
             self._index = CgroupIndex(self.fs, self.root)
             self._events = self.prog.ring_buffer("lat_cgroup_events", self._on_event)
             # The learners first: no socket the sock_ops program tracks may have bytes nobody sees.

@@ -43,11 +43,11 @@ def load_egress(prog: "Program") -> int:
     return egress
 
 
-def load_egress_learn(prog: "Program") -> int:
-    """lat_egress_learn (its fd; sockops mode), with lat_egress, which it tail-calls, in its slot: one copy of the
-    egress parser compiled and verified, not two (bpf/latency_sockops.c)."""
+def load_egress_learn(prog: "Program", egress: int) -> int:
+    """lat_egress_learn (its fd; sockops mode), with `egress` (load_egress's fd), which it tail-calls, in its slot:
+    one copy of the egress parser compiled and verified, not two (bpf/latency_sockops.c)."""
     learn = prog.fd("lat_egress_learn")
-    prog.map("lat_tail").update(TAIL_EGRESS, load_egress(prog))
+    prog.map("lat_tail").update(TAIL_EGRESS, egress)
     return learn
 
 
