@@ -330,10 +330,13 @@ int lat_egress(struct __sk_buff *skb)
  * own, so that its runs (every packet on the host leaves through it) are told from the steady state's; what it does
  * is lat_egress's, tail-called (the kernel counts the runs of the program the hook ran). A copy of lat_departure
  * here was as much C for LLVM and as many paths for the verifier as lat_egress itself: ~0.3 s of a cold start's
- * compile child. Where the slot is empty (never, once the agent linked it) the packet goes on unread. */
+ * compile child. A tail call that returns failed (the slot empty or holding another program: never, once the agent
+ * linked it): the packet goes on unread, and a response's TTFT may be lost with it, so it is counted (unmatched
+ * traffic's slot: no socket was looked at), for the self-test, status and metrics to show. */
 int lat_egress_learn(struct __sk_buff *skb)
 {
     lat_tail.call(skb, LAT_TAIL_EGRESS);
+    lat_count(0, LAT_C_EGRESS_UNREAD);
     return 1;
 }
 

@@ -103,6 +103,7 @@ static __always_inline int lat_port_tracked(__u16 lport)
 /* Counters (mirrored in qosagent/latency/bpfmaps.py). Answered and completed requests are the headers and response
  * histogram counts: no counter of their own, one map update less per request. */
 #define LAT_C_STARTED 1        /* requests started (first bytes in) */
+#define LAT_C_EGRESS_UNREAD 2  /* sockops mode, slot 0 only: packets lat_egress_learn could not tail-call lat_egress for */
 #define LAT_C_UNPAIRED_SEND 3  /* write bursts with no request before them */
 #define LAT_C_UNPAIRED_CLOSE 4 /* requests closed without any response byte */
 #define LAT_C_PIPELINED 5      /* sockops mode: a next request's first line arrived while one was still waiting */

@@ -20,6 +20,7 @@ KINDS = 4  # LAT_KINDS
 
 # Completed and answered requests are the response and headers histogram counts (no counters in the kernel).
 C_STARTED = 1
+C_EGRESS_UNREAD = 2  # sockops mode, slot 0 only: packets the egress learner's tail call could not hand on
 C_UNPAIRED_SEND = 3
 C_UNPAIRED_CLOSE = 4
 C_PIPELINED = 5

@@ -193,7 +193,7 @@ class Latency(Capability):
         if seen is not None:
             self.verdict = seen
         found, unobserved = self.hooks.found(), self.hooks.unobserved()
-        hooks = self.hooks.view(self.attached(), self.programs)
+        hooks = self.hooks.view(self.attached(), self.programs, view.egress_unread)
         namespaces = self._pods.followed if self._pods is not None else ()
         made = (view.version, cfg, self._slos, self._runq_names, found, unobserved, hooks, namespaces,
                 changes.rows_read)

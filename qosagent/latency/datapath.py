@@ -151,6 +151,11 @@ class Datapath:
         return sum(c.get(bm.C_CONNS, 0) + c.get(bm.C_STARTED, 0)
                    for c in (bm.counters(data[i:i + size]) for i in range(0, len(data), size)))
 
+    def egress_unread(self) -> int:
+        """Packets the egress learner could not tail-call lat_egress for (slot 0's LAT_C_EGRESS_UNREAD), read
+        whole: for the self-test, where the ticks' reads have not begun."""
+        return bm.counters(ArrayRange(self._counters_fd, 0, 1, self._counters_size).data()).get(bm.C_EGRESS_UNREAD, 0)
+
     def _plan_reads(self) -> None:
         """The generations and rows each tick reads, worked out when the slots change (start, reload) rather than
         every tick: the generations of the slots in use, which are numbered from 0 up, and the run-queue rows' one;

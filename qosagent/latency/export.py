@@ -213,6 +213,10 @@ FAMILIES: tuple[Family[Source], ...] = (
              "written (pipelining; tracepoint mode only): counted, not timed", lambda t: t.overlapped),
     Family("qosagent_latency_observations_lost", "counter", "Latency observations dropped because their tenant had "
            "no slot in the kernel's arrays (never expected)", LABELS, _tenants(lambda t: t.lost)),
+    Family("qosagent_latency_egress_unread_packets", "counter", "sockops mode: packets the egress learner on the "
+           "cgroup2 root could not hand to lat_egress (its tail-call slot empty or wrong): responses among them went "
+           "unread, their time to first token lost (never expected)", (),
+           one(lambda s: s.part.hooks.egress_unread), shown=lambda s: s.part.hooks.mode == "sockops"),
     Family("qosagent_latency_requests_in_flight", "gauge", "Requests started and not yet complete", LABELS,
            _tenants(lambda t: t.in_flight), old="qosagent_requests_in_flight"),
     Family("qosagent_latency_connections_unobserved", "gauge", "Watched-port connections open now that are not "
@@ -335,6 +339,7 @@ def status(part: LatencyPart | None, slo: dict[str, float], signal: str, quantil
         out["cgroups"] = list(h.cgroups)
         out["learning"] = h.learning
         out["cgroup_errors"] = h.cgroup_errors
+        out["egress_unread"] = h.egress_unread
     return out
 
 

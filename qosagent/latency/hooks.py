@@ -96,7 +96,8 @@ class Upkeep:
         rooted = self.watch.rooted() if self.watch is not None else []
         rooted += ["lat_egress"] if self._root_link is not None else []
         try:
-            silent = selftest.check(self.dp.fds(rooted + self.dp.traced()), tracked)
+            silent = selftest.check(self.dp.fds(rooted + self.dp.traced()), tracked,
+                                    unread=self.dp.egress_unread if self.watch is not None else None)
         except selftest.Unverifiable as e:
             # Said, not degraded: the documented unit runs without CAP_SYS_ADMIN, and a capability degraded on every
             # such host would be a false alarm (and an agent never ready). Real traffic verifies the hooks later.
@@ -164,14 +165,14 @@ class Upkeep:
     def unobserved(self) -> dict[str, int]:
         return self.adopter.unobserved() if self.adopter is not None else {}
 
-    def view(self, attached: int, programs: list[dict[str, Any]]) -> Hooks:
-        """What the part shows of the hooks: attached counts the datapath's too."""
+    def view(self, attached: int, programs: list[dict[str, Any]], egress_unread: int = 0) -> Hooks:
+        """What the part shows of the hooks: attached counts the datapath's too; egress_unread as the tick read it."""
         w = self.watch
         return Hooks(
             mode=self.mode, attached=attached, programs=tuple((p["name"], p["id"]) for p in programs),
             ttft=("measured: responses read as they leave" if self.egress else f"unavailable: {self.egress_error}"),
             cgroups=tuple(w.cgroups()) if w is not None else (), learning=w is not None and w.learning,
-            cgroup_errors=w.errors if w is not None else 0)
+            cgroup_errors=w.errors if w is not None else 0, egress_unread=egress_unread if w is not None else 0)
 
     def close(self) -> None:
         """Undo start(), in reverse: the adopter's link, the cgroup watcher and its links, the egress link on the

@@ -70,6 +70,9 @@ class Hooks:
     cgroups: tuple[str, ...] = ()  # sockops mode: the cgroups whose request arrivals are hooked
     learning: bool = False  # sockops mode: the learners are still linked on the cgroup2 root
     cgroup_errors: int = 0  # sockops mode: serving cgroups not linked, failed polls of the kernel's reports
+    # sockops mode: packets lat_egress_learn could not tail-call lat_egress for (its slot empty or wrong), each
+    # possibly a response whose TTFT was lost; never expected (bpf/latency_sockops.c)
+    egress_unread: int = 0
 
 
 @dataclass(frozen=True)

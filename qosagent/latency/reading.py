@@ -43,6 +43,7 @@ class Tenants:
         self.windows: dict[str, tuple[str, Histogram]] = {}  # name -> (tier, its window of the signal)
         self.busy: set[str] = set()  # the tenants whose window of the signal holds requests
         self.counted = 0  # connections tracked and requests started, every tenant's (hooks.counted)
+        self.egress_unread = 0  # sockops mode: packets the egress learner could not hand to lat_egress (Hooks)
         self.version = 0  # moves whenever tenants, windows, busy or the run queue's windows may have: a part anew
 
     def configure(self, current: Mapping[int, TenantInfo], known: Mapping[int, TenantInfo], window_s: float) -> None:
@@ -58,6 +59,7 @@ class Tenants:
         w = self._windows
         for tid, new in changes.tenants.items():
             self.counted += _counted(new) - _counted(w.current(tid))
+            self.egress_unread += new.counter(bm.C_EGRESS_UNREAD) - w.current(tid).counter(bm.C_EGRESS_UNREAD)
         moved = w.tick(now, changes.tenants)
         runq_moved = self._runq.tick(now, changes.runq or {})
         if runq_moved or changes.runq:

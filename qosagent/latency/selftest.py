@@ -71,10 +71,12 @@ class Unverifiable(Exception):
 def check(programs: Mapping[str, int], avoid: Collection[int] = (),
           traffic: Callable[[Collection[int]], None] = loopback_exchange,
           run_count: Callable[[int], int] = libbpf.prog_run_count,
-          enable_stats: Callable[[], int] = libbpf.enable_stats) -> str | None:
+          enable_stats: Callable[[], int] = libbpf.enable_stats,
+          unread: Callable[[], int] | None = None) -> str | None:
     """programs: name -> fd of the programs that every TCP socket's traffic must run. None when each ran during
     the self-test's exchange, else the reason (for the capability's verdict); Unverifiable when the run statistics
-    cannot be had."""
+    cannot be had. unread (sockops mode): the packets the egress learner could not tail-call lat_egress for; the
+    kernel counts the learner's runs whether or not its tail call ran, so a run count alone passes an empty slot."""
     if not programs:
         return None
     try:
@@ -82,6 +84,7 @@ def check(programs: Mapping[str, int], avoid: Collection[int] = (),
     except OSError as e:
         raise Unverifiable(f"hooks not verified at start (BPF run statistics: {e.strerror})") from None
     try:
+        unread_before = unread() if unread is not None else 0
         before = {name: run_count(fd) for name, fd in programs.items()}
         try:
             traffic(avoid)
@@ -95,6 +98,10 @@ def check(programs: Mapping[str, int], avoid: Collection[int] = (),
             time.sleep(0.05)
     finally:
         os.close(stats)
+    lost = unread() - unread_before if unread is not None else 0
+    if lost:
+        return (f"self-test: lat_egress_learn's tail call to lat_egress failed for {lost} packets of a loopback "
+                "connection of the agent's own: responses there would go unread")
     if silent:
         return (f"self-test: {', '.join(silent)} did not run for a loopback connection of the agent's own: "
                 "requests there would go uncounted")

@@ -55,8 +55,8 @@ def stats_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
     check = selftest.check
 
-    def refused(programs: Mapping[str, int], avoid: Collection[int] = ()) -> str | None:
-        return check(programs, avoid, enable_stats=refuse)
+    def refused(programs: Mapping[str, int], avoid: Collection[int] = (), **kw: Any) -> str | None:
+        return check(programs, avoid, enable_stats=refuse, **kw)
 
     monkeypatch.setattr(selftest, "check", refused)
 

@@ -18,6 +18,7 @@ from qosagent.config import parse
 from qosagent.features import ensure_mounted, probe
 from qosagent.gpu.backend import NoGpu
 from qosagent.hostfs import HostFS
+from qosagent.latency import links
 from qosagent.latency.capability import Latency
 from qosagent.latency.cgroupwatch import CgroupWatch
 from qosagent.latency.links import cgroup_root
@@ -147,6 +148,34 @@ def test_the_learners_alone_time_a_request_to_its_response(bpf: None, cgroup: st
         assert (t.requests, t.connections, t.unpaired, t.headers.count) == (1, 1, 0, 1)
         assert 0.02 <= t.headers.quantile(0.5) <= 0.03
         assert cap.hooks.watch.cgroups() == []
+        assert cap.collect().hooks.egress_unread == 0 and "tail call" not in cap.verdict.reason, cap.verdict
+    finally:
+        cap.stop()
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.privileged
+def test_a_learner_whose_tail_call_fails_is_counted_and_fails_the_self_test(bpf: None, cgroup: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner's slot left empty: the kernel still counts the learner's runs, so only the packets it counts as
+    unread tell it; the self-test degrades the capability on them, and status and metrics show them."""
+    port = free_port()
+    server = start_server(cgroup, port)
+    monkeypatch.setattr(CgroupWatch, "link", lambda self, cgid, tgid, path=None: None)
+    monkeypatch.setattr(links, "load_egress_learn", lambda prog, egress: prog.fd("lat_egress_learn"))  # slot empty
+    cap, plan = latency(port)
+    cap.start(plan)
+    try:
+        assert cap.verdict.state is State.DEGRADED and "tail call to lat_egress failed" in cap.verdict.reason, \
+            cap.verdict
+        before = cap.collect().hooks.egress_unread
+        assert before > 0
+        get(port)
+        after = until(lambda: cap.collect().hooks.egress_unread, lambda n: n > before)
+        assert after > before, (before, after)
+        t = until(lambda: cap.collect().tenants["svc"], lambda t: t.connections >= 1)
+        assert (t.connections, t.requests, t.ttft.count) == (1, 0, 0), t  # its response never seen leave
     finally:
         cap.stop()
         server.kill()

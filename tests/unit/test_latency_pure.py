@@ -342,14 +342,16 @@ def test_status_and_metrics_read_the_snapshot_not_the_capability() -> None:
 
     cap = Latency(AgentContext(config=parse(CFG, "t"), hostfs=HostFS("/nonexistent"), gpu=NoGpu("t")))
     hooks = Hooks(mode="sockops", attached=7, programs=(("lat_sockops", 41),), ttft="measured: as they leave",
-                  cgroups=("/sys/fs/cgroup/svc",), learning=True, cgroup_errors=2)
+                  cgroups=("/sys/fs/cgroup/svc",), learning=True, cgroup_errors=2, egress_unread=3)
     part = LatencyPart(10.0, {"acme": _tenant("acme", "gold", [10_000_000])}, hooks=hooks, slo={"acme": 0.005})
     snap = Snapshot.build(1, 0.0, 0.0, {"latency": part})
     st = cap.status(snap)
     assert (st["mode"], st["ttft"], st["programs"]) == ("sockops", "measured: as they leave",
                                                         [{"name": "lat_sockops", "id": 41}])
-    assert (st["cgroups"], st["learning"], st["cgroup_errors"]) == (["/sys/fs/cgroup/svc"], True, 2)
+    assert (st["cgroups"], st["learning"], st["cgroup_errors"], st["egress_unread"]) == (
+        ["/sys/fs/cgroup/svc"], True, 2, 3)
     assert st["tenants"][0]["slo"] == "breach"  # 10 ms against the part's 5 ms SLO
-    attached = {m.name: m for m in cap.metrics(snap)}["qosagent_latency_programs_attached"]
-    assert attached.samples[0].value == 7
+    fams = {m.name: m for m in cap.metrics(snap)}
+    assert fams["qosagent_latency_programs_attached"].samples[0].value == 7
+    assert fams["qosagent_latency_egress_unread_packets"].samples[0].value == 3
     assert cap.status(Snapshot.build(2, 0.0, 0.0, {})) == {}

@@ -45,6 +45,24 @@ def test_a_hook_that_did_not_run_is_named(monkeypatch) -> None:
     assert why is not None and "lat_egress did not run" in why and "kp_tcp" not in why
 
 
+def test_a_learner_that_ran_but_failed_its_tail_call_is_a_reason() -> None:
+    """The kernel counts lat_egress_learn's runs whether or not its tail call to lat_egress ran: the run counts all
+    move, and only the learner's count of unread packets tells an empty slot."""
+    c = Counts({1, 2, 3})
+    unread = {"n": 5}  # moved before the exchange: not the self-test's
+
+    def traffic(avoid: object) -> None:
+        c.traffic(avoid)
+        unread["n"] += 3
+
+    why = selftest.check(PROGS, traffic=traffic, run_count=c.n.__getitem__, enable_stats=c.enable,
+                         unread=lambda: unread["n"])
+    assert why is not None and "tail call to lat_egress failed for 3 packets" in why
+    c = Counts({1, 2, 3})
+    assert selftest.check(PROGS, traffic=c.traffic, run_count=c.n.__getitem__, enable_stats=c.enable,
+                          unread=lambda: 5) is None
+
+
 def test_no_run_statistics_is_unverifiable_not_a_pass() -> None:
     def refuse() -> int:
         raise OSError(errno.EPERM, "Operation not permitted")
