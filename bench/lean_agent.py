@@ -10,7 +10,8 @@ namespace of its own (quota's filter on that namespace's lo, pins under a bpffs 
 pins (cold), stops it (a clean stop keeps what a restart may reuse), starts it again (warm) and stops it with
 --detach-on-exit. Both checkouts' bytecode is compiled first, as an installed package's is. Ready is the status
 socket's first answer with a tick done, timed from the process's launch (asked every 20 ms); CPU times are read
-from /proc when it is ready (the compile children's from the agent's counts of the children it waited for). No
+from /proc when it is ready (its children's from the kernel's count of every child it waited for: the two compile
+children, and the tools it ran, such as quota planning's `bpftool -j net show`). No
 traffic. Prints a Markdown table for docs/PERFORMANCE.md: the median over rounds of each measure, and after/before.
 """
 
@@ -88,7 +89,8 @@ def compiler_kb(pid: int) -> int:
 
 
 def cpu_s(pid: int, children: bool = False) -> float:
-    """CPU time of the process, or (children) of its children it has waited for: the compile children, once done."""
+    """CPU time of the process, or (children) of every child it has waited for (cutime, cstime): the compile children
+    once done, and the tools it ran (quota planning's bpftool), which the kernel's count does not tell apart."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     i = 13 if children else 11
@@ -189,7 +191,8 @@ ROWS = (("steady RSS (MB)", "warm", "rss_mb"), ("LLVM/clang/BCC pages (MB)", "wa
         ("cold ready (s)", "cold", "ready_s"), ("warm ready (s)", "warm", "ready_s"),
         ("the agent's CPU time until ready, cold (s; its compile children's not counted)", "cold", "ready_cpu_s"),
         ("the agent's CPU time until ready, warm (s)", "warm", "ready_cpu_s"),
-        ("the compile children's CPU time, cold (s; both, latency's and quota's)", "cold", "children_cpu_s"),
+        ("the waited-for children's CPU time, cold (s; both compile children, and tools such as quota planning's "
+         "bpftool)", "cold", "children_cpu_s"),
         ("of which interpreter and imports (s)", "warm", "import_s"),
         ("idle CPU (% of a core)", "warm", "idle_cpu_pct"))
 
