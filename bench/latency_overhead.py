@@ -287,21 +287,34 @@ def throughput_windows(port: int, status_port: int, nginx_pid: int, tmp: Path, s
     return pairs, t.lat.mode
 
 
+# What empty_programs() puts at the top of each probe, by the file it is in, and how many probes of each kind that file
+# has: the tracepoint (raw or not) and kprobe functions return 0, the cgroup_skb programs let the packet pass, and
+# sockops' sendmsg callback returns (connection set-up still picks the sockets, or no per-socket callback would fire).
+_PROBE = r"(?:RAW_)?TRACEPOINT_PROBE\([^)]*\)|int kp_\w+\(struct pt_regs \*ctx\)"
+_SKB = r"int lat_(?:ingress|ingress_learn|egress|egress_learn|adopt_ingress)\(struct __sk_buff \*skb\)"
+_SENDMSG = r"static __always_inline void lat_ops_sendmsg\(struct bpf_sock_ops \*skops\)"
+_EMPTIED = {
+    # file: ((signature, early return, count), ...)
+    "latency_trace.c": ((_PROBE, "return 0;", 7),),  # 4 tracepoints, 3 kprobes of the < 6.6 fallback
+    "latency_trace_skb.c": ((_SKB, "return 1;", 2),),  # lat_egress, lat_adopt_ingress
+    "latency_sockops.c": ((_SKB, "return 1;", 4), (_SENDMSG, "return;", 1)),
+    "latency_runq.c": ((_PROBE, "return 0;", 3),),
+}
+
+
 def empty_programs(to: Path) -> str:
-    """bpf/ copied to `to`, each probe in latency.c returning before its first statement: the tracepoint probes,
-    the ingress and egress programs, and the sock_ops sendmsg callback (connection set-up still picks the sockets, or no
-    per-socket callback would fire at all)."""
+    """bpf/ copied to `to`, each latency probe returning before its first statement, in every file a mode's build
+    is made of (qosagent.latency.datapath.sources): the tracepoint and kprobe probes of trace mode and the run-queue,
+    the cgroup_skb programs of both modes (lat_egress_framing, tail-called by lat_egress only, never runs), and the
+    sock_ops sendmsg callback. A file that no longer has the probes counted here stops the bench."""
     shutil.copytree(REPO / "bpf", to, dirs_exist_ok=True)
-    src = (to / "latency.c").read_text()
-    out, n = re.subn(r"^((?:RAW_)?TRACEPOINT_PROBE\([^)]*\)\n\{\n)", r"\1    if (1)\n        return 0;\n", src,
-                     flags=re.M)
-    out, m = re.subn(r"^(int lat_(?:ingress|egress|egress_learn)\(struct __sk_buff \*skb\)\n\{\n)",
-                     r"\1    if (1)\n        return 1;\n", out, flags=re.M)
-    out, k = re.subn(r"^(static __always_inline void lat_ops_sendmsg\(struct bpf_sock_ops \*skops\)\n\{\n)",
-                     r"\1    if (1)\n        return;\n", out, flags=re.M)
-    if n == 0 or m != 4 or k != 1:  # lat_ingress, lat_egress_learn, and lat_egress of each mode
-        raise RuntimeError("bpf/latency.c no longer has the probes this bench empties")
-    (to / "latency.c").write_text(out)
+    for name, edits in _EMPTIED.items():
+        out = (to / name).read_text()
+        for signature, ret, want in edits:
+            out, n = re.subn(rf"^((?:{signature})\n\{{\n)", rf"\1    if (1)\n        {ret}\n", out, flags=re.M)
+            if n != want:
+                raise RuntimeError(f"bpf/{name} has {n} probes like {signature!r}, not the {want} this bench empties")
+        (to / name).write_text(out)
     return str(to)
 
 
