@@ -78,7 +78,7 @@ class FakeBackend:
     def __init__(self, gpus: list[FakeGpu], path: str | None = None):
         self.gpus = gpus
         self.path = path
-        self._mtime: float | None = None
+        self._stamp: tuple[int, int, int] | None = None  # the file's inode, mtime and size when last read
         # (operation, gpu index or None for all) -> error kind; operations: open, sample, memory, processes,
         # temperature, power, set_power_limit, set_locked_clocks, reset_locked_clocks, power_limit_constraints.
         self.errors: dict[tuple[str, int | None], str] = {}
@@ -101,11 +101,13 @@ class FakeBackend:
             st = os.stat(self.path)
         except OSError as e:
             raise GpuError(UNAVAILABLE, f"fake GPU file {self.path}: {e.strerror}") from None
-        if st.st_mtime == self._mtime:
+        # The inode too: a file renamed over it within the same mtime tick (a jiffy) may keep mtime and size.
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
             return
         with open(self.path, encoding="utf-8") as f:
             data = json.load(f)
-        self._mtime = st.st_mtime
+        self._stamp = stamp
         if not self.gpus or data.get("preset") != getattr(self, "_preset_name", None):
             self.gpus = _preset(data.get("preset", "h200x8"))
             self._preset_name = data.get("preset")
