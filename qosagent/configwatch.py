@@ -7,10 +7,19 @@ changes what stat() of the path (following links) reports, so a stat per poll no
 read only then, and only a new content counts, so a touch or a swap to the same text reloads nothing.
 
 An edit in place truncates the file before it writes the new text, so a poll can land between the two and see an
-empty or half-written file (an empty one is a valid config: every default). A change is therefore acted on only once
-the stat has stayed the same over a whole interval: at the second poll after the write, not the first. And a stat
-taken within RACY_NS of the file's mtime may share its mtime tick with a write of the same size still to come, which
-no later stat would tell apart: until the mtime is older than that, each poll reads the content as well.
+empty or half-written file (an empty one is a valid config: every default). A new content is therefore acted on only
+once two polls in a row, an interval apart, read the same bytes: the first read is kept as pending, and the next poll
+acts if it reads the same again. It is the text that has to stand still, not the stat: a file that a render loop or
+a cron job touches, rewrites or renames over between every two polls still reloads an edit, at the second poll after
+it. What is not guaranteed: a writer that stalls mid-write for longer than an interval, or one caught at the same
+point of the same partial text by two polls in a row, is read half-written; only a rename over the file (editors
+that save that way, ConfigMaps) makes a change whole at once.
+
+A stat taken within RACY_NS of the file's mtime may share its mtime tick with a write of the same size still to come,
+which no later stat would tell apart: while the mtime was that recent when the file was last read, each poll reads it
+again. An mtime in the future (clock skew, `touch -d`, a copy that kept its mtime) is not recent: a local write from
+now on gets a new mtime, so the stat tells it apart. Only a file server whose clock runs ahead of this node's could
+still hide a same-size write in the same tick; that is left to the next change of the stat, or a SIGHUP.
 """
 
 from __future__ import annotations
@@ -36,8 +45,10 @@ def _identity(path: str) -> tuple[int, int, int, int] | None:
 
 
 def _racy(identity: tuple[int, int, int, int] | None) -> bool:
-    """A write within the same mtime tick, of the same size, could still follow unseen."""
-    return identity is not None and time.time_ns() - identity[2] < RACY_NS
+    """A write within the same mtime tick, of the same size, could still follow unseen. Not for an mtime ahead of
+    the clock: reading the file at every poll until the clock catches up (a day, for `touch -d tomorrow`) buys
+    nothing, as a local write from now on moves the mtime."""
+    return identity is not None and 0 <= time.time_ns() - identity[2] < RACY_NS
 
 
 def _digest(path: str) -> bytes | None:
@@ -61,9 +72,10 @@ class ConfigWatch:
 
     def seen(self) -> None:
         """The file as it is now counts as handled (a reload that SIGHUP or `qosagent reload` asked for read it)."""
-        self._identity = self._polled = _identity(self.path)
+        self._identity = _identity(self.path)
         self._racy = _racy(self._identity)
         self._digest = _digest(self.path)
+        self._pending: bytes | None = None  # a new content read once: acted on if the next poll reads it again
 
     def changed(self) -> bool:
         now = self._clock()
@@ -71,22 +83,24 @@ class ConfigWatch:
             return False
         self._next = now + self.interval
         identity = _identity(self.path)
-        settled, self._polled = identity == self._polled, identity
-        if identity == self._identity and not self._racy:
-            return False
         if identity is None:
             # Between an unlink and a rename, or a ConfigMap being deleted: the running config stays.
             if not self._missing_logged:
                 log.warning("config file %s is gone; the running config stays", self.path)
                 self._missing_logged = True
+            self._pending = None
             return False
         self._missing_logged = False
-        if not settled:
-            return False  # maybe mid-write: looked at again next poll
-        self._identity, self._racy = identity, _racy(identity)
-        digest = _digest(self.path)
-        if digest is None or digest == self._digest:
+        if identity == self._identity and not self._racy and self._pending is None:
             return False
-        self._digest = digest
+        digest = _digest(self.path)
+        self._identity, self._racy = identity, _racy(identity)
+        if digest is None or digest == self._digest:
+            self._pending = None  # a touch, or back to the text running
+            return False
+        if digest != self._pending:
+            self._pending = digest  # maybe mid-write: acted on if the next poll reads the same
+            return False
+        self._digest, self._pending = digest, None
         log.info("config file %s changed; reloading", self.path)
         return True

@@ -37,8 +37,8 @@ def polled(w: ConfigWatch, clock: Clock) -> bool:
 
 
 def settled(w: ConfigWatch, clock: Clock) -> bool:
-    """What the watch makes of a change once the file has stood still for an interval: never at the first poll."""
-    assert not polled(w, clock), "a change is acted on only once it has stood still for an interval"
+    """What the watch makes of a change once its text has stood still for an interval: never at the first poll."""
+    assert not polled(w, clock), "a new text is acted on only once two polls in a row have read it"
     return polled(w, clock)
 
 
@@ -114,7 +114,62 @@ def test_a_write_in_the_same_mtime_tick_with_the_same_size_is_seen(tmp_path: Pat
     mtime = path.stat().st_mtime_ns
     path.write_text("interval: 200ms\n")
     os.utime(path, ns=(mtime, mtime))  # the same tick as the text the watch began with
-    assert polled(w, clock) and not polled(w, clock)
+    assert settled(w, clock) and not polled(w, clock)
+
+
+def churned(path: Path, how: str, i: int) -> None:
+    """What a render loop or a cron job does to the file between two polls without changing its text: a touch, a
+    rewrite in place of the same text, or the same text renamed over it. Each leaves a new mtime (a past one, so the
+    watch is left to go by the stat), and a rename a new inode too."""
+    text = path.read_text()
+    if how == "rewrite":
+        path.write_text(text)
+    elif how == "rename":
+        new = path.with_name(path.name + ".new")
+        new.write_text(text)
+        os.replace(new, path)
+    t = (1_000_000 + i) * 1_000_000_000
+    os.utime(path, ns=(t, t))
+
+
+@pytest.mark.parametrize("how", ["touch", "rewrite", "rename"])
+def test_a_file_whose_stat_moves_before_every_poll_still_reloads_an_edit_once(tmp_path: Path, how: str) -> None:
+    """Review of 6fefa06: a file whose stat changes between every two polls never stood still for an interval, so
+    an edit of it was never reloaded. The text standing still across two polls is what counts: the churn alone is
+    no change, and an edit reloads once, at the first or second poll after it."""
+    path, clock = tmp_path / "c.yaml", Clock()
+    path.write_text("interval: 100ms\n")
+    w = watch(path, clock)
+    for i in range(4):
+        churned(path, how, i)
+        assert not polled(w, clock), "the same text, churned, is no change"
+    path.write_text("interval: 200ms\n")
+    reloads = []
+    for i in range(4, 10):
+        churned(path, how, i)
+        reloads.append(polled(w, clock))
+    assert reloads.count(True) == 1 and True in reloads[:2], reloads
+
+
+def test_an_mtime_in_the_future_does_not_make_every_poll_read_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An mtime ahead of the clock (clock skew, `touch -d`, a copy that kept its mtime) is not a recent one: no write
+    from now on can share its tick, so the watch goes by the stat alone, and an edit (a new mtime) still reloads."""
+    path, clock = tmp_path / "c.yaml", Clock()
+    path.write_text("interval: 100ms\n")
+    future = time.time_ns() + 86_400 * 1_000_000_000
+    os.utime(path, ns=(future, future))
+    reads: list[str] = []
+    digest = configwatch._digest
+    monkeypatch.setattr(configwatch, "_digest", lambda p: reads.append(p) or digest(p))
+    w = watch(path, clock)
+    reads.clear()
+    for _ in range(5):
+        assert not polled(w, clock)
+    assert reads == [], "the unchanged file is not read at every poll"
+    path.write_text("interval: 200ms\n")
+    assert settled(w, clock) and not polled(w, clock)
 
 
 def wait_for(cond, timeout: float = 5.0) -> None:
