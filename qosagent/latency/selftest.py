@@ -84,29 +84,43 @@ def check(programs: Mapping[str, int], avoid: Collection[int] = (),
     except OSError as e:
         raise Unverifiable(f"hooks not verified at start (BPF run statistics: {e.strerror})") from None
     try:
-        unread_before = unread() if unread is not None else 0
-        before = {name: run_count(fd) for name, fd in programs.items()}
-        try:
-            traffic(avoid)
-        except OSError as e:
-            return f"self-test's loopback connection failed ({e}): hooks not seen firing"
-        end = time.monotonic() + SETTLE_S
-        while True:
-            silent = sorted(name for name, fd in programs.items() if run_count(fd) <= before[name])
-            if not silent or time.monotonic() >= end:
-                break
-            time.sleep(0.05)
+        return _exchange(programs, avoid, traffic, run_count, unread)
+    except OSError as e:  # a map or program read refused: never expected, and no reason to leave start half done
+        return f"self-test: the programs' counts could not be read ({e}): hooks not seen firing"
     finally:
         os.close(stats)
+
+
+def _exchange(programs: Mapping[str, int], avoid: Collection[int], traffic: Callable[[Collection[int]], None],
+              run_count: Callable[[int], int], unread: Callable[[], int] | None) -> str | None:
+    """check()'s exchange, with the statistics on; the reads' OSError is check()'s to say."""
+    unread_before = unread() if unread is not None else 0
+    before = {name: run_count(fd) for name, fd in programs.items()}
+    try:
+        traffic(avoid)
+    except OSError as e:
+        return f"self-test's loopback connection failed ({e}): hooks not seen firing"
+    end = time.monotonic() + SETTLE_S
+    while True:
+        silent = sorted(name for name, fd in programs.items() if run_count(fd) <= before[name])
+        if not silent or time.monotonic() >= end:
+            break
+        time.sleep(0.05)
     lost = unread() - unread_before if unread is not None else 0
     if lost:
-        return (f"self-test: lat_egress_learn's tail call to lat_egress failed for {lost} packets of a loopback "
-                "connection of the agent's own: responses there would go unread")
+        return f"self-test: {tail_calls_failed(lost, 'during the self-test')}"
     if silent:
         return (f"self-test: {', '.join(silent)} did not run for a loopback connection of the agent's own: "
                 "requests there would go uncounted")
     log.info("latency self-test: %d hooks ran for a loopback connection of the agent's own", len(programs))
     return None
+
+
+def tail_calls_failed(packets: int, when: str) -> str:
+    """The reason where the egress learner's unread count (a host-wide counter: every packet the learner saw) moved,
+    whether the self-test or real traffic (ByTraffic) saw it."""
+    return (f"lat_egress_learn's tail call to lat_egress failed for {packets} packets {when}: responses would go "
+            "unread, their time to first token and inter-token latency lost")
 
 
 @dataclass(frozen=True)

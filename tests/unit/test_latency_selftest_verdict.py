@@ -4,6 +4,7 @@ verification by traffic where the self-test cannot run."""
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -61,6 +62,28 @@ def test_a_learner_that_ran_but_failed_its_tail_call_is_a_reason() -> None:
     c = Counts({1, 2, 3})
     assert selftest.check(PROGS, traffic=c.traffic, run_count=c.n.__getitem__, enable_stats=c.enable,
                           unread=lambda: 5) is None
+
+
+def test_an_unreadable_count_is_a_reason_and_the_statistics_are_closed() -> None:
+    """A batch map read or a program's run count can fail (OSError): check() says so as a reason, where start's
+    caller can still act on it, rather than raising past start's own clean-up (links and programs left loaded)."""
+    def refused(*_: object) -> int:
+        raise OSError(errno.EFAULT, "Bad address")
+
+    for where in ("unread", "run_count"):
+        c = Counts({1, 2, 3})
+        opened: list[int] = []
+
+        def enable() -> int:
+            opened.append(c.enable())
+            return opened[-1]
+
+        why = selftest.check(PROGS, traffic=c.traffic, enable_stats=enable,
+                             run_count=refused if where == "run_count" else c.n.__getitem__,
+                             unread=refused if where == "unread" else lambda: 0)
+        assert why is not None and "counts could not be read" in why and "Bad address" in why, where
+        with pytest.raises(OSError):
+            os.fstat(opened[0])  # closed by check()
 
 
 def test_no_run_statistics_is_unverifiable_not_a_pass() -> None:
