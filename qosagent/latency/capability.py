@@ -189,7 +189,8 @@ class Latency(Capability):
         adm = cfg.admission
         view = self._view
         view.update(now, changes, adm.signal)
-        seen = self.hooks.verified_by_traffic(view.counted, now, self._tracked, cfg.latency.verify_within)
+        seen = self.hooks.verified_by_traffic(view.counted, now, self._tracked, cfg.latency.verify_within,
+                                              view.egress_unread)
         if seen is not None:
             self.verdict = seen
         found, unobserved = self.hooks.found(), self.hooks.unobserved()

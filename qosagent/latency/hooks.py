@@ -103,7 +103,13 @@ class Upkeep:
             # such host would be a false alarm (and an agent never ready). Real traffic verifies the hooks later.
             log.info("%s; verifying them by traffic on ports %s", e, sorted(tracked))
             self._unverified = verdict
-            self._by_traffic = selftest.ByTraffic(self.dp.counted(), self._open_on(tracked))
+            try:
+                unread = self.dp.egress_unread() if self.watch is not None else None
+                self._by_traffic = selftest.ByTraffic(self.dp.counted(), self._open_on(tracked), unread)
+            except OSError as err:  # the counts' batch read refused: never expected, said rather than raised past start
+                why = f"hooks not verified: the programs' counts could not be read ({err})"
+                log.warning("%s", why)
+                return Verdict(State.DEGRADED, "; ".join(r for r in (verdict.reason, why) if r))
             return Verdict(verdict.state, "; ".join(r for r in (verdict.reason, f"{e}, awaiting traffic") if r))
         if silent:
             log.warning("%s", silent)
@@ -113,21 +119,26 @@ class Upkeep:
     def _open_on(self, tracked: set[int]) -> set[bytes]:
         return {c.key for c in adopt.established(self.fs, tracked, elsewhere=self._serving_pids(tracked))}
 
-    def verified_by_traffic(self, counted: int, now: float, tracked: set[int], within: float) -> Verdict | None:
+    def verified_by_traffic(self, counted: int, now: float, tracked: set[int], within: float,
+                            unread: int = 0) -> Verdict | None:
         """Where the self-test could not run, the hooks verified or found silent by what real traffic made the
         programs count (counted: connections tracked and requests started on the tracked ports, every tenant's, as of
-        this tick's read): the capability's new verdict, or None while it stands."""
+        this tick's read), and in sockops mode degraded for good once the egress learner's tail calls were seen
+        failing (unread, as of this tick's read): the capability's new verdict, or None while it stands."""
         check, base = self._by_traffic, self._unverified
         if check is None or base is None:
             return None
-        # Connections are listed at most once a second, and only until the first new one was seen.
-        listed = self._open_on(tracked) if check.traffic_since is None and self._traffic_listed.due(now) else None
-        seen = check.observe(now, time.time(), counted, listed, within)
+        # Connections are listed at most once a second, and only until the first new one was seen or the counts
+        # verified the hooks (sockops mode keeps watching the learner's tail calls after that, which needs no list).
+        listing = check.traffic_since is None and not check.verified
+        listed = self._open_on(tracked) if listing and self._traffic_listed.due(now) else None
+        seen = check.observe(now, time.time(), counted, listed, within, unread)
         if seen is None:
             return None
+        if check.done:
+            self._by_traffic = None
         if seen.verified:
             log.info("latency %s", seen.reason)
-            self._by_traffic = None
             state = base.state
         else:
             log.warning("latency %s", seen.reason)

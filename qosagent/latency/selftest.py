@@ -8,7 +8,8 @@ request, answers it and closes; each program attached where every TCP socket pas
 cgroup2 root) must have run meanwhile. Those that did not are named in the capability's degraded verdict.
 
 Where the statistics cannot be turned on (no CAP_SYS_ADMIN: the shipped unit and DaemonSet), ByTraffic verifies the
-hooks later, from the first connections real clients open on the tracked ports and the counters the programs keep.
+hooks later, from the first connections real clients open on the tracked ports and the counters the programs keep
+(in sockops mode, the egress learner's failed tail calls too, which a run count would not show).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def tail_calls_failed(packets: int, when: str) -> str:
 
 @dataclass(frozen=True)
 class Seen:
-    """What ByTraffic.observe found: `verified` (the programs counted traffic) or `silent` (they counted none of
-    what came), with the reason for the verdict; None from observe while neither is known."""
+    """What ByTraffic.observe found: `verified` (the programs counted traffic, and no tail call of the learner was
+    seen failing) or not (they counted none of what came, or a tail call failed), with the reason for the verdict;
+    None from observe while nothing changed."""
 
     verified: bool
     reason: str
@@ -137,29 +139,57 @@ class ByTraffic:
     they track on a tracked port and every request they see start there (lat_count: LAT_C_CONNS, LAT_C_STARTED), so a
     connection on a tracked port that was not open at start must move the count. Verified once the count moved; silent
     when new connections came on those ports for `within` seconds and it did not (a silent agent is verified again
-    once it moves). Pure: the capability passes the count and the connections it lists."""
+    once it moves). In sockops mode (unread given) the egress learner's failed tail calls are watched too, since the
+    count moves whether or not they fail: once that count moved the verdict is lost for good (`lost`), whatever the
+    other count does. Pure: the capability passes the counts and the connections it lists."""
 
-    def __init__(self, counted: int, open_now: Collection[bytes]):
+    def __init__(self, counted: int, open_now: Collection[bytes], unread: int | None = None):
         self._counted = counted  # at start
         self._known = set(open_now)  # open at start: adopted, counted only at their next request
+        self._unread = unread  # sockops mode: the learner's failed tail calls at start; None where not watched
+        self._said = ""  # what the count showed last: verified or silent
         self.traffic_since: float | None = None  # when the first new connection on a tracked port was seen
         self.silent = False
+        self.verified = False
+        self.lost: str | None = None  # why responses go unread, once the learner's tail calls were seen failing
+
+    @property
+    def done(self) -> bool:
+        """Nothing more can change the verdict: the tail calls were seen failing, or the hooks verified where the
+        tail calls are not watched."""
+        return self.lost is not None or (self.verified and self._unread is None)
 
     def observe(self, now: float, wall: float, counted: int, open_now: Collection[bytes] | None,
-                within: float) -> Seen | None:
+                within: float, unread: int = 0) -> Seen | None:
         """now: monotonic seconds; wall: time.time() for the message; open_now: the connections open on the tracked
-        ports, or None when they were not listed this time (the count alone can still verify)."""
+        ports, or None when they were not listed this time (the count alone can still verify); unread: the learner's
+        failed tail calls as of now (sockops mode). The verdict whenever it changed, else None."""
+        lost = self._unread is not None and self.lost is None and unread > self._unread
+        if lost:
+            assert self._unread is not None
+            self.lost = tail_calls_failed(unread - self._unread, "since start")
+        if not self._counts(now, wall, counted, open_now, within) and not lost:
+            return None
+        return Seen(self.verified and self.lost is None, "; ".join(r for r in (self._said, self.lost) if r))
+
+    def _counts(self, now: float, wall: float, counted: int, open_now: Collection[bytes] | None,
+                within: float) -> bool:
+        """Whether what the programs counted changed what is known of them (self._said)."""
+        if self.verified:
+            return False
         if counted > self._counted:
-            self.silent = False
+            self.silent, self.verified = False, True
             n = counted - self._counted
-            return Seen(True, f"hooks verified at {_utc(wall)} by traffic ({n} connections and requests counted)")
+            self._said = f"hooks verified at {_utc(wall)} by traffic ({n} connections and requests counted)"
+            return True
         if open_now is not None and self.traffic_since is None and set(open_now) - self._known:
             self.traffic_since = now
         if self.silent or self.traffic_since is None or now - self.traffic_since < within:
-            return None
+            return False
         self.silent = True
-        return Seen(False, f"hooks not seen running: connections came on the tracked ports for {within:g} s "
-                           "and no program counted one (requests there go uncounted)")
+        self._said = (f"hooks not seen running: connections came on the tracked ports for {within:g} s "
+                      "and no program counted one (requests there go uncounted)")
+        return True
 
 
 def _utc(wall: float) -> str:

@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from qosagent.latency import selftest
+from qosagent.capability import State, Verdict
+from qosagent.latency import hooks, selftest
+from qosagent.latency.model import Plan
 
 
 class Counts:
@@ -148,3 +150,101 @@ def test_no_new_connection_is_never_silent() -> None:
     t = selftest.ByTraffic(counted=0, open_now=OPEN)
     for now in (0.0, 100.0, 10_000.0):
         assert t.observe(now, 0.0, 0, OPEN, within=30) is None
+
+
+def test_a_failed_tail_call_of_the_learner_is_lost_for_good_whatever_the_count_does() -> None:
+    """sockops mode without the run statistics: the learner's runs move the count whether or not its tail call ran,
+    so an empty or wrong slot would be verified by the count alone; the unread count degrades it, for good."""
+    t = selftest.ByTraffic(counted=0, open_now=OPEN, unread=4)  # 4 before start: not traffic's since
+    assert t.observe(0.0, 0.0, 0, OPEN, within=30, unread=4) is None
+    seen = t.observe(1.0, 0.0, 0, None, within=30, unread=7)
+    assert seen is not None and not seen.verified and t.done
+    assert seen.reason == ("lat_egress_learn's tail call to lat_egress failed for 3 packets since start: responses "
+                           "would go unread, their time to first token and inter-token latency lost")
+
+    t = selftest.ByTraffic(counted=0, open_now=OPEN, unread=0)
+    first = t.observe(0.0, 1796175123.0, 2, None, within=30, unread=0)
+    assert first is not None and first.verified and not t.done, "watched still: the responses may come later"
+    assert t.observe(1.0, 0.0, 5, None, within=30, unread=0) is None
+    later = t.observe(2.0, 0.0, 5, None, within=30, unread=1)
+    assert later is not None and not later.verified and t.done
+    assert later.reason.startswith("hooks verified at 2026-12-02T01:32:03Z by traffic (2 connections")
+    assert "tail call to lat_egress failed for 1 packets since start" in later.reason
+
+
+def test_without_the_learner_watched_the_count_alone_ends_it() -> None:
+    t = selftest.ByTraffic(counted=0, open_now=OPEN)
+    seen = t.observe(0.0, 0.0, 1, None, within=30, unread=99)
+    assert seen is not None and seen.verified and t.done, "tracepoint and kprobe modes: no learner to watch"
+
+
+class _Dp:
+    """What Upkeep reads of the datapath for its verdict."""
+
+    def __init__(self, unread: int, refuse: bool = False) -> None:
+        self.unread, self.refuse = unread, refuse
+        self.listed: list[int] = []  # one per listing of the connections on the tracked ports
+
+    def fds(self, names: list[str]) -> dict[str, int]:
+        return {n: i for i, n in enumerate(names)}
+
+    def traced(self) -> list[str]:
+        return []
+
+    def counted(self) -> int:
+        return 0
+
+    def egress_unread(self) -> int:
+        if self.refuse:
+            raise OSError(errno.EFAULT, "Bad address")
+        return self.unread
+
+
+class _Watch:
+    def rooted(self) -> list[str]:
+        return ["lat_ingress_learn", "lat_egress_learn"]
+
+
+def _unverified_upkeep(monkeypatch: pytest.MonkeyPatch, dp: _Dp) -> hooks.Upkeep:
+    def no_stats(*_: object, **__: object) -> None:
+        raise selftest.Unverifiable("hooks not verified at start (BPF run statistics: Operation not permitted)")
+
+    monkeypatch.setattr(hooks.selftest, "check", no_stats)
+    monkeypatch.setattr(hooks.Upkeep, "_open_on", lambda self, tracked: dp.listed.append(1) or set())
+    up = hooks.Upkeep(dp, None, lambda: 0.0, Plan("sockops", True, True, False), lambda ports: [])  # type: ignore[arg-type]
+    up.watch = _Watch()  # type: ignore[assignment]
+    return up
+
+
+def test_least_privilege_sockops_start_degrades_when_the_learner_loses_responses(monkeypatch) -> None:
+    """The shipped unit (no CAP_SYS_ADMIN): the self-test is unverifiable, and the capability must not go active on
+    the count alone while the learner's tail call fails."""
+    up = _unverified_upkeep(monkeypatch, _Dp(unread=2))
+    v = up.verified(Verdict(State.ACTIVE, ""), {8080})
+    assert v.state is State.ACTIVE and v.reason.endswith("awaiting traffic")
+    assert up.verified_by_traffic(0, 0.0, {8080}, 30, unread=2) is None, "2 were before start"
+    v = up.verified_by_traffic(3, 1.0, {8080}, 30, unread=12)
+    assert v is not None and v.state is State.DEGRADED, v
+    assert "tail call to lat_egress failed for 10 packets since start" in v.reason
+    assert up.verified_by_traffic(9, 2.0, {8080}, 30, unread=20) is None, "degraded for good: nothing more to say"
+
+
+def test_a_refused_count_read_at_start_is_a_degraded_verdict_not_an_error(monkeypatch) -> None:
+    up = _unverified_upkeep(monkeypatch, _Dp(unread=0, refuse=True))
+    v = up.verified(Verdict(State.ACTIVE, ""), {8080})
+    assert v.state is State.DEGRADED and "counts could not be read" in v.reason and "Bad address" in v.reason
+    assert up.verified_by_traffic(1, 1.0, {8080}, 30, unread=0) is None
+
+
+def test_once_the_counts_verified_sockops_watches_the_learner_without_listing_connections(monkeypatch) -> None:
+    dp = _Dp(unread=0)
+    up = _unverified_upkeep(monkeypatch, dp)
+    up.verified(Verdict(State.ACTIVE, ""), {8080})
+    v = up.verified_by_traffic(1, 1.0, {8080}, 30, unread=0)
+    assert v is not None and v.state is State.ACTIVE and "by traffic" in v.reason
+    listed = len(dp.listed)
+    for t in (3.0, 5.0, 7.0):
+        assert up.verified_by_traffic(1, t, {8080}, 30, unread=0) is None
+    assert len(dp.listed) == listed, "the connections are listed only until the counts verified the hooks"
+    v = up.verified_by_traffic(1, 9.0, {8080}, 30, unread=1)
+    assert v is not None and v.state is State.DEGRADED and "failed for 1 packets since start" in v.reason
