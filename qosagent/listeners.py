@@ -12,6 +12,7 @@ for 2 800 sockets here). Rows are read as the kernel writes them, not the whole 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -86,6 +87,12 @@ def _diag(family: int) -> list[Listener]:
             off = 0
             while off + _NLMSG.size <= len(data):
                 length, kind = _NLMSG.unpack_from(data, off)[:2]
+                # A length below what the message must hold (0 would never move off: an endless loop) or past the
+                # datagram (it would read the next message's bytes as this one's): not an answer to trust.
+                least = _NLMSG.size + (0 if kind == NLMSG_DONE else 4 if kind == NLMSG_ERROR else _MSG.size)
+                if not least <= length <= len(data) - off:
+                    raise OSError(errno.EPROTO, f"sock_diag: a message of {length} bytes (type {kind}) where "
+                                                f"{least} to {len(data) - off} fit")
                 if kind == NLMSG_DONE:
                     return out
                 if kind == NLMSG_ERROR:

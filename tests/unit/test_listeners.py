@@ -4,6 +4,7 @@ namespace and any process's), their addresses, and the processes that hold them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -137,6 +138,66 @@ def test_a_failing_sock_diag_falls_back_to_the_tables_and_is_counted(
         got = listeners.listeners(HostFS("/"))
         assert got is not None and ours <= {s.port for s in got}
     assert listeners.diag_failures == 1
+
+
+class OneAnswer:
+    """A netlink socket whose dump answers with one datagram: `data`."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.recvs = 0
+
+    def __call__(self, *_: object) -> "OneAnswer":
+        self.recvs = 0  # a socket anew
+        return self
+
+    def __enter__(self) -> "OneAnswer":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def send(self, _req: bytes) -> None:
+        pass
+
+    def recv(self, _n: int) -> bytes:
+        self.recvs += 1
+        assert self.recvs == 1, "one datagram: a second read is a loop that did not end"
+        return self.data
+
+
+def _nlmsg(length: int, kind: int, body: bytes = b"") -> bytes:
+    return listeners._NLMSG.pack(length, kind, 2, 1, 0) + body
+
+
+LISTENING = listeners._MSG.pack(socket.AF_INET, 10, 0, 0, (8080).to_bytes(2, "big"), bytes(16), 7001)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("data", [
+    _nlmsg(0, listeners.SOCK_DIAG_BY_FAMILY) + LISTENING,  # length 0: off never moved, the thread spun for ever
+    _nlmsg(8, listeners.NLMSG_DONE),  # shorter than its own header
+    _nlmsg(16, listeners.SOCK_DIAG_BY_FAMILY) + LISTENING,  # a header alone: the next message's bytes taken as its
+    _nlmsg(400, listeners.SOCK_DIAG_BY_FAMILY) + LISTENING,  # past the datagram's end
+], ids=["zero", "short-done", "header-only", "past-end"])
+def test_a_netlink_length_that_does_not_fit_is_eproto_and_falls_back(
+        monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    """A message length that cannot be the message's: EPROTO, not an endless loop in the discovery thread nor another
+    message's bytes read as this one's; listeners() reads the tables instead."""
+    with bound() as ours:
+        monkeypatch.setattr(listeners.socket, "socket", OneAnswer(data))
+        with pytest.raises(OSError) as e:
+            listeners._diag(socket.AF_INET)
+        assert e.value.errno == errno.EPROTO, e.value
+        got = listeners.listeners(HostFS("/"))
+        assert got is not None and ours <= {s.port for s in got}
+
+
+def test_a_well_formed_answer_still_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    length = listeners._NLMSG.size + len(LISTENING)
+    data = _nlmsg(length, listeners.SOCK_DIAG_BY_FAMILY) + LISTENING + _nlmsg(20, listeners.NLMSG_DONE, bytes(4))
+    monkeypatch.setattr(listeners.socket, "socket", OneAnswer(data))
+    assert listeners._diag(socket.AF_INET) == [Listener(8080, "00000000", 7001)]
 
 
 def test_a_fixture_root_is_not_the_agents_namespace(tmp_path: Path) -> None:
