@@ -1,6 +1,6 @@
 """Who listens on a port, through HostFS: the listening TCP sockets of a network namespace, and the processes that hold
 them (/proc/PID/fd links name a socket by inode). The agent's own namespace is asked of the kernel (sock_diag, only
-the listening hash walked), with /proc/net/tcp{,6} as the fallback where that fails (counted, logged once); another
+the listening hash walked), with /proc/net/tcp{,6} as the fallback where that fails (logged once); another
 namespace is read from /proc/PID/net/tcp{,6}, and a host root that is not the agent's own (a copy of another host's
 tree) from its /proc/net/tcp{,6}. One reader for every capability that asks: quota's interfaces, latency's serving
 cgroups, server discovery and the serving network namespaces.
@@ -107,7 +107,7 @@ def _diag(family: int) -> list[Listener]:
                 return out
 
 
-diag_failures = 0  # listeners() calls whose sock_diag failed and fell back to the tables
+_diag_failed = False  # sock_diag failed once: said in the log then, not on each of discovery's later asks
 
 
 def own_netns(fs: HostFS) -> bool:
@@ -123,15 +123,15 @@ def listeners(fs: HostFS, pid: int | None = None) -> list[Listener] | None:
     """The listening sockets of pid's network namespace (tcp and tcp6; None: the agent's own), None when its
     /proc entries are gone. The agent's own are asked of the kernel (sock_diag) where it can: the same rows as
     /proc/net/tcp{,6}, without its walk of every established socket's bucket."""
-    global diag_failures
+    global _diag_failed
     if pid is None and own_netns(fs):
         try:
             return _diag(socket.AF_INET) + _diag(socket.AF_INET6)
         except (OSError, struct.error) as e:
-            # No sock_diag (a kernel without inet_diag), or an answer shorter than its header says: the tables, as
-            # before. Counted; logged the first time only, as discovery asks every few seconds.
-            diag_failures += 1
-            if diag_failures == 1:
+            # No sock_diag (a kernel without inet_diag), or an answer that does not hold together: the tables, as
+            # before. Logged the first time only, as discovery asks every few seconds.
+            if not _diag_failed:
+                _diag_failed = True
                 log.warning("sock_diag failed (%s): the listeners are read from /proc/net/tcp{,6}", e)
     out: list[Listener] = []
     seen = False
