@@ -101,13 +101,15 @@ class Datapath:
 
     def write(self, m: MapsPlan) -> None:
         """Make the tenant and port maps say what m says, in place: entries added, changed, removed."""
-        # The slots' tiers first: a new tenant's slot has its tier's row before lat_slots gives the slot out, and a
-        # slot whose tenant moved to another tier says so before more connections are noted with it. What is left
-        # between the two writes is docs/latency.md's ("Run-queue latency").
+        # The slots' tiers around the maps that resolve a connection's slot: an added or moved tenant's slot has its
+        # tier's row before lat_slots gives the slot out (or more connections are noted with it), and a removed
+        # tenant's slot keeps its row until lat_slots no longer resolves to it (its tenant then has no slot: tierless,
+        # lat_state.h), so a process serving it and another tenant of its tier is not taken for one serving several
+        # tiers meanwhile. What is left between the writes is docs/latency.md's ("Run-queue latency").
         tiers = self.map("lat_slot_tier")
-        for slot in sorted(set(m.slot_rows) | set(self.slot_rows)):
-            row = m.slot_rows.get(slot, bm.RUNQ_SHARED)
-            if row != self.slot_rows.get(slot, bm.RUNQ_SHARED):
+        old = self.slot_rows
+        for slot, row in sorted(m.slot_rows.items()):
+            if row != old.get(slot, bm.RUNQ_SHARED):
                 tiers.update(slot, tiers.value(row=row))
         self.slot_rows, self.runq_rows = dict(m.slot_rows), dict(m.runq_rows)
         lat_slots = self.map("lat_slots")
@@ -119,6 +121,9 @@ class Datapath:
             sync(ports, ((ports.key(port=p), ports.value(on=1)) for p in want))
         self._ports.sync({p: (tid, 0) for p, tid in m.ports.items()})
         sync_cidrs(self.map("tenant_cidrs"), m.cidrs)
+        for slot in sorted(set(old) - set(m.slot_rows)):
+            if old[slot] != bm.RUNQ_SHARED:
+                tiers.update(slot, tiers.value(row=bm.RUNQ_SHARED))
 
     # ---- each tick ---------------------------------------------------------------------------------------
     def read(self) -> bm.Changes:

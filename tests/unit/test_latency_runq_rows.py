@@ -4,13 +4,14 @@ windows over the rows and their sum (reading.py), and what status and the metric
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from qosagent.config import parse
 from qosagent.hist import Histogram
 from qosagent.latency import bpfmaps as bm
-from qosagent.latency import export, reading, slots
+from qosagent.latency import datapath, export, reading, slots
 from qosagent.latency.model import SHARED_TIER, LatencyPart
 from qosagent.tenants import UNMATCHED_ID, tenant_id
 
@@ -125,3 +126,42 @@ def test_the_runqueue_family_has_a_series_per_tier_that_sum_to_every_process() -
     # Without the run-queue probes, no family at all (not an empty one per tier).
     assert not [f for f in export.families(LatencyPart(1.0, {}), 3, "ttft", 0.99)
                 if f.name == "qosagent_latency_runqueue_seconds"]
+
+
+class _Recorded:
+    """A map of the loaded program as write() uses it, each write logged in one list, in order."""
+
+    def __init__(self, name: str, log: list[tuple]) -> None:
+        self.name, self.log = name, log
+
+    def key(self, **f: int) -> tuple:
+        return tuple(f.values())
+
+    def value(self, **f: int) -> int:
+        return next(iter(f.values()))
+
+    def update(self, k: int, v: int) -> None:
+        self.log.append((self.name, k, v))
+
+
+def test_a_reload_writes_new_rows_before_the_slots_resolve_and_resets_removed_ones_after(monkeypatch) -> None:
+    """A removed gold tenant's slot must read gold's row while lat_slots and the port and network maps can still
+    resolve its connections to it: reset first, a process serving it and another gold tenant would be marked as
+    serving several tiers, for good. An added tenant's slot must have its row before lat_slots gives it out."""
+    log: list[tuple] = []
+    maps = {n: _Recorded(n, log) for n in ("lat_slot_tier", "lat_slots", "tracked_ports", "lat_mux_ports",
+                                            "tenant_cidrs")}
+    monkeypatch.setattr(datapath, "sync", lambda m, _entries: log.append((m.name,)))
+    monkeypatch.setattr(datapath, "sync_cidrs", lambda m, _cidrs: log.append((m.name,)))
+    monkeypatch.setattr(datapath.Datapath, "_plan_reads", lambda self: None)
+    dp = object.__new__(datapath.Datapath)
+    dp.prog = SimpleNamespace(map=maps.__getitem__)  # type: ignore[assignment]
+    dp._ports = SimpleNamespace(sync=lambda _p: log.append(("tenant_ports",)))  # type: ignore[assignment]
+    dp.slots, dp.runq_rows = {0: 0, 11: 1, 22: 2}, {"none": 1, "gold": 2}
+    dp.slot_rows = {0: 1, 1: 2, 2: 2}  # slots 1 and 2: two gold tenants
+    m = SimpleNamespace(slots={0: 0, 11: 1, 33: 3}, runq_rows={"none": 1, "gold": 2, "bronze": 3},
+                        slot_rows={0: 1, 1: 2, 3: 3}, tracked=(), mux=(), ports={}, cidrs=())
+    dp.write(m)  # type: ignore[arg-type]
+    assert log == [("lat_slot_tier", 3, 3), ("lat_slots",), ("tracked_ports",), ("lat_mux_ports",),
+                   ("tenant_ports",), ("tenant_cidrs",), ("lat_slot_tier", 2, bm.RUNQ_SHARED)]
+    assert dp.slot_rows == {0: 1, 1: 2, 3: 3}
