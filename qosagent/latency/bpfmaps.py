@@ -50,6 +50,7 @@ ROW_SIZE = 8 * (1 + NBUCKETS)  # struct lat_row: sum_ns, then a count per bucket
 MIN_SLOTS = 64
 # The run-queue rows past the slots' (LAT_RUNQ_ROW): the shared one (processes serving several tiers), then the tiers'.
 RUNQ_SHARED = 0  # LAT_RUNQ_SHARED
+NO_SLOT = 0xFFFF  # LAT_NO_SLOT: a connection whose tenant had no slot (tierless, as unmatched traffic's slot 0)
 MIN_RUNQ_ROWS = 8
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
-from qosagent.latency.bpfmaps import RUNQ_SHARED
+from qosagent.latency.bpfmaps import NO_SLOT, RUNQ_SHARED
 
 if TYPE_CHECKING:
     from qosagent.ebpf.maps import Map
@@ -28,14 +28,16 @@ class Threads:
     def refresh(self, tgids: "Map", pids: "Map", fs: "HostFS", slot_rows: Mapping[int, int]) -> None:
         """Make pids hold the threads of the processes in tgids, as /proc lists them now, each with its process's
         row (slot_rows: a slot's tier's row; a slot not in it, as one whose tenant a reload removed, has the shared
-        row). Only the keys are listed: the rows are those written last (the same number of calls as without)."""
+        row; LAT_NO_SLOT, tierless like unmatched traffic, has slot 0's, `none`'s). Only the keys are listed: the
+        rows are those written last (the same number of calls as without)."""
         want: dict[int, int] = {}
         for k, served in tgids.items():
             tasks = fs.listdir(f"/proc/{k.pid}/task")
             if not tasks:
                 tgids.delete(k)
                 continue
-            row = RUNQ_SHARED if served.several else slot_rows.get(served.slot, RUNQ_SHARED)
+            slot = 0 if served.slot == NO_SLOT else served.slot  # noted only with tierless slots: unmatched's row
+            row = RUNQ_SHARED if served.several else slot_rows.get(slot, RUNQ_SHARED)
             want.update((int(t), row) for t in tasks if t.isdigit())
         have = set()
         for k in pids.keys():

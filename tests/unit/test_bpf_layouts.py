@@ -80,6 +80,7 @@ def constants() -> list[tuple[str, int]]:
         ("QOS_MAX_NS", rules.MAX_NS),
         ("LAT_KINDS", bm.KINDS),
         ("LAT_NCOUNTERS", bm.NCOUNTERS),
+        ("LAT_NO_SLOT", bm.NO_SLOT),
         ("LAT_NETNS_MAX", latency_pods.MAX_ENTRIES),
     ]
     out += [(f"QOS_STAT_{reason.upper()}", i) for i, reason in enumerate(layout.STAT_REASONS)]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from qosagent.hostfs import HostFS
-from qosagent.latency.bpfmaps import RUNQ_SHARED
+from qosagent.latency.bpfmaps import NO_SLOT, RUNQ_SHARED
 from qosagent.latency.runq import Threads
 
 
@@ -73,12 +73,15 @@ def test_each_process_counts_in_its_first_slots_tier_row_or_the_shared_one_once_
     proc(tmp_path, 20, 20)  # a bronze server
     proc(tmp_path, 30, 30, 31)  # one serving both tiers
     proc(tmp_path, 40, 40)  # noted with the slot of a tenant a reload removed
-    slot_rows = {1: 3, 2: 1}  # slot 1 is gold's tenant (row 3), slot 2 bronze's (row 1)
-    tgids = FakeMap({10: served(1), 20: served(2), 30: served(1, several=1), 40: served(7)})
+    proc(tmp_path, 50, 50)  # noted only for unmatched traffic
+    proc(tmp_path, 60, 60)  # noted only for a tenant without a slot (LAT_NO_SLOT): tierless, as unmatched traffic
+    slot_rows = {0: 2, 1: 3, 2: 1}  # slot 0 is unmatched traffic's (none's row 2), 1 gold's (row 3), 2 bronze's (1)
+    tgids = FakeMap({10: served(1), 20: served(2), 30: served(1, several=1), 40: served(7), 50: served(0),
+                     60: served(NO_SLOT)})
     pids = FakeMap({})
     Threads().refresh(tgids, pids, HostFS(str(tmp_path)), slot_rows)  # type: ignore[arg-type]
     assert rows(pids) == {10: (0, 3), 11: (0, 3), 20: (0, 1), 30: (0, RUNQ_SHARED), 31: (0, RUNQ_SHARED),
-                          40: (0, RUNQ_SHARED)}
+                          40: (0, RUNQ_SHARED), 50: (0, 2), 60: (0, 2)}
 
 
 def test_a_thread_whose_row_changes_is_rewritten_and_the_others_are_left_alone(tmp_path) -> None:
