@@ -84,14 +84,22 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)  # the agent re-reads the fake GPU file on change: never let it see half a file
 
 
-def wait_for(what: str, fn: Any, timeout: float) -> Any:
+def wait_for(what: str, fn: Any, timeout: float, agent: "Agent | None" = None) -> Any:
+    """With agent, a timeout says what the agent had decided and logged: a run that failed once under load kept
+    neither, and its cause could not be found afterwards."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = fn()
         if got:
             return got
         time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+    seen = ""
+    if agent is not None:
+        st = agent.status()
+        log = agent.log.read_text(errors="replace") if agent.log.exists() else ""
+        seen = (f"\nadmission's decisions: {json.dumps(st.get('decisions', []))[-4000:]}"
+                f"\nservers: {json.dumps(st.get('servers', {}))[-2000:]}\nagent log (tail):\n{log[-4000:]}")
+    pytest.fail(f"timed out after {timeout:g}s waiting for {what}{seen}")
 
 
 def config(tmp: Path, port: int, pin_root: str, quota: str, admission: str, gold: str = "", bronze: str = "",

@@ -83,7 +83,7 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
         assert {n: caps[n]["state"] for n in ("latency", "quota", "servers", "admission")} == dict.fromkeys(
             ("latency", "quota", "servers", "admission"), "active"), caps
         wait_for("bronze at its floor", lambda: any(d["new"] == BRONZE_FLOOR
-                                                     for d in agent.decisions("bronze-app", "cut")), 30)
+                                                     for d in agent.decisions("bronze-app", "cut")), 30, agent)
         t_floor = time.monotonic()
         limits = kernel_limits(agent, "gold-app", "bronze-app")
         t_end = t_ready + REACTION_S + TREATMENT_S
