@@ -6,8 +6,9 @@ the test's own (admission_harness.py).
 Both halves in one run, on one engine: first the baseline, without the agent, where gold's requests wait in the
 engine's queue behind bronze's (llama-server defers a request that finds every slot busy and serves its queue in
 order) and gold's TTFT P95 is far over its SLO; then the agent starts with admission in enforce, cuts bronze first,
-in the kernel, on the engine's queue and on gold's TTFT, down to bronze's floor, and gold's TTFT P95 is back under
-its SLO within the reaction time docs/admission.md documents, while bronze is still served at its floor.
+in the kernel, on the engine's queue and on gold's TTFT, while they press (down to bronze's floor at most), and gold's
+TTFT P95 is back under its SLO within the reaction time docs/admission.md documents, while bronze is still served at
+no less than its floor.
 
 The SLO fits this engine on 2 shared CPUs, eight sessions' tests beside it: gold's short prompt takes 10-60 ms to
 its first token alone, and up to a few hundred ms beside one bronze prefill (the engine computes 128 tokens a step,
@@ -49,7 +50,7 @@ REACTION_S = 20.0
 QUOTA = "{enabled: true, interfaces: [lo], heartbeat_timeout: 2s}"
 # llama-server's KV field is its slots busy, 1.0 whenever both run, as they do under any load: here the engine's
 # queue is the server signal, so KV pressure is out of reach (pressed only above 1.0). A long cooldown: bronze stays
-# at its floor for the whole treatment (recovery is test_admission_e2e's).
+# where its cuts left it for the whole treatment (recovery is test_admission_e2e's).
 ADMISSION = ("{enabled: true, mode: enforce, cooldown: 60s, min_rps: 0.25, server_pressure: {kv_enter: 1.0, "
              "kv_exit: 0.9, queue_enter: 4, queue_exit: 1, queue_ticks: 3, cut_every: 1s}}")
 
@@ -82,12 +83,13 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
         t_ready = time.monotonic()
         assert {n: caps[n]["state"] for n in ("latency", "quota", "servers", "admission")} == dict.fromkeys(
             ("latency", "quota", "servers", "admission"), "active"), caps
-        wait_for("bronze at its floor", lambda: any(d["new"] == BRONZE_FLOOR
-                                                     for d in agent.decisions("bronze-app", "cut")), 30, agent)
-        t_floor = time.monotonic()
-        limits = kernel_limits(agent, "gold-app", "bronze-app")
+        # The loop cuts bronze while the queue or gold's breach lasts, down to its floor at most: on a quicker engine
+        # the queue drains above the floor (a run here stopped at 0.88/s, the engine serving ~2/s) and the cuts stop.
+        wait_for("bronze cut", lambda: agent.decisions("bronze-app", "cut"), 30, agent)
+        t_cut = time.monotonic()
         t_end = t_ready + REACTION_S + TREATMENT_S
         time.sleep(max(0.0, t_end - time.monotonic()))
+        limits = kernel_limits(agent, "gold-app", "bronze-app")
         cuts = sorted((d for d in agent.status()["decisions"] if d["capability"] == "admission" and
                        d["action"] == "cut"), key=lambda d: d["inputs"]["tick"])
         reading = agent.status()["servers"]["servers"][0]
@@ -100,16 +102,18 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
     base = [ms for t, ms, ok in gold_reqs if t_flood + 5 < t + ms / 1000 < t_agent and ok]
     treated = [ms for t, ms, ok in gold_reqs if t > t_ready + REACTION_S and ok]
     print(f"gold TTFT P95 {p95(base):.0f} ms without the agent ({len(base)}), {p95(treated):.0f} ms with it "
-          f"({len(treated)}); ready after {t_ready - t_agent:.1f} s, bronze at its floor {t_floor - t_ready:.1f} s "
+          f"({len(treated)}); ready after {t_ready - t_agent:.1f} s, bronze first cut {t_cut - t_ready:.1f} s "
           f"later")
     assert len(base) >= 4 and p95(base) > SLO_MS, ("the flood did not push gold over its SLO: the test proves "
                                                     "nothing", sorted(base))
     assert len(treated) >= 40 and p95(treated) < SLO_MS, (p95(base), sorted(treated)[-10:], len(treated),
-                                                          t_ready - t_agent, t_floor - t_ready)
+                                                          t_ready - t_agent, t_cut - t_ready)
     assert all(ok for t, _, ok in gold_reqs if t > t_ready), [r for r in gold_reqs if r[0] > t_ready and not r[2]]
-    # Bronze first, in the kernel: its override at its floor, gold's none or at its floor.
+    # Bronze first, in the kernel: its override where the last cut left it, never below its floor; gold's none or at
+    # its floor.
     assert cuts and cuts[0]["target"] == "bronze-app", cuts
-    assert limits["bronze-app"]["override"][0] == BRONZE_FLOOR, limits
+    bronze_now = [d["new"] for d in cuts if d["target"] == "bronze-app"][-1]
+    assert limits["bronze-app"]["override"][0] == bronze_now >= BRONZE_FLOOR, (limits, cuts)
     assert limits["gold-app"]["override"] is None or limits["gold-app"]["override"][0] >= GOLD_FLOOR, limits
     # On the engine's queue and on gold's TTFT (once bronze is on its floor, a breach cuts gold, down to its floor).
     assert any(d["reason"] == "server_pressure" and d["target"] == "bronze-app" and
@@ -121,10 +125,11 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
                "gold" in d["inputs"].get("breaching", ()) for d in cuts), cuts
     assert all(d["new"] >= GOLD_FLOOR for d in cuts if d["target"] == "gold-app"), cuts
     assert reading["kind"] == "llamacpp" and reading["known"], reading
-    # Bronze keeps its floor: the kernel holds its limit there (above), and it is served at about that rate. A dropped
+    # Bronze keeps at least its floor: the kernel holds its limit at or above it (above), and it is served at least
+    # at about the floor's rate. A dropped
     # SYN is retried after 1 s, 3 s, 7 s, ..., so a token of the bucket (burst 1) can go unused while every
     # connection waits out its backoff, and a request served now may have started 30 s ago: counted by the time its
     # first token came (started after the cut, a run counted 7 in 33 s, 0.21/s).
-    span = t_end - (t_floor + 2)
-    served = [t for t, ms, ok in flood_reqs if ok and t_floor + 2 < t + ms / 1000 < t_end]
+    span = t_end - (t_cut + 2)
+    served = [t for t, ms, ok in flood_reqs if ok and t_cut + 2 < t + ms / 1000 < t_end]
     assert len(served) >= math.floor(0.5 * BRONZE_FLOOR * span), (len(served), span)
