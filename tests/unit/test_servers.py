@@ -441,18 +441,21 @@ def test_the_reading_thread_sleeps_until_something_is_due_and_a_watch_wakes_it(t
     s.start()
     try:
         deadline = time.monotonic() + 10
-        while s.rounds < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _rounds_reach(s, 1, deadline)
         time.sleep(0.3)  # six 50 ms rounds before
         assert s.rounds == 1
         s.watch([7000, 7001])  # the fake clock does not move: only the wake can bring the next walk
-        while s.rounds < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _rounds_reach(s, 2, deadline)
         assert s.ports == [7000, 7001]
     finally:
         s.stop()
+
+
+def _rounds_reach(s: Scraper, n: int, deadline: float) -> None:
+    """Waits for the thread's nth pass; a bound for a broken thread only, failing the test past the deadline."""
+    while s.rounds < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_a_stop_between_the_threads_look_and_its_clear_of_the_wake_is_not_lost(tmp_path: Path) -> None:
@@ -479,10 +482,7 @@ def test_a_stop_between_the_threads_look_and_its_clear_of_the_wake_is_not_lost(t
     s._wake = Wake()
     s.start()
     try:
-        deadline = time.monotonic() + 10
-        while s.rounds < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _rounds_reach(s, 1, time.monotonic() + 10)
         s._wake.set()  # end the first wait: the next pass clears the wake with the stop landing just before
         thread = s._thread
         assert thread is not None
