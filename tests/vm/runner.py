@@ -33,6 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("QOSAGENT_VM_CACHE", "/var/lib/qosagent-vm"))
 VENV_BIN = REPO / ".venv" / "bin"
 UP_MARK = "qosagent-vm: up"
+# The guest kernel's warnings and worse (dmesg -n 5: levels 0-4) go to a console of their own that the host keeps in a
+# file, added to the output after the run (KMSG_MARK on each line): a guest that panics (QEMU exits, virtme-ng says
+# 255) or locks up says why. virtme-ng's own console is quiet and goes to /dev/null.
+KMSG_LEVEL = 5
+KMSG_MARK = "qosagent-kmsg: "
 NICE = 15  # the host's CPUs are shared: the VM yields to everything else
 # The guest's first line: its uptime when its command starts. The rest mounts what a systemd host would have.
 PROLOGUE = f"""\
@@ -211,7 +216,8 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
         path = Path(tmp) / "run.sh"
         # Emulation is about ten times slower than the host at compiling BPF programs: waits for the agent scale.
         scale = 2 if accel == "kvm" else 10
-        path.write_text(PROLOGUE + f"export QOSAGENT_TEST_TIME_SCALE={scale}\n" + script + "\n")
+        kmsg_on = "" if systemd else f"dmesg -n {KMSG_LEVEL}\n"  # systemd's guest: its console is the output
+        path.write_text(PROLOGUE + kmsg_on + f"export QOSAGENT_TEST_TIME_SCALE={scale}\n" + script + "\n")
         argv = ["nice", "-n", str(NICE), str(VENV_BIN / "vng"), "--run", str(kernel_image(kernel)),
                 "--cpus", str(cpus), "--memory", memory, "--name", "qosagent-vm"]
         if accel == "tcg":
@@ -228,10 +234,17 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
         else:
             argv += ["--exec", f"bash {path}"]
             argv += [f"--overlay-rwdir={d}" for d in rw]
+            argv += ["--append", "console=hvc0"]
         if numa:
             mb = _megabytes(memory)
             half = cpus // 2
             argv += ["--numa", f"{mb // 2}M,cpus=0-{half - 1}", "--numa", f"{mb - mb // 2}M,cpus={half}-{cpus - 1}"]
+        kmsg = Path(tmp) / "kmsg.log"
+        if not systemd:  # systemd's guest keeps virtme-ng's console for itself
+            # A console of its own (virtio, hvc0: 8250's one console is virtme-ng's ttyS0); last, as virtme-run
+            # takes the rest of its arguments for QEMU.
+            argv.append("--qemu-opts=-device virtio-serial-pci -chardev file,id=kmsg,path="
+                        f"{kmsg} -device virtconsole,chardev=kmsg")
         env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}")
         lines: list[str] = []
         up: list[float] = []
@@ -273,12 +286,25 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
             _end_session(proc)
         reader.join(timeout=10)
         wall = time.monotonic() - t0
+        for line in _kmsg(kmsg):
+            lines.append(line)
+            if echo:
+                echo(line)
     if systemd and not timed_out:
         # virtme-ng's own status says nothing of the command's there: the wrapper printed it (none: it never ended).
         marks = [line[len(EXIT_MARK):].strip() for line in lines if line.startswith(EXIT_MARK)]
         rc = int(marks[-1]) if marks and marks[-1].isdigit() else 1
     return VmResult(kernel=kernel, accel=accel, rc=rc, output="".join(lines), boot_s=up[0] if up else None,
                     wall_s=wall, timed_out=timed_out, kvm_failed=failed.is_set())
+
+
+def _kmsg(path: Path) -> list[str]:
+    """The guest kernel's messages from its own console's file, each line marked (none where it wrote none)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [f"{KMSG_MARK}{line}\n" for line in text.replace("\r", "").splitlines() if line.strip()]
 
 
 def _end_session(proc: subprocess.Popen[str]) -> None:
