@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("QOSAGENT_VM_CACHE", "/var/lib/qosagent-vm"))
 VENV_BIN = REPO / ".venv" / "bin"
@@ -38,6 +40,7 @@ UP_MARK = "qosagent-vm: up"
 # 255) or locks up says why. virtme-ng's own console is quiet and goes to /dev/null.
 KMSG_LEVEL = 5
 KMSG_MARK = "qosagent-kmsg: "
+HOST_MARK = "qosagent-host: "
 NICE = 15  # the host's CPUs are shared: the VM yields to everything else
 # The guest's first line: its uptime when its command starts. The rest mounts what a systemd host would have.
 PROLOGUE = f"""\
@@ -250,6 +253,7 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
         up: list[float] = []
         failed = threading.Event()
         t0 = time.monotonic()
+        load, cpu_before = os.getloadavg(), _cpu_seen()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=env, text=True, errors="replace", start_new_session=True, cwd=REPO)
 
@@ -286,7 +290,7 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
             _end_session(proc)
         reader.join(timeout=10)
         wall = time.monotonic() - t0
-        for line in _kmsg(kmsg):
+        for line in _kmsg(kmsg) + _host(load, cpu_before, wall):
             lines.append(line)
             if echo:
                 echo(line)
@@ -305,6 +309,30 @@ def _kmsg(path: Path) -> list[str]:
     except OSError:
         return []
     return [f"{KMSG_MARK}{line}\n" for line in text.replace("\r", "").splitlines() if line.strip()]
+
+
+def _cpu_seen() -> dict[tuple[int, float], tuple[float, str, int]]:
+    """Every host process's CPU seconds so far, by (pid, start time), with its command and nice."""
+    out = {}
+    for p in psutil.process_iter(["pid", "nice", "cpu_times", "create_time", "cmdline", "name"]):
+        i, t = p.info, p.info["cpu_times"]
+        if t is not None:
+            cmd = " ".join(" ".join(i["cmdline"] or [i["name"] or "?"]).split())
+            out[(i["pid"], i["create_time"] or 0.0)] = (t.user + t.system, cmd[:160], i["nice"])
+    return out
+
+
+def _host(load: tuple[float, float, float], before: dict[tuple[int, float], tuple[float, str, int]],
+          wall: float) -> list[str]:
+    """The host's load over the run and the processes that took most CPU meanwhile, marked: QEMU runs niced, so a
+    guest that crawled or timed out may have been starved by something else on the host (one an earlier test left)."""
+    after = os.getloadavg()
+    out = [f"{HOST_MARK}load average {load[0]:.2f} at start, {after[0]:.2f} {after[1]:.2f} {after[2]:.2f} at end\n"]
+    used = sorted(((cpu - before.get(k, (0.0,))[0], cmd, nice) for k, (cpu, cmd, nice) in _cpu_seen().items()),
+                  reverse=True)
+    for cpu, cmd, nice in used[:5]:
+        out.append(f"{HOST_MARK}{cpu / max(wall, 1.0):.0%} of a CPU, nice {nice}: {cmd}\n")
+    return out
 
 
 def _end_session(proc: subprocess.Popen[str]) -> None:
