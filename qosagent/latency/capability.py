@@ -65,6 +65,7 @@ class Latency(Capability):
         self.programs: list[dict[str, Any]] = []
         self._known: dict[int, TenantInfo] = {}
         self._tenants: dict[int, TenantInfo] = {}  # the config's tenants, as of the last start or reload
+        self._names: tuple[object, dict[int, str]] = (None, {})  # a plan's tenants, and their names by id
         self._maps: MapsPlan | None = None  # what the tenant and port maps say (the last start or reload)
         self._tracked: set[int] = set()  # its tracked ports (config.tracked_ports walks every tenant's)
         # What the tick makes of each tenant's rows, kept between ticks (reading.py).
@@ -152,9 +153,11 @@ class Latency(Capability):
         """Process and pods tenants' serving namespaces into lat_netns (qosagent/latency/pods.py), as they come and
         go."""
         assert self._pods is not None
+        if self._names[0] is not m.tenants:  # named once a plan, not every follow (once a second)
+            self._names = (m.tenants, {t: i.name for t, i in m.tenants.items()})
         # The pods settings in force (a reload's new ones from the next follow on); only start lists before the first.
-        self._pods.follow(m.namespace_rules, m.tracked, self.ctx.clock(), {t: i.name for t, i in m.tenants.items()},
-                          self.ctx.config.pods, starting=self._maps is None)
+        self._pods.follow(m.namespace_rules, m.tracked, self.ctx.clock(), self._names[1], self.ctx.config.pods,
+                          starting=self._maps is None)
 
     def prepare(self, config: "Config") -> Change:
         if self.dp is None:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
 
 RUN = "lat_run"  # sockops mode: the agent run that socket storage belongs to (bpf/latency_sockops.c)
+# Slots: a run of moved slots up to this long is read in buffers kept for it (Datapath.read).
+RUN_SLOTS = 16
 # The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency_trace.c says why no kretprobes).
 KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
 # The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the
@@ -55,6 +57,10 @@ class Datapath:
         self._gens: Generations | None = None
         self._runq_gen: Generations | None = None
         self._runq_read: ArrayRange | None = None  # the run-queue rows in use, from the shared one up
+        # The buffers each tick's runs of moved slots are read in, up to RUN_SLOTS slots a run (a longer one, as the
+        # first read's, has buffers of its own for that read).
+        self._run_rows = ArrayRange(self._hist_fd, 0, bm.KINDS * RUN_SLOTS, bm.ROW_SIZE)
+        self._run_counts = ArrayRange(self._counters_fd, 0, RUN_SLOTS, self._counters_size)
 
     @staticmethod
     def begin(cfg: "Config", plan: Plan) -> None:
@@ -133,8 +139,8 @@ class Datapath:
         slots = self._gens.changed() & self._by_slot.keys()
         tenants = {}
         for first, count in runs(slots):
-            rows = ArrayRange(self._hist_fd, bm.KINDS * first, bm.KINDS * count, bm.ROW_SIZE).data()
-            counts = ArrayRange(self._counters_fd, first, count, self._counters_size).data()
+            rows = self._run_rows.at(bm.KINDS * first, bm.KINDS * count)
+            counts = self._run_counts.at(first, count)
             for i in range(count):
                 hist = tuple(bm.histogram(bm.KINDS * (first + i) + k, rows[off:off + bm.ROW_SIZE], self._rows)
                              for k in range(bm.KINDS) for off in ((bm.KINDS * i + k) * bm.ROW_SIZE,))

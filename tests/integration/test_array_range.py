@@ -47,6 +47,28 @@ def test_a_range_reads_its_entries_in_index_order_up_to_the_last(maps: Any) -> N
         ArrayRange(t.map_fd, 6, 3, size).read()  # past the end: fewer entries than asked, never a short list
 
 
+def test_other_ranges_read_in_one_ranges_buffers(maps: Any) -> None:
+    """`at`: the latency tick's runs of moved slots, wherever they fall, read in the buffers of one range; a run
+    longer than they hold is read in buffers of its own, and the range's own read is unchanged by either."""
+    t = maps[b"shared"]
+    for i in range(8):
+        t[ctypes.c_int(i)] = t.Leaf(a=i, b=100 + i)
+    size = ctypes.sizeof(t.Leaf)
+    r = ArrayRange(t.map_fd, 0, 2, size)
+
+    def unpack(data: bytes) -> list[tuple[int, int]]:
+        return [struct.unpack("<QQ", data[i:i + size]) for i in range(0, len(data), size)]
+
+    assert unpack(r.at(6, 2)) == [(6, 106), (7, 107)]
+    assert unpack(r.at(3, 1)) == [(3, 103)]
+    assert unpack(r.at(0, 1)) == [(0, 100)]
+    assert unpack(r.at(1, 5)) == [(i, 100 + i) for i in range(1, 6)]  # longer than its buffers
+    assert r.at(4, 0) == b""
+    assert unpack(r.data()) == [(0, 100), (1, 101)]
+    with pytest.raises(OSError):
+        r.at(7, 2)  # past the end
+
+
 def test_a_per_cpu_range_holds_every_possible_cpu(maps: Any) -> None:
     t = maps[b"percpu"]
     ncpu = t.total_cpu  # bcc sizes per-CPU values by the possible CPUs, as the kernel does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import random
 import re
 import struct
 
@@ -89,6 +90,38 @@ def test_a_row_is_parsed_whole_from_its_first_to_its_last_bucket() -> None:
     counts = {0: 256, 7: 1, NBUCKETS - 1: 1 << 40}
     assert bm.RowParser().parse(0, row(99, counts)) == (counts, 99)
     assert bm.RowParser().parse(0, row(0, {300: 1 << 8})) == ({300: 256}, 0)
+
+
+def test_a_row_read_again_is_parsed_over_its_span_and_scanned_only_when_it_grows() -> None:
+    """Counted: a row that changed inside the buckets it used before is not scanned byte by byte again (a 4.8 KB
+    strip each, ~15 us, for every active tenant's rows every tick); one that used a bucket outside them is; either
+    way the counts are those a fresh parser reads."""
+    parser = bm.RowParser()
+    counts = {300: 1, 310: 2}
+    for step, (bucket, expect_scans) in enumerate([(None, 1), (305, 1), (300, 1), (299, 2), (NBUCKETS - 1, 3),
+                                                   (0, 4), (200, 4)]):
+        if bucket is not None:
+            counts[bucket] = counts.get(bucket, 0) + (1 << 8)  # low byte zero: only the span's ends are stripped
+        data = row(1000 + step, counts)
+        assert parser.parse(5, data) == bm.RowParser().parse(5, data) == (counts, 1000 + step)
+        assert parser.scanned == expect_scans
+    # Counts that went down (a slot's row zeroed) are read as they are, through the span kept or a scan.
+    assert parser.parse(5, row(1, {200: 1})) == ({200: 1}, 1)
+    assert parser.parse(5, row(0, {})) == ({}, 0)
+    assert parser.parse(5, row(2, {NBUCKETS - 1: 3})) == ({NBUCKETS - 1: 3}, 2)
+
+
+def test_generations_found_in_blocks_are_those_compared_one_by_one() -> None:
+    rnd = random.Random(26)
+    for _ in range(400):
+        n = rnd.choice((1, 7, 8, 9, 63, 64, 65, 300, 1001))
+        m = rnd.choice((n, max(1, n - rnd.randint(1, 9)), n + rnd.randint(1, 9)))  # slots added or gone since
+        old = [rnd.randint(0, 3) for _ in range(m)]
+        new = [old[i] if i < m else 0 for i in range(n)]
+        for _ in range(rnd.choice((0, 1, 2, 12))):
+            new[rnd.randrange(n)] += rnd.randint(1, 1 << 40)
+        a, b = struct.pack(f"<{n}Q", *new), struct.pack(f"<{m}Q", *old)
+        assert moved(a, b) == [i for i in range(n) if new[i] != (old[i] if i < m else 0)]
 
 
 def test_slots_leave_room_for_reloads() -> None:
