@@ -205,9 +205,9 @@ class Latency(Capability):
             return self._published[1]  # a tick at rest: nothing in the part would differ, no tenant's row copied
         rq = view.runqueue(self._runq_names) if self.runq else None
         slos, tier_slo = self._slos
-        verdict = SloVerdict(dict(view.windows), slos, tier_slo, adm.signal, adm.quantile, adm.near_slo,
+        verdict = SloVerdict(view.windows, slos, tier_slo, adm.signal, adm.quantile, adm.near_slo,
                              adm.healthy_below, frozenset(view.busy))
-        part = LatencyPart(window_s=cfg.latency.window, tenants=dict(view.tenants),
+        part = LatencyPart(window_s=cfg.latency.window, tenants=view.tenants,
                            runqueue=rq.total if rq else None, runqueue_window=rq.window if rq else None,
                            runqueue_tiers=rq.tiers if rq else {}, runqueue_tiers_window=rq.tiers_window if rq else {},
                            found_open=found, unobserved=unobserved, hooks=hooks, slo=slos, namespaces=namespaces,

@@ -4,7 +4,8 @@ since-start histograms as read, window histograms as the difference to the windo
 What the tick makes of each tenant is kept between ticks and rebuilt only where it can have changed: the tenants
 read this tick, those whose window start passed one of their checkpoints (qosagent/window.py), those with requests in
 their window (their rate is over the window's length, which moves every tick), and every one after a reload or a
-change of admission.signal. An idle tenant costs nothing per tick."""
+change of admission.signal. An idle tenant costs nothing per tick: the tenants and windows the parts hold are
+RowMaps, whose next version shares every block of rows no rebuilt tenant falls in."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Mapping, NamedTuple
 from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import TenantLatency
+from qosagent.rowmap import RowMap
 from qosagent.tenants import TenantInfo
 from qosagent.window import Windows
 
@@ -39,8 +41,9 @@ class Tenants:
         self._signal = ""
         self._current: Mapping[int, TenantInfo] = {}
         self._known: Mapping[int, TenantInfo] = {}
-        self.tenants: dict[str, TenantLatency] = {}  # by name, in tenant id order; a copy goes into each part
-        self.windows: dict[str, tuple[str, Histogram]] = {}  # name -> (tier, its window of the signal)
+        # By name, in tenant id order; each part holds the version of its tick (a RowMap: shared, never copied).
+        self.tenants: RowMap[str, TenantLatency] = RowMap()
+        self.windows: RowMap[str, tuple[str, Histogram]] = RowMap()  # name -> (tier, its window of the signal)
         self.busy: set[str] = set()  # the tenants whose window of the signal holds requests
         self.counted = 0  # connections tracked and requests started, every tenant's (hooks.counted)
         self.egress_unread = 0  # sockops mode: packets the egress learner could not hand to lat_egress (Hooks)
@@ -81,18 +84,25 @@ class Tenants:
                 self._windowed.add(tid)
             else:
                 self._windowed.discard(tid)
-        if everything or len(self.tenants) != len(self._built):
-            self.tenants = {t.tenant: t for _tid, t in sorted(self._built.items())}
-            self.windows, self.busy = {}, set()
+        whole = everything or len(self.tenants) != len(self._built)
+        tenants: dict[str, TenantLatency] = {}
+        windows: dict[str, tuple[str, Histogram]] = {}
+        if whole:
+            tenants = {t.tenant: t for _tid, t in sorted(self._built.items())}
+            self.busy = set()
             rebuild = list(self._built)
         for tid in rebuild:
             t = self._built[tid]
-            self.tenants[t.tenant] = t
-            window = self.windows[t.tenant] = (t.tier, t.window(signal))
+            tenants[t.tenant] = t
+            window = windows[t.tenant] = (t.tier, t.window(signal))
             if window[1].count:
                 self.busy.add(t.tenant)
             else:
                 self.busy.discard(t.tenant)
+        if whole:
+            self.tenants, self.windows = RowMap(tenants), RowMap(windows)
+        else:  # the next versions: only the blocks of the rows rebuilt are copied
+            self.tenants, self.windows = self.tenants.replace(tenants), self.windows.replace(windows)
         self._everything, self._signal = False, signal
 
     def runqueue(self, names: Mapping[int, str]) -> RunQueue:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from qosagent.quota.model import QuotaPart, TenantQuota
+from qosagent.rowmap import RowMap
 from qosagent.tenants import UNMATCHED_ID, TenantInfo, TenantLimit, TenantQuotaSpec, with_floor
 from qosagent.window import Windows
 
@@ -31,7 +32,7 @@ class Tenants:
         self._built: dict[int, TenantQuota] = {}
         self._moving: set[int] = set()
         self._seen: tuple[Any, ...] | None = None
-        self.tenants: dict[str, TenantQuota] = {}  # by name; a copy goes into each part that differs
+        self.tenants: RowMap[str, TenantQuota] = RowMap()  # by name; each part holds its tick's version, shared
         self.version = 0  # moves whenever tenants or the unmatched tenant's counts do: the part is made again
         self.published: tuple[int, QuotaPart] | None = None  # the last part made, and the version it was made at
 
@@ -57,6 +58,7 @@ class Tenants:
         else:
             old, rebuild = self._built, list((set(r.counts) | moved | self._moving) & table.keys())
         changed = everything or UNMATCHED_ID in r.counts or UNMATCHED_ID in moved
+        differ: dict[str, TenantQuota] = {}  # the rows worked out again and not equal to those they replace
         for tid in rebuild:
             info = table[tid]
             t = _tenant(r, info, rates.current(tid), rates.base(tid), self._buckets.get(tid), span, fresh,
@@ -65,7 +67,7 @@ class Tenants:
             if was == t:
                 t = was  # read again, the same: the part made from it may be handed on
             else:
-                changed = True
+                changed, differ[t.tenant] = True, t
             self._built[tid] = t
             refilling = t.bucket_tokens is not None and self._buckets.get(tid, (0, 0))[0] > r.ktime_ns
             if t.admitted_rps or t.dropped_rps or refilling or info.name in overrides or info.name in fleet:
@@ -76,10 +78,9 @@ class Tenants:
             return
         self.version += 1
         if everything:
-            self.tenants = {t.tenant: t for t in self._built.values()}
-        else:
-            for tid in rebuild:
-                self.tenants[self._built[tid].tenant] = self._built[tid]
+            self.tenants = RowMap({t.tenant: t for t in self._built.values()})
+        else:  # the next version: only the blocks of the rows that differ are copied
+            self.tenants = self.tenants.replace(differ)
 
 
 def _tenant(r: "Reading", info: TenantInfo, c: tuple[int, int, int, int], o: tuple[int, int, int, int],
@@ -113,14 +114,14 @@ def part(r: "Reading", view: Tenants, interfaces: tuple[str, ...], pins: str, ot
          namespaces: tuple[Mapping[str, Any], ...]) -> QuotaPart:
     """The part: tenants, the unmatched traffic's counts and what passed unchecked, from r and view; where the
     classifier sits, as the capability has it. The part made last is handed on when nothing in it would differ: a
-    tick at rest copies no tenant's row."""
+    tick at rest copies no tenant's row, and one that changes some copies only their blocks (RowMap.replace)."""
     if view.published is not None:
         version, last = view.published
         if version == view.version and last.rows_read == r.rows_read and last.passed == r.stats \
                 and last.interfaces == interfaces and last.pins == pins and last.others_on_hook == others_on_hook \
                 and last.namespaces == namespaces:
             return last
-    made = QuotaPart(tenants=dict(view.tenants), unmatched_packets=r.stats.get("unmatched", 0),
+    made = QuotaPart(tenants=view.tenants, unmatched_packets=r.stats.get("unmatched", 0),
                      unmatched_counts=view.counts(UNMATCHED_ID), passed=dict(r.stats), interfaces=interfaces,
                      pins=pins, others_on_hook=others_on_hook, namespaces=namespaces, rows_read=r.rows_read)
     view.published = (view.version, made)

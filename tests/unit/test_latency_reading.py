@@ -6,6 +6,7 @@ from __future__ import annotations
 from qosagent.hist import Histogram
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.reading import Tenants
+from qosagent.rowmap import RowMap
 from qosagent.tenants import TenantInfo
 
 TABLE = {i: TenantInfo(i, f"t{i}", "silver", 0, 1.0) for i in range(1, 101)}
@@ -39,3 +40,20 @@ def test_a_tick_at_rest_moves_nothing_and_a_window_draining_does() -> None:
     before = view.version
     view.update(4.0, bm.Changes({}, {bm.RUNQ_SHARED: Histogram.of([1_000])}, 1), "response")
     assert view.version == before + 1
+
+
+def test_a_tick_that_changes_one_tenant_copies_no_other_tenants_row() -> None:
+    """Counted: the tenants and windows a part holds are the view's RowMaps, not copies: a tick that reads t3 puts
+    t3's row and window alone into new mappings (before, each such tick copied all 100 of both into the part), while
+    the earlier versions keep what they held."""
+    view = Tenants(1.0)
+    view.configure(TABLE, TABLE, 1.0)
+    view.update(0.0, QUIET, "response")
+    first = view.tenants
+    for i in range(1, 4):
+        before = RowMap.copied
+        view.update(i / 100, bm.Changes({3: sent(i)}, None, 1), "response")
+        assert RowMap.copied - before == 2  # t3's row and its window
+        assert view.tenants["t3"].requests == i and view.windows["t3"][1].count == i
+    assert first["t3"].requests == 0 and all(view.tenants[n] is t for n, t in first.items() if n != "t3")
+    assert list(view.tenants) == list(first) and "t3" in view.busy

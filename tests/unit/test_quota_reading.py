@@ -9,6 +9,7 @@ from qosagent.quota.datapath import Reading
 from qosagent.quota.layout import QuotaLimit
 from qosagent.quota.model import QuotaPart
 from qosagent.quota.reading import Tenants, part
+from qosagent.rowmap import RowMap
 from qosagent.tenants import UNMATCHED_ID, TenantLimit, baseline, tenant_id, tenant_table
 
 CFG = parse({"tenants": [{"name": f"t{i}", "tier": "silver", "match": {"ports": [18000 + i]},
@@ -80,6 +81,22 @@ def test_a_tick_at_rest_hands_on_the_last_part_and_copies_no_tenant() -> None:
     assert tick(4.6, {}, {"unmatched": 2}) is unchecked
     unmatched = tick(4.7, {UNMATCHED_ID: (4, 0, 0, 0)}, {"unmatched": 2})
     assert unmatched is not unchecked and unmatched.unmatched_counts == (4, 0, 0, 0)
+
+
+def test_a_tick_that_changes_one_tenant_copies_no_other_tenants_row() -> None:
+    """Counted: the part holds the view's RowMap, not a copy of it: a tick that moves t3 puts t3's row alone into a
+    new mapping (before, each such tick copied all 100 rows into the part), and the parts made before keep theirs."""
+    view = Tenants()
+    view.update(read(0.0, {tid: (0, 0, 0, 0) for tid in TABLE}), TABLE, SPECS, {}, {}, 1.0)
+    parts = []
+    for i in range(1, 6):
+        before = RowMap.copied
+        r = read(i / 10, {BUSY: (i, 0, 0, 0)})
+        view.update(r, TABLE, SPECS, {}, {}, 1.0)
+        parts.append(part(r, view, ("lo",), "/pins", (), ()))
+        assert RowMap.copied - before == 1  # t3's row, nothing of the 99 others
+    assert [p.tenants["t3"].admitted for p in parts] == [1, 2, 3, 4, 5]
+    assert all(p.tenants["t7"] is parts[0].tenants["t7"] for p in parts) and len(parts[-1].tenants) == 100
 
 
 def test_the_heartbeat_is_written_five_times_per_timeout_not_every_tick() -> None:

@@ -1,0 +1,50 @@
+"""The parts' per-tenant rows (qosagent/rowmap.py): a RowMap reads as the dict it stands for, in the same order, and
+its next version copies the rows changed since its base, not every row."""
+
+from __future__ import annotations
+
+import random
+
+from qosagent.rowmap import FOLD_MIN, RowMap
+
+
+def test_a_version_reads_as_the_dict_it_stands_for() -> None:
+    rnd = random.Random(26)
+    want = {f"t{i}": i for i in range(200)}
+    m: RowMap[str, int] = RowMap(want)
+    versions = [(m, dict(want))]
+    for _ in range(300):
+        changes = {f"t{rnd.randrange(200)}": rnd.randrange(1000) for _ in range(rnd.choice((0, 1, 3, 40)))}
+        if rnd.random() < 0.05:
+            changes[f"new{rnd.randrange(10**6)}"] = -1  # a key it lacks: added at the end, as a dict would
+        want = {**want, **changes}
+        m = m.replace(changes)
+        versions.append((m, dict(want)))
+    for m, want in versions:  # every version still says what it said when made
+        assert list(m) == list(want) and list(m.items()) == list(want.items())
+        assert list(m.values()) == list(want.values()) and len(m) == len(want) and m == want
+        assert all(m[k] == v and k in m for k, v in want.items()) and m.get("absent") is None and "absent" not in m
+
+
+def test_the_next_version_copies_only_the_rows_changed_since_its_base() -> None:
+    rows = {f"t{i}": object() for i in range(1000)}
+    m: RowMap[str, object] = RowMap(rows)
+    assert m.replace({}) is m
+    before = RowMap.copied
+    ten = {f"t{i}": object() for i in range(0, 1000, 100)}
+    for _ in range(50):  # the same ten tenants changing every tick: ten rows a version, never the thousand
+        m = m.replace(ten)
+    assert RowMap.copied - before == 50 * 10
+    assert all(m[k] is v for k, v in ten.items()) and all(m[k] is rows[k] for k in rows if k not in ten)
+    # Once more than an eighth of the rows changed since the base, they are folded into a new one: one copy.
+    before = RowMap.copied
+    m = m.replace({f"t{i}": 0 for i in range(1000 // 8 + 1)})
+    assert RowMap.copied - before == 1000
+    before = RowMap.copied
+    m = m.replace({"t999": 1})
+    assert RowMap.copied - before == 1 and m["t999"] == 1 and m["t0"] == 0
+    small: RowMap[str, int] = RowMap({f"t{i}": i for i in range(10)})
+    for i in range(30):  # a small map never folds below FOLD_MIN rows changed
+        before = RowMap.copied
+        small = small.replace({f"t{i % 10}": -i})
+        assert RowMap.copied - before <= FOLD_MIN
