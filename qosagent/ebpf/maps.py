@@ -252,6 +252,9 @@ class ArrayRange:
         return ct.string_at(self._values, count * self.value_size)
 
 
+# A tick's run of moved slots up to this long is read in buffers its reader keeps (ArrayRange.at); a longer one, as
+# a first read of every slot, in buffers made for that read.
+RUN_SLOTS = 16
 GEN_SIZE = 8  # struct qos_gen (bpf/include/qos_common.h)
 BPF_F_MMAPABLE = 1 << 10  # linux/bpf.h
 _GEN_BLOCK = 64 * GEN_SIZE

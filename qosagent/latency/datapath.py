@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qosagent.capability import CapabilityError
 from qosagent.ebpf import mapsize, pinned
 from qosagent.ebpf.loader import BpfError
-from qosagent.ebpf.maps import GEN_SIZE, ArrayRange, Generations, Map, runs, sync
+from qosagent.ebpf.maps import GEN_SIZE, RUN_SLOTS, ArrayRange, Generations, Map, runs, sync
 from qosagent.ebpf.pins import tenant_flows
 from qosagent.ebpf.tenant_ports import PORTS, TenantPorts, sync_cidrs
 from qosagent.latency import bpfmaps as bm
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from qosagent.hostfs import HostFS
 
 RUN = "lat_run"  # sockops mode: the agent run that socket storage belongs to (bpf/latency_sockops.c)
-# Slots: a run of moved slots up to this long is read in buffers kept for it (Datapath.read).
-RUN_SLOTS = 16
 # The kprobe fallback (< 6.4): kernel function -> program, at entry only (bpf/latency_trace.c says why no kretprobes).
 KPROBES = (("tcp_cleanup_rbuf", "kp_tcp_read"), ("tcp_sendmsg", "kp_tcp_sendmsg"))
 # The kprobe fallback's arrival clock, where there is no sock:sk_data_ready tracepoint (< 6.6): the function the

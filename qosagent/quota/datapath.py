@@ -22,7 +22,7 @@ from qosagent.config import Config
 from qosagent.hostfs import HostFS
 from qosagent.ebpf import mapsize, pinned, pins
 from qosagent.ebpf.libbpf import obj_pin, pinned_map_info
-from qosagent.ebpf.maps import GEN_SIZE, ArrayRange, Generations, Map, sync
+from qosagent.ebpf.maps import GEN_SIZE, RUN_SLOTS, ArrayRange, Generations, Map, runs, sync
 from qosagent.ebpf.tenant_ports import TenantPorts, sync_cidrs
 from qosagent.quota import layout, tc
 from qosagent.quota.layout import AttachKey, AttachVal, QuotaConf, QuotaLimit
@@ -229,6 +229,12 @@ class Datapath:
         self._stats: dict[str, int] = {}
         fd = self.maps["tenant_ports"].fd
         self.ports = TenantPorts.adopt(fd) if self.adopted else TenantPorts(fd)
+        # The moved slots' counters (per CPU) and buckets, a batch read per run of consecutive slots, in buffers kept
+        # for runs of up to RUN_SLOTS (the first read's, of every slot, has its own).
+        counters, buckets = self.maps["quota_counters"], self.maps["quota_buckets"]
+        self._count_words = ctypes.sizeof(counters.value) // 8  # a slot: every CPU's QuotaCount, back to back
+        self._counts_run = ArrayRange(counters.fd, 0, RUN_SLOTS, ctypes.sizeof(counters.value))
+        self._buckets_run = ArrayRange(buckets.fd, 0, RUN_SLOTS, ctypes.sizeof(buckets.value))
 
     def _pin_prog(self, name: str, fd: int) -> None:
         p = os.path.join(self.path, name)
@@ -482,19 +488,19 @@ class Datapath:
         return self._read(self._gens.changed(), self._written, self.heartbeat_ns)
 
     def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit], heartbeat_ns: int) -> Reading:
-        m = self.maps
         counts, buckets = {}, {}
-        counters, bucket_t = m["quota_counters"], m["quota_buckets"]
         by_slot = self._by_slot
         read = slots & by_slot.keys()
-        for slot in read:
-            tid = by_slot[slot]
-            per_cpu = counters.lookup(slot)
-            counts[tid] = (sum(c.req_admitted for c in per_cpu), sum(c.req_dropped for c in per_cpu),
-                           sum(c.conn_admitted for c in per_cpu), sum(c.conn_dropped for c in per_cpu))
-            if tid:
-                bk = bucket_t.lookup(slot)
-                buckets[tid] = (bk.req_tat, bk.conn_tat)
+        words = self._count_words  # each of QuotaCount's 4 counts summed over the CPUs in C
+        for first, n in runs(read):
+            per_cpu = memoryview(self._counts_run.at(first, n)).cast("Q")
+            tats = memoryview(self._buckets_run.at(first, n)).cast("Q")  # QuotaBucket: req_tat, conn_tat
+            for i in range(n):
+                tid = by_slot[first + i]
+                c = per_cpu[i * words:(i + 1) * words]
+                counts[tid] = (sum(c[0::4]), sum(c[1::4]), sum(c[2::4]), sum(c[3::4]))
+                if tid:
+                    buckets[tid] = (tats[2 * i], tats[2 * i + 1])
         return Reading(time.monotonic_ns(), counts, self.stats(), limits, buckets, heartbeat_ns, len(read))
 
     def stats(self) -> Mapping[str, int]:
