@@ -8,7 +8,8 @@
  * the agent is gone; adaptive overrides and fleet shares stop counting once the agent's heartbeat is older than its
  * timeout (a fleet share also at the end of its lease).
  *
- * Defines from the loader: QOS_PIN_DIR (string), QOS_FLOWS (LRU entries), QOS_HDR_SCAN (bytes, power of two). */
+ * Defines from the loader: QOS_PIN_DIR (string), QOS_FLOWS (LRU entries), QOS_HDR_SCAN (bytes, power of two),
+ * QOS_GEN_CPUS (the possible CPUs: one stats generation each). */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/pkt_cls.h>
 #include <uapi/linux/if_ether.h>
@@ -33,10 +34,15 @@ BPF_TABLE_PINNED("array", __u32, struct qos_quota_limit, quota_limits, QOS_SLOTS
 BPF_TABLE_PINNED("array", __u32, struct qos_quota_bucket, quota_buckets, QOS_SLOTS, QOS_PIN_DIR "/quota_buckets");
 BPF_TABLE_PINNED("percpu_array", __u32, struct qos_quota_count, quota_counters, QOS_SLOTS,
                  QOS_PIN_DIR "/quota_counters");
-/* The slots' generations (qos_common.h): not in QOS_PIN_DIR but kept with the build (the compile child pins every map
- * beside its programs), as an agent reads only its own build's; it reads every slot once at its start, since counts an
- * adopted program made are in the pinned counters, not here. */
-BPF_F_TABLE("array", int, struct qos_gen, quota_gen, QOS_SLOTS, BPF_F_MMAPABLE); /* read by the agent in place */
+/* The slots' generations (qos_common.h), then each CPU's stats generation (qos_quota.h): not in QOS_PIN_DIR but kept
+ * with the build (the compile child pins every map beside its programs), as an agent reads only its own build's; it
+ * reads every slot and the stats once at its start, since counts an adopted program made are in the pinned counters,
+ * not here. */
+#ifndef QOS_GEN_CPUS
+#define QOS_GEN_CPUS 1
+#endif
+BPF_F_TABLE("array", int, struct qos_gen, quota_gen, QOS_SLOTS + QOS_GEN_LINE * QOS_GEN_CPUS,
+            BPF_F_MMAPABLE); /* read by the agent in place */
 BPF_TABLE_PINNED("percpu_array", __u32, struct qos_stat_val, quota_stats, QOS_STAT_MAX, QOS_PIN_DIR "/quota_stats");
 BPF_TABLE_PINNED("array", __u32, struct qos_quota_conf, quota_config, 1, QOS_PIN_DIR "/quota_config");
 BPF_TABLE_PINNED("hash", struct qos_attach_key, struct qos_attach_val, quota_attach, 256, QOS_PIN_DIR "/quota_attach");
@@ -102,11 +108,17 @@ struct pkt {
     __u8 syn; /* SYN without ACK: a new connection */
 };
 
+/* A count by reason, then this CPU's stats generation: a line only this CPU writes, so a plain increment (TC programs
+ * do not nest on one CPU; one that did would still move the value, which is all the agent looks for). */
 static __always_inline void stat_inc(__u32 reason)
 {
     struct qos_stat_val *v = quota_stats.lookup(&reason);
     if (v)
         v->packets++;
+    __u32 g = QOS_SLOTS + QOS_GEN_LINE * (bpf_get_smp_processor_id() % QOS_GEN_CPUS);
+    struct qos_gen *sg = quota_gen.lookup(&g);
+    if (sg)
+        sg->n++;
 }
 
 /* Copy n bytes (a multiple of 4) at off: straight from the linear area when it holds them (the usual case for

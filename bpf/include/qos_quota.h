@@ -68,6 +68,13 @@ struct qos_stat_val {
     __u64 packets;
 };
 
+/* quota_gen (quota.c, struct qos_gen): slot s's generation at [s], s < QOS_SLOTS, bumped after each count of the slot;
+ * past them the stats' generation of each CPU at [QOS_SLOTS + QOS_GEN_LINE * cpu], bumped after each count in
+ * quota_stats on that CPU. One cache line per CPU (QOS_GEN_LINE generations of 8 bytes): a CPU writes only its own,
+ * so a flood of unmatched or malformed packets on every CPU contends for no line, and the agent's tick at rest
+ * compares them in place and skips its read of quota_stats. */
+#define QOS_GEN_LINE 8
+
 /* quota_config[0]: written by the agent; heartbeat_ns every tick. */
 #define QOS_CONF_HEADER_RULES 1 /* some tenant is matched by a header: scan unmatched request starts */
 #define QOS_CONF_NETNS_RULES 2  /* some tenant is matched by a serving network namespace: look up quota_netns */

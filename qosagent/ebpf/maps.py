@@ -307,12 +307,24 @@ class Generations:
     its own memory instead of a BPF_MAP_LOOKUP_BATCH, which cost ~0.13 us per slot in the kernel."""
 
     def __init__(self, map_fd: int, first: int, count: int, everything: bool = False):
-        self.first, self.count = first, count
         info = map_info(map_fd)
         if not info.flags & BPF_F_MMAPABLE:
             raise OSError(errno.EINVAL, f"generations map {info.name!r} is not BPF_F_MMAPABLE")
-        self._mem = mmap.mmap(map_fd, info.max_entries * GEN_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-        self._last = b"" if not everything else None
+        self._begin(mmap.mmap(map_fd, info.max_entries * GEN_SIZE, mmap.MAP_SHARED, mmap.PROT_READ), first, count,
+                    everything)
+
+    @classmethod
+    def over(cls, mem: Any, first: int, count: int, everything: bool = False) -> "Generations":
+        """The same over memory the caller holds: a test's bytearray standing for the mapped array, written as the
+        programs would bump it."""
+        g = cls.__new__(cls)
+        g._begin(mem, first, count, everything)
+        return g
+
+    def _begin(self, mem: Any, first: int, count: int, everything: bool) -> None:
+        self.first, self.count = first, count
+        self._mem = mem
+        self._last: bytes | None = b"" if not everything else None
         self._settling: set[int] = set()
 
     def resize(self, count: int) -> None:
@@ -330,4 +342,5 @@ class Generations:
         return {self.first + i for i in out}
 
     def close(self) -> None:
-        self._mem.close()
+        if isinstance(self._mem, mmap.mmap):
+            self._mem.close()

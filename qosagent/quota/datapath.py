@@ -140,7 +140,7 @@ def map_sizes(cfg: Config, cpus: int) -> list[mapsize.MapSize]:
     return out + [mapsize.MapSize("quota_flow_l1", mapsize.PERCPU_ARRAY,
                                   1 << flow_l1_bits(cfg.quota.flow_entries, cpus), 4, FLOW_L1_ENTRY),
                   mapsize.MapSize("quota_scan", mapsize.PERCPU_ARRAY, 1, 4, scan),
-                  mapsize.MapSize("quota_gen", mapsize.ARRAY, layout.SLOTS, 4, GEN_SIZE)]
+                  mapsize.MapSize("quota_gen", mapsize.ARRAY, layout.SLOTS + layout.GEN_LINE * cpus, 4, GEN_SIZE)]
 
 
 def spec(cfg: Config, path: str, cpus: int) -> pinned.Spec:
@@ -148,7 +148,7 @@ def spec(cfg: Config, path: str, cpus: int) -> pinned.Spec:
     of the same source and settings opens it rather than compiling it again."""
     defines = {"QOS_PIN_DIR": f'"{path}"', "QOS_FLOWS": cfg.quota.flow_entries,
                "QOS_HDR_SCAN": cfg.quota.header_scan_bytes,
-               "QOS_FLOW_L1_BITS": flow_l1_bits(cfg.quota.flow_entries, cpus)}
+               "QOS_FLOW_L1_BITS": flow_l1_bits(cfg.quota.flow_entries, cpus), "QOS_GEN_CPUS": cpus}
     shared = {n: os.path.join(path, n) for n in layout.map_specs(cfg.quota.flow_entries)}
     return pinned.Spec("quota", ("quota",), defines, dict.fromkeys((PROG_PIN, HEADER_PROG_PIN), pinned.SCHED_CLS),
                        shared=shared)
@@ -193,8 +193,9 @@ class Datapath:
                 log.warning("cannot read %s/quota_attach (%s): only its filters on our interfaces are replaced",
                             old, e)
         os.makedirs(self.path, exist_ok=True)
+        cpus = mapsize.possible_cpus(fs or HostFS("/"))
         try:
-            self.program = pinned.load(spec(cfg, self.path, mapsize.possible_cpus(fs or HostFS("/"))), self.path)
+            self.program = pinned.load(spec(cfg, self.path, cpus), self.path)
             self.prog = self.program.fd(PROG_PIN)
             self.header_prog = self.program.fd(HEADER_PROG_PIN)
             self.maps = {n: self.program.map(n) for n in layout.map_specs(cfg.quota.flow_entries)}
@@ -221,8 +222,11 @@ class Datapath:
         self._by_slot: dict[int, int] = {0: UNMATCHED_ID}  # slot -> tenant id, as of the last assignment
         # Which slots' counts to read each tick; every one at the first (adopted pins hold counts already).
         self._gens = Generations(self.program.map("quota_gen").fd, 0, 1, everything=True)
-        # The packets passed unchecked, by reason: every entry in one BPF_MAP_LOOKUP_BATCH, summed only when the bytes
-        # moved (at rest the same dict is handed on).
+        # The packets passed unchecked, by reason: every entry in one BPF_MAP_LOOKUP_BATCH, read only when a CPU's
+        # stats generation moved (past the slots' in quota_gen, qos_quota.h; at rest the tick asks the kernel
+        # nothing) and summed only when the bytes moved (the same dict is handed on).
+        self._stat_gens = Generations(self.program.map("quota_gen").fd, layout.SLOTS, layout.GEN_LINE * cpus,
+                                      everything=True)
         st = self.maps["quota_stats"]
         self._stats_range = ArrayRange(st.fd, 0, len(layout.STAT_REASONS), ctypes.sizeof(st.value))
         self._stats_raw = b""
@@ -478,16 +482,17 @@ class Datapath:
         limits = self.maps["quota_limits"]
         return self._read(set(self.slots.values()) | {0},
                           {tid: QuotaLimit.from_buffer_copy(bytes(limits.lookup(s))) for tid, s in self.slots.items()},
-                          self.maps["quota_config"].lookup(0).heartbeat_ns)
+                          self.maps["quota_config"].lookup(0).heartbeat_ns, self.stats(fresh=True))
 
     def read_changed(self) -> Reading:
         """The tick's read: the counts and buckets of only the slots whose generation moved (quota_gen: qos_common.h;
         every slot at the first two reads), the limits and the heartbeat as last written (this agent is
         quota_config's only writer; a new dict each time they are written, never changed in place, so not copied
-        here), the stats."""
-        return self._read(self._gens.changed(), self._written, self.heartbeat_ns)
+        here), the stats as of the last time a CPU counted one."""
+        return self._read(self._gens.changed(), self._written, self.heartbeat_ns, self.stats())
 
-    def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit], heartbeat_ns: int) -> Reading:
+    def _read(self, slots: set[int], limits: Mapping[int, QuotaLimit], heartbeat_ns: int,
+              stats: Mapping[str, int]) -> Reading:
         counts, buckets = {}, {}
         by_slot = self._by_slot
         read = slots & by_slot.keys()
@@ -501,10 +506,14 @@ class Datapath:
                 counts[tid] = (sum(c[0::4]), sum(c[1::4]), sum(c[2::4]), sum(c[3::4]))
                 if tid:
                     buckets[tid] = (tats[2 * i], tats[2 * i + 1])
-        return Reading(time.monotonic_ns(), counts, self.stats(), limits, buckets, heartbeat_ns, len(read))
+        return Reading(time.monotonic_ns(), counts, stats, limits, buckets, heartbeat_ns, len(read))
 
-    def stats(self) -> Mapping[str, int]:
-        """quota_stats summed over the CPUs, by reason; the same dict as last time while no count moved."""
+    def stats(self, fresh: bool = False) -> Mapping[str, int]:
+        """quota_stats summed over the CPUs, by reason; the same dict as last time while no count moved. Read from
+        the kernel only when fresh or when a CPU's stats generation moved since the last call (and at the call after
+        that, once more: Generations)."""
+        if not self._stat_gens.changed() and not fresh:
+            return self._stats
         raw = self._stats_range.data()
         if raw != self._stats_raw:
             per = len(raw) // len(layout.STAT_REASONS)
@@ -528,6 +537,7 @@ class Datapath:
     def close(self) -> None:
         """Drop our references; what is pinned and attached stays (fail-static)."""
         self._gens.close()
+        self._stat_gens.close()
         self.program.close()
         if self.links is not None:
             self.links.close()

@@ -19,6 +19,7 @@ QOS_CONF_NETNS_RULES = 2
 
 # QOS_STAT_*
 STAT_REASONS = ("unmatched", "malformed", "fragment", "header_incomplete", "override_expired", "fleet_expired")
+GEN_LINE = 8  # QOS_GEN_LINE: quota_gen past the slots' holds each CPU's stats generation, one cache line apart
 
 VIA = {0: "none", 1: "port", 2: "cidr", 3: "header", 4: "netns"}  # QOS_VIA_*
 

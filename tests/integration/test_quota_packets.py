@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from qosagent.config import parse
+from qosagent.ebpf import maps
 from qosagent.ebpf.tenant_ports import read_claims
 from qosagent.quota import datapath as dp
 from qosagent.quota.rules import baseline_buckets
@@ -125,6 +126,27 @@ def test_fragments_pass_and_are_counted(prog):
     assert st["fragment"] == 3
     assert counts(prog, "portco") == (0, 0, 0, 0)
     assert counts(prog, "cidrco")[0] == 1
+
+
+def test_a_tick_at_rest_asks_the_kernel_nothing_and_sees_the_next_count(prog, monkeypatch):
+    """The classifier bumps its CPU's stats generation after each count by reason: the tick's read makes no
+    BPF_MAP_LOOKUP_BATCH while none moved, and shows a malformed packet or an unmatched connection at the next read."""
+
+    calls = []
+    lookup_batch = maps._lookup_batch
+    monkeypatch.setattr(maps, "_lookup_batch", lambda *a: calls.append(a) or lookup_batch(*a))
+    for _ in range(3):  # every slot and every CPU's stats at the first read, once more at the second
+        prog.read_changed()
+    calls.clear()
+    rest = [prog.read_changed() for _ in range(5)]
+    assert calls == [] and all(r.stats is rest[0].stats for r in rest)
+    assert run(prog, ipv4(C4, S4, tcp(40000, 8100, payload=request()), tot_len=1400)) == TC_ACT_UNSPEC
+    assert prog.read_changed().stats["malformed"] == 1 and calls
+    prog.read_changed()  # once more, the tick after
+    calls.clear()
+    assert [prog.read_changed().stats["malformed"] for _ in range(3)] == [1] * 3 and calls == []
+    assert run(prog, ipv4("10.7.0.1", S4, tcp(40000, 8000, SYN))) == TC_ACT_UNSPEC  # watched, no tenant's
+    assert prog.read_changed().stats["unmatched"] == 1
 
 
 def test_header_match_and_header_split_across_segments(prog):

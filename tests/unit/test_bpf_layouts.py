@@ -77,6 +77,7 @@ def constants() -> list[tuple[str, int]]:
         ("QOS_LIMIT_OVERRIDE", layout.QOS_LIMIT_OVERRIDE),
         ("QOS_CONF_HEADER_RULES", layout.QOS_CONF_HEADER_RULES),
         ("QOS_STAT_MAX", len(layout.STAT_REASONS)),
+        ("QOS_GEN_LINE", layout.GEN_LINE),
         ("QOS_MAX_NS", rules.MAX_NS),
         ("LAT_KINDS", bm.KINDS),
         ("LAT_NCOUNTERS", bm.NCOUNTERS),

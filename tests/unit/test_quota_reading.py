@@ -222,3 +222,56 @@ def test_a_lease_ending_or_the_heartbeat_ageing_makes_a_new_part_on_that_tick() 
     stale = tick(3.1, 2.0)
     assert stale is not ended and stale.tenants["t7"].limit == SPECS["t7"].requests
     assert tick(3.2, 2.0) is stale
+
+
+def test_a_tick_at_rest_reads_no_stats_and_a_counted_packet_is_read_at_the_next_tick() -> None:
+    """Counted: quota's tick asks the kernel for quota_stats (a BPF_MAP_LOOKUP_BATCH) only when a CPU's stats
+    generation moved (quota_gen past the slots', which the classifier bumps after each count by reason), then once
+    more; at rest it reads none and hands on the same dict. read(), for status and tests, always reads."""
+    import struct
+
+    from qosagent.ebpf.maps import GEN_SIZE, Generations
+    from qosagent.quota import layout
+    from qosagent.quota.datapath import Datapath
+
+    cpus = 2
+    gen_mem = bytearray((layout.SLOTS + layout.GEN_LINE * cpus) * GEN_SIZE)  # quota_gen, as the agent maps it
+    per_cpu = {reason: [0] * cpus for reason in layout.STAT_REASONS}  # quota_stats, as the kernel holds it
+
+    class Stats:
+        reads = 0
+
+        def data(self) -> bytes:
+            self.reads += 1
+            return b"".join(struct.pack(f"{cpus}Q", *per_cpu[reason]) for reason in layout.STAT_REASONS)
+
+    def count(reason: str, cpu: int) -> None:  # what stat_inc does on that CPU: the count, then its generation
+        per_cpu[reason][cpu] += 1
+        at = (layout.SLOTS + layout.GEN_LINE * cpu) * GEN_SIZE
+        struct.pack_into("Q", gen_mem, at, struct.unpack_from("Q", gen_mem, at)[0] + 1)
+
+    d = Datapath.__new__(Datapath)
+    d._gens = Generations.over(gen_mem, 0, 1)
+    d._stat_gens = Generations.over(gen_mem, layout.SLOTS, layout.GEN_LINE * cpus, everything=True)
+    d._stats_range = stats = Stats()  # type: ignore[assignment]
+    d._stats_raw, d._stats = b"", {}
+    d._written, d.heartbeat_ns, d._by_slot = {}, 0, {0: UNMATCHED_ID}
+    d._count_words = 4 * cpus  # no slot moves here: no counters are read
+
+    first = [d.read_changed() for _ in range(2)]  # every generation at the first read, and once more
+    assert stats.reads == 2 and first[1].stats == dict.fromkeys(layout.STAT_REASONS, 0)
+    rest = [d.read_changed() for _ in range(5)]
+    assert stats.reads == 2 and all(r.stats is first[1].stats for r in rest)
+
+    count("malformed", 1)
+    counted = d.read_changed()
+    assert stats.reads == 3 and counted.stats["malformed"] == 1
+    d.read_changed()  # the tick after a move reads once more (a count seen after its generation)
+    assert stats.reads == 4
+    rest = [d.read_changed() for _ in range(5)]
+    assert stats.reads == 4 and all(r.stats is counted.stats for r in rest)
+
+    count("unmatched", 0)
+    count("unmatched", 1)
+    assert d.read_changed().stats["unmatched"] == 2 and stats.reads == 5
+    assert d.stats(fresh=True)["unmatched"] == 2 and stats.reads == 6
