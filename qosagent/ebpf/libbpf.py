@@ -48,6 +48,8 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "bpf_raw_tracepoint_open": (_c_char_p, _c_int),
     "bpf_map_create": (_c_int, _c_char_p, _u32, _u32, _u32, _c_void_p),
     "ring_buffer__poll": (_c_void_p, _c_int),
+    "ring_buffer__consume": (_c_void_p,),
+    "ring_buffer__epoll_fd": (_c_void_p,),
     "bpf_map_update_batch": (_c_int, _c_void_p, _c_void_p, ctypes.POINTER(_u32), _c_void_p),
 }
 
@@ -202,6 +204,18 @@ class RingBuffer:
         if self._rb is None:
             return 0
         return call("ring_buffer__poll", self._rb, timeout_ms)
+
+    def epoll_fd(self) -> int:
+        """The epoll instance libbpf waits on: readable while a record waits, so a caller can wait on it beside
+        fds of its own (select.poll) and then consume()."""
+        assert self._rb is not None
+        return call("ring_buffer__epoll_fd", self._rb)
+
+    def consume(self) -> int:
+        """Hand every record waiting to on_sample, without waiting for more."""
+        if self._rb is None:
+            return 0
+        return call("ring_buffer__consume", self._rb)
 
     def close(self) -> None:
         if self._rb is not None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import posixpath
+import select
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qosagent.latency")
 
-CGROUP_EVENT_POLL_MS = 200  # how long the watcher blocks on the ring buffer before checking for stop
+FALLBACK_POLL_MS = 200  # where the ring buffer's epoll fd cannot be had: how long a poll blocks before stop is checked
 # How long after start lat_ingress_learn stays linked on the cgroup2 root: servers already running when the agent
 # starts are found by their first request's arrival (and it is timed) rather than by their first response.
 LEARN_S = 30.0
@@ -60,6 +62,7 @@ class CgroupWatch:
         self._ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._wake: tuple[int, int] | None = None  # a pipe: close() writes it to end the thread's wait
 
     def start(self, ports: set[int], pods: Iterable[int] = ()) -> None:
         """Link the learners, then the sock_ops program, on the root; start the thread; link the cgroups of the
@@ -82,10 +85,14 @@ class CgroupWatch:
         except (BpfError, OSError, KeyError) as e:
             raise CapabilityError(f"attaching the sock_ops latency hooks at {self.root} failed: {e}") from None
         # From here on the kernel reports serving cgroups on the ring buffer; this thread links each as it comes.
+        self._start_watch()
+        self._link_listeners(ports, pods)
+
+    def _start_watch(self) -> None:
         self._stopping.clear()
+        self._wake = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="latency-cgroups", daemon=True)
         self._thread.start()
-        self._link_listeners(ports, pods)
 
     def _link_listeners(self, ports: set[int], pods: Iterable[int]) -> None:
         """Link the cgroups of servers already listening on watched ports in this network namespace: they called
@@ -108,13 +115,26 @@ class CgroupWatch:
             self.link(cgid, pid, path)
 
     def _watch(self) -> None:
+        """Wait, without a timeout, until the ring buffer holds a record or close() writes the pipe: a node where
+        no server starts wakes this thread never (a 200 ms poll woke it five times a second)."""
+        assert self._events is not None and self._wake is not None
+        waiting = select.poll()
+        waiting.register(self._wake[0], select.POLLIN)
+        try:
+            waiting.register(self._events.epoll_fd(), select.POLLIN)
+            polled = False
+        except OSError as e:  # a libbpf without ring_buffer__epoll_fd (< 0.3): its own poll, with a timeout
+            log.info("waiting on the cgroup events in %d ms polls: %s", FALLBACK_POLL_MS, e)
+            polled = True
         while not self._stopping.is_set():
             try:
-                assert self._events is not None
-                self._events.poll(CGROUP_EVENT_POLL_MS)
-            except Exception as e:  # noqa: BLE001 - a failed poll must not end the watcher silently
+                if polled:
+                    self._events.poll(FALLBACK_POLL_MS)
+                elif any(fd != self._wake[0] for fd, _ in waiting.poll()):
+                    self._events.consume()
+            except Exception as e:  # noqa: BLE001 - a failed read must not end the watcher silently
                 self.errors += 1
-                log.warning("polling the cgroup events failed: %s", e)
+                log.warning("reading the cgroup events failed: %s", e)
                 self._stopping.wait(1.0)
 
     def _on_event(self, data: Any, _size: int) -> None:
@@ -203,9 +223,15 @@ class CgroupWatch:
     def close(self) -> None:
         """Stop the thread, then unlink everything; safe to call twice."""
         self._stopping.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"\0")
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         with self._lock:
             for cg_links in (self._ingress, self._egress):
                 if cg_links is not None:
