@@ -10,12 +10,12 @@ import logging
 import os
 import socket
 import socketserver
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from qosagent import capabilities
 from qosagent.capability import Attention
+from qosagent.serveloop import ServeLoop
 
 if TYPE_CHECKING:
     from qosagent.daemon import Agent
@@ -67,13 +67,13 @@ class StatusServer:
             self.server = Server(path, Handler)
         finally:
             os.umask(old)
-        self.thread = threading.Thread(target=self.server.serve_forever, name="status", daemon=True)
+        self.loop = ServeLoop(self.server, "status")
 
     def start(self) -> None:
-        self.thread.start()
+        self.loop.start()
 
     def close(self) -> None:
-        self.server.shutdown()
+        self.loop.stop()
         self.server.server_close()
         try:
             os.unlink(self.path)

@@ -15,12 +15,13 @@ import logging
 import os
 import socket
 import ssl
-import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import yaml
+
+from qosagent.serveloop import ServeLoop
 
 if TYPE_CHECKING:
     from qosagent.config import MetricsBasicAuth, MetricsConfig, MetricsTls
@@ -228,11 +229,12 @@ class Listener:
         self.tls = ssl_ctx is not None
         self.httpd = Server((host, int(port)), Handler)
         self.address = self.httpd.server_address
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name=name, daemon=True)
+        self.loop = ServeLoop(self.httpd, name)
 
     def start(self) -> None:
-        self.thread.start()
+        self.loop.start()
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        """Stop serving and close the socket; safe on a listener never started."""
+        self.loop.stop()
         self.httpd.server_close()

@@ -356,6 +356,6 @@ def allocator_servers(alloc: Allocator, listen: str, sec: Security | None = None
         try:
             out.append(Listener(health_listen, health, name="allocator-health"))
         except OSError:
-            out[0].httpd.server_close()  # never started: shutdown() would wait for a loop that never ran
+            out[0].close()  # never started
             raise
     return out

@@ -1,0 +1,48 @@
+"""The accept loop of the agent's socket servers (the status socket, the HTTP listeners): a thread that sleeps until a
+client connects or stop() is called. socketserver's serve_forever wakes every poll_interval (0.5 s) to look for a
+shutdown(): twice a second per server on an idle agent, for nothing."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socketserver
+import threading
+
+
+class ServeLoop:
+    """server's requests handled as they come, in a thread named name, until stop()."""
+
+    def __init__(self, server: socketserver.BaseServer, name: str):
+        self.server = server
+        self._stopping = False
+        self._wake: tuple[int, int] | None = os.pipe()  # stop() writes it: the wait ends at once
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _serve(self) -> None:
+        assert self._wake is not None
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(self.server, selectors.EVENT_READ)
+            waiting.register(self._wake[0], selectors.EVENT_READ)
+            while not self._stopping:
+                for key, _ in waiting.select():
+                    if key.fileobj is self.server and not self._stopping:
+                        # Accept and hand the request to the server's own handling (a thread per request for the
+                        # Threading servers), as serve_forever does; its errors go to server.handle_error.
+                        self.server._handle_request_noblock()
+
+    def stop(self) -> None:
+        """End the loop and wait for it; safe before start() and twice. The server's socket stays the caller's to
+        close (server_close)."""
+        self._stopping = True
+        if self._wake is None:
+            return
+        os.write(self._wake[1], b"\0")
+        if self.thread.is_alive():
+            self.thread.join()
+        for fd in self._wake:
+            os.close(fd)
+        self._wake = None
