@@ -21,7 +21,7 @@ from qosagent.config import parse  # noqa: E402
 from qosagent.ebpf.testrun import test_run  # noqa: E402
 from qosagent.quota import datapath as dp  # noqa: E402
 from qosagent.quota.rules import baseline_buckets  # noqa: E402
-from testkit.quota_packets import ACK, ipv4, request, tcp  # noqa: E402
+from testkit.quota_packets import ACK, SYN, ipv4, request, tcp  # noqa: E402
 
 REPEAT = 200_000
 ROUNDS = 5
@@ -33,6 +33,8 @@ BY_PORT = "request start, tenant by port"
 BY_FLOW = "request start, tenant from the flow cache (CIDR or header)"
 FRONT_MISS = ("request start, flow front missed, tenant from tenant_flows "
               "(+ bench shim: rules_gen bump and a tail call)")
+UNMATCHED_SYN = "new connection of no tenant on a watched port (SYN: resolved afresh, counted unmatched)"
+MALFORMED = "malformed: the IP length past the frame (counted)"
 
 # Test runs repeat one packet, which the front then always holds. The shim makes every run a front miss that the
 # LRU answers: it bumps quota_config.rules_gen (so the front's entry is stale, while tenant_flows, cleared only by
@@ -94,6 +96,9 @@ def prog_costs() -> dict[str, float]:
             "request start, header scan (no match: whole header)": (
                 d.prog, ipv4("10.0.0.3", "10.0.0.1", tcp(40001, 8000, payload=request("/v1/completions",
                                                                                          headers)))),
+            # Counted by reason (quota_stats, then the CPU's stats generation).
+            UNMATCHED_SYN: (d.prog, ipv4("10.0.0.4", "10.0.0.1", tcp(40003, 8000, SYN))),
+            MALFORMED: (d.prog, ipv4("10.0.0.2", "10.0.0.1", tcp(40000, 8100, payload=request()), tot_len=1400)),
         }
         for fd, frame in frames.values():  # warm: the CIDR tenant's flow gets cached
             test_run(fd, frame, 10)
