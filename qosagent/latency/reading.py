@@ -5,7 +5,8 @@ What the tick makes of each tenant is kept between ticks and rebuilt only where 
 read this tick, those whose window start passed one of their checkpoints (qosagent/window.py), those with requests in
 their window (their rate is over the window's length, which moves every tick), and every one after a reload or a
 change of admission.signal. An idle tenant costs nothing per tick: the tenants and windows the parts hold are
-RowMaps, whose next version shares every block of rows no rebuilt tenant falls in."""
+RowMaps, whose next version shares the rows of its base and copies only those changed since it (one full copy once
+more than an eighth of the rows changed since it)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class Tenants:
                 self.busy.discard(t.tenant)
         if whole:
             self.tenants, self.windows = RowMap(tenants), RowMap(windows)
-        else:  # the next versions: only the blocks of the rows rebuilt are copied
+        else:  # the next versions: the rows rebuilt since their base are copied, the others shared (RowMap.replace)
             self.tenants, self.windows = self.tenants.replace(tenants), self.windows.replace(windows)
         self._everything, self._signal = False, signal
 

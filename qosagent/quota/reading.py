@@ -79,7 +79,7 @@ class Tenants:
         self.version += 1
         if everything:
             self.tenants = RowMap({t.tenant: t for t in self._built.values()})
-        else:  # the next version: only the blocks of the rows that differ are copied
+        else:  # the next version: the rows that differ since its base are copied, the others shared (RowMap.replace)
             self.tenants = self.tenants.replace(differ)
 
 
@@ -114,7 +114,8 @@ def part(r: "Reading", view: Tenants, interfaces: tuple[str, ...], pins: str, ot
          namespaces: tuple[Mapping[str, Any], ...]) -> QuotaPart:
     """The part: tenants, the unmatched traffic's counts and what passed unchecked, from r and view; where the
     classifier sits, as the capability has it. The part made last is handed on when nothing in it would differ: a
-    tick at rest copies no tenant's row, and one that changes some copies only their blocks (RowMap.replace)."""
+    tick at rest copies no tenant's row, and one that changes some copies the rows changed since the RowMap's base,
+    folding them into a new base once they are more than an eighth of the rows (RowMap.replace)."""
     if view.published is not None:
         version, last = view.published
         if version == view.version and last.rows_read == r.rows_read and last.passed == r.stats \
