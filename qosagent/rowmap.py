@@ -5,7 +5,11 @@ admission, metrics and status read while the next tick runs. Copying a dict of 1
 every row (a reference count each, and the same again when the old part goes) on every tick that changes one. A
 RowMap is a base dict that versions share and a small dict of the rows changed since it was made: `replace` makes the
 next version by copying only that small dict, and folds it into a new base once it holds more than an eighth of the
-rows (a tick that changes most of them pays one copy, as before). Iteration order is a dict's: the keys' order when
+rows (a tick that changes most of them pays one copy, as before). While the same tenants keep changing, that small
+dict is theirs: a tick moving t3 alone copies t3's row alone. With different tenants active tick to tick it grows by
+each tick's new ones, so a version copies up to max(16, n/8) of n rows, and one full copy comes every ~n/8 distinct
+rows changed: with k different tenants a tick, ~n/16 + 8k rows a tick on average (~140 for 10 of 1,000, against
+1,000 for a dict's copy; counted in tests/unit/test_rowmap.py). Iteration order is a dict's: the keys' order when
 made, a key new to it added at the end."""
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ def test_a_tick_at_rest_moves_nothing_and_a_window_draining_does() -> None:
 def test_a_tick_that_changes_one_tenant_copies_no_other_tenants_row() -> None:
     """Counted: the tenants and windows a part holds are the view's RowMaps, not copies: a tick that reads t3 puts
     t3's row and window alone into new mappings (before, each such tick copied all 100 of both into the part), while
-    the earlier versions keep what they held."""
+    the earlier versions keep what they held. It is t3 every tick: with different tenants tick to tick the rows
+    changed since the base add up (test_rowmap.py)."""
     view = Tenants(1.0)
     view.configure(TABLE, TABLE, 1.0)
     view.update(0.0, QUIET, "response")

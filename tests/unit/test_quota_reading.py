@@ -85,7 +85,8 @@ def test_a_tick_at_rest_hands_on_the_last_part_and_copies_no_tenant() -> None:
 
 def test_a_tick_that_changes_one_tenant_copies_no_other_tenants_row() -> None:
     """Counted: the part holds the view's RowMap, not a copy of it: a tick that moves t3 puts t3's row alone into a
-    new mapping (before, each such tick copied all 100 rows into the part), and the parts made before keep theirs."""
+    new mapping (before, each such tick copied all 100 rows into the part), and the parts made before keep theirs. It
+    is t3 every tick: with different tenants tick to tick the rows changed since the base add up (test_rowmap.py)."""
     view = Tenants()
     view.update(read(0.0, {tid: (0, 0, 0, 0) for tid in TABLE}), TABLE, SPECS, {}, {}, 1.0)
     parts = []

@@ -48,3 +48,40 @@ def test_the_next_version_copies_only_the_rows_changed_since_its_base() -> None:
         before = RowMap.copied
         small = small.replace({f"t{i % 10}": -i})
         assert RowMap.copied - before <= FOLD_MIN
+
+
+def test_with_different_tenants_each_tick_a_version_copies_at_most_an_eighth_and_then_folds() -> None:
+    """Counted: a tick moving one tenant copies that row alone only while the same tenants keep changing. With the
+    active tenants rotating, the rows changed since the base add up: each version copies all of them, never more than
+    max(FOLD_MIN, n/8), and the version past that folds them into a new base (one copy of the n rows); on average
+    ~n/16 + 8k rows a tick for k tenants a tick, as RowMap's docstring says. Every version reads as its dict."""
+    rnd = random.Random(8)
+    for n, k, ticks in ((1000, 10, 300), (100, 3, 200)):
+        bound = max(FOLD_MIN, n // 8)
+        want = {f"t{i}": -1 for i in range(n)}
+        m: RowMap[str, int] = RowMap(want)
+        versions = [(m, want)]
+        since_base: set[str] = set()  # the tenants changed since the last fold, as the test sees them
+        folds, total = 0, 0
+        for t in range(ticks):
+            active = [f"t{(t * k + j) % n}" for j in range(k)]  # k tenants, none of them last tick's
+            if rnd.random() < 0.3:
+                active.append(rnd.choice(sorted(since_base or {"t0"})))  # and now and then one changed before
+            changes = {name: t for name in active}
+            before = RowMap.copied
+            m = m.replace(changes)
+            copied = RowMap.copied - before
+            total += copied
+            since_base |= changes.keys()
+            if len(since_base) > bound:  # past the bound: one copy of every row, and a base with nothing changed
+                assert copied == n
+                folds, since_base = folds + 1, set()
+            else:  # the rows changed since the base, not a row more, never above the bound
+                assert copied == len(since_base) <= bound
+            want = {**want, **changes}
+            versions.append((m, want))
+        assert folds >= ticks * k // (bound + k + 1)  # a fold about every n/8 distinct rows changed
+        assert total / ticks <= n / 16 + 8 * (k + 1)  # the average the docstring gives, against n for a dict's copy
+        for m, want in versions:  # every version, folded or not, still reads as the dict it stood for when made
+            assert list(m.items()) == list(want.items()) and list(m.values()) == list(want.values())
+            assert len(m) == n and all(m[key] == v for key, v in want.items())
