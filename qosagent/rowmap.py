@@ -14,10 +14,11 @@ made, a key new to it added at the end."""
 
 from __future__ import annotations
 
-from typing import Generic, Hashable, ItemsView, Iterable, Iterator, Mapping, TypeVar, ValuesView
+from typing import Generic, Hashable, ItemsView, Iterable, Iterator, Mapping, TypeVar, ValuesView, overload
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+D = TypeVar("D")
 
 _MISSING = object()
 FOLD_MIN = 16  # rows changed since the base that never make it fold
@@ -51,6 +52,17 @@ class RowMap(Mapping[K, V], Generic[K, V]):
     def __getitem__(self, key: K) -> V:
         value = self._changed.get(key, _MISSING)
         return self._base[key] if value is _MISSING else value  # type: ignore[return-value]
+
+    @overload
+    def get(self, key: K) -> V | None: ...
+
+    @overload
+    def get(self, key: K, default: V | D) -> V | D: ...
+
+    def get(self, key: object, default: object = None) -> object:
+        """As a dict's: Mapping's would raise and catch a KeyError for every key it lacks (a tenant with no row)."""
+        value = self._changed.get(key, _MISSING)
+        return self._base.get(key, default) if value is _MISSING else value
 
     def __contains__(self, key: object) -> bool:
         return key in self._base

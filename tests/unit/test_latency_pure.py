@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import random
 import re
 import struct
 
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from qosagent.rowmap import FOLD_MIN, RowMap
 
 
@@ -23,7 +25,20 @@ def test_a_version_reads_as_the_dict_it_stands_for() -> None:
     for m, want in versions:  # every version still says what it said when made
         assert list(m) == list(want) and list(m.items()) == list(want.items())
         assert list(m.values()) == list(want.values()) and len(m) == len(want) and m == want
-        assert all(m[k] == v and k in m for k, v in want.items()) and m.get("absent") is None and "absent" not in m
+        assert all(m[k] == v and k in m and m.get(k, "default") == v for k, v in want.items())
+        assert m.get("absent") is None and m.get("absent", 7) == 7 and "absent" not in m
+
+
+def test_get_is_a_dicts_not_a_raised_keyerror(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission asks latency's rows for tenants it has none for (TenantInputs): RowMap's own get answers from its
+    dicts; Mapping's would go through __getitem__ and a KeyError for each of them."""
+    m: RowMap[str, int] = RowMap({"t1": 1, "t2": 2}).replace({"t2": 20})
+
+    def no_getitem(self: object, key: object) -> int:
+        raise AssertionError("get went through __getitem__")
+
+    monkeypatch.setattr(RowMap, "__getitem__", no_getitem)
+    assert m.get("t1") == 1 and m.get("t2") == 20 and m.get("t3") is None and m.get("t3", -1) == -1
 
 
 def test_the_next_version_copies_only_the_rows_changed_since_its_base() -> None:
