@@ -71,8 +71,11 @@ struct qos_stat_val {
 /* quota_gen (quota.c, struct qos_gen): slot s's generation at [s], s < QOS_SLOTS, bumped after each count of the slot;
  * past them the stats' generation of each CPU at [QOS_SLOTS + QOS_GEN_LINE * cpu], bumped after each count in
  * quota_stats on that CPU. One cache line per CPU (QOS_GEN_LINE generations of 8 bytes): a CPU writes only its own,
- * so a flood of unmatched or malformed packets on every CPU contends for no line, and the agent's tick at rest
- * compares them in place and skips its read of quota_stats. */
+ * so these bumps contend for no line. Only a flood of malformed or fragment packets contends for none at all: an
+ * unmatched packet (header_incomplete included, which ends unmatched) is also counted in slot 0 (count(0, ...)),
+ * whose generation at [0] every CPU bumps atomically on one shared line, and an expired-lease request is counted in
+ * its tenant's slot as every checked request is. The agent's tick at rest compares them in place and skips its read
+ * of quota_stats. */
 #define QOS_GEN_LINE 8
 
 /* quota_config[0]: written by the agent; heartbeat_ns every tick. */
