@@ -11,7 +11,9 @@ counted here.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
@@ -23,15 +25,42 @@ if TYPE_CHECKING:
 ARRAY, PERCPU_ARRAY, HASH, PERCPU_HASH = "array", "percpu_array", "hash", "percpu_hash"
 BUCKETS = "buckets"  # a hash map made BPF_F_NO_PREALLOC: its bucket array is made whole, its entries as inserted
 
+log = logging.getLogger("qosagent.ebpf")
+
+_fallback_warned = False  # a fallback from the possible-CPU file is logged once a process, not at every sizing
+_fallback_lock = threading.Lock()
+
+
+def _highest_cpu(fs: "HostFS", host_path: str) -> int | None:
+    try:
+        cpus = parse_cpulist(fs.try_read(host_path) or "")
+    except ValueError:
+        return None
+    return max(cpus) + 1 if cpus else None
+
 
 def possible_cpus(fs: "HostFS") -> int:
-    """The CPUs the kernel may ever bring up (/sys/devices/system/cpu/possible): per-CPU maps hold one copy each."""
-    text = fs.try_read("/sys/devices/system/cpu/possible")
-    try:
-        cpus = parse_cpulist(text or "")
-    except ValueError:
-        cpus = frozenset()
-    return max(cpus) + 1 if cpus else os.cpu_count() or 1
+    """The CPUs the kernel may ever bring up (/sys/devices/system/cpu/possible): per-CPU maps hold one copy each, and
+    quota's stats generations (quota_gen) one line each.
+
+    Unreadable, the highest present CPU + 1 stands in, else os.cpu_count() (online CPUs): both may be fewer than the
+    possible ones, and a CPU numbered past them then shares a generation line with a lower one (`cpu % count`), so
+    the fallback is logged, once."""
+    n = _highest_cpu(fs, "/sys/devices/system/cpu/possible")
+    if n is not None:
+        return n
+    n = _highest_cpu(fs, "/sys/devices/system/cpu/present")
+    source = "the highest present CPU + 1"
+    if n is None:
+        n, source = os.cpu_count() or 1, "the online CPU count"
+    global _fallback_warned
+    with _fallback_lock:
+        warn, _fallback_warned = not _fallback_warned, True
+    if warn:
+        log.warning("%s unreadable: sizing per-CPU maps and quota's stats generations for %d CPUs (%s); a CPU "
+                    "numbered past them shares a generation line with a lower one",
+                    fs.path("/sys/devices/system/cpu/possible"), n, source)
+    return n
 
 
 def _r8(n: int) -> int:

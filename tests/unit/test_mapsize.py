@@ -3,7 +3,10 @@ CPU count rather than from the CPU count alone."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from qosagent.config import parse
 from qosagent.ebpf import mapsize
@@ -17,6 +20,41 @@ def test_possible_cpus_from_sysfs(tmp_path: Path) -> None:
     assert mapsize.possible_cpus(HostFS(str(tmp_path))) == 384
     (tmp_path / "sys/devices/system/cpu/possible").write_text("0\n")
     assert mapsize.possible_cpus(HostFS(str(tmp_path))) == 1
+
+
+def test_possible_cpus_fallback_is_present_then_online_and_warned_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Online CPUs 0-3 but CPUs up to 7 present: the online count would fold CPUs 4-7 onto 0-3's generation lines.
+    monkeypatch.setattr(mapsize, "_fallback_warned", False)
+    monkeypatch.setattr(mapsize.os, "cpu_count", lambda: 4)
+    cpu = tmp_path / "sys/devices/system/cpu"
+    cpu.mkdir(parents=True)
+    (cpu / "present").write_text("0-3,6-7\n")
+    (cpu / "possible").write_text("garbage\n")
+    fs = HostFS(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="qosagent.ebpf"):
+        assert mapsize.possible_cpus(fs) == 8
+        assert mapsize.possible_cpus(fs) == 8
+        (cpu / "present").unlink()
+        assert mapsize.possible_cpus(fs) == 4
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "possible unreadable" in warnings[0].getMessage()
+    assert "8 CPUs (the highest present CPU + 1)" in warnings[0].getMessage()
+    # Readable again: the file, and no further warning.
+    (cpu / "possible").write_text("0-15\n")
+    with caplog.at_level(logging.WARNING, logger="qosagent.ebpf"):
+        assert mapsize.possible_cpus(fs) == 16
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_possible_cpus_fallback_to_online_count_warns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(mapsize, "_fallback_warned", False)
+    monkeypatch.setattr(mapsize.os, "cpu_count", lambda: 3)
+    with caplog.at_level(logging.WARNING, logger="qosagent.ebpf"):
+        assert mapsize.possible_cpus(HostFS(str(tmp_path))) == 3
+    assert [r.getMessage() for r in caplog.records if "the online CPU count" in r.getMessage()]
 
 
 def test_per_entry_costs_as_the_kernel_accounts_them() -> None:
