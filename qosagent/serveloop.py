@@ -11,16 +11,24 @@ import threading
 
 
 class ServeLoop:
-    """server's requests handled as they come, in a thread named name, until stop()."""
+    """server's requests handled as they come, in a thread named name, until stop(). One run: once stopped, it
+    does not serve again (a server to serve again takes a new ServeLoop)."""
 
     def __init__(self, server: socketserver.BaseServer, name: str):
         self.server = server
         self._stopping = False
         self._wake: tuple[int, int] | None = os.pipe()  # stop() writes it: the wait ends at once
+        self._lock = threading.Lock()  # orders start() and stop(), and one stop() against another
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        """Serve from now on; RuntimeError after stop(), whose pipe is gone (the thread would die at once while the
+        caller believed it served)."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"{self.thread.name}: start() after stop(); a stopped ServeLoop does not serve "
+                                   "again")
+            self.thread.start()
 
     def _serve(self) -> None:
         assert self._wake is not None
@@ -36,13 +44,15 @@ class ServeLoop:
 
     def stop(self) -> None:
         """End the loop and wait for it; safe before start() and twice. The server's socket stays the caller's to
-        close (server_close)."""
-        self._stopping = True
-        if self._wake is None:
-            return
-        os.write(self._wake[1], b"\0")
-        if self.thread.is_alive():
-            self.thread.join()
-        for fd in self._wake:
-            os.close(fd)
-        self._wake = None
+        close (server_close). Under the lock: a second stop() meanwhile waits for the first and finds nothing to do,
+        rather than closing the pipe's fds twice (by then, maybe fds someone else opened)."""
+        with self._lock:
+            self._stopping = True
+            if self._wake is None:
+                return
+            os.write(self._wake[1], b"\0")
+            if self.thread.is_alive():
+                self.thread.join()  # the loop takes no lock: it ends holding none
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
