@@ -149,6 +149,107 @@ def test_a_tick_whose_parts_are_the_last_ones_builds_no_new_input(monkeypatch: p
     assert built == [0, 3] and cap.state.breach_streak["gold"] == 0
 
 
+def counted_decide(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """policy.decide as the capability calls it, counting each call by its tick's time."""
+    from qosagent.admission import policy
+
+    calls: list[float] = []
+    real = policy.decide
+    monkeypatch.setattr(policy, "decide", lambda inp, *a: calls.append(inp.now) or real(inp, *a))
+    return calls
+
+
+def handed_on(cap: Admission, parts: dict[str, Any], ticks: int, start: int) -> list[Any]:
+    """ticks ticks whose parts are `parts`, the same objects each tick (as the agent hands them on at rest)."""
+    out = []
+    for i in range(start, start + ticks):
+        d = cap.decide(Snapshot.build(i, 100.0 + i * 0.1, 1.7e9 + i * 0.1, parts))
+        cap.apply(d)
+        out.append((d, cap.settled(cap.collect())))
+    return out
+
+
+def test_a_tick_at_rest_decides_nothing_again_and_shows_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted: parts handed on, nobody cut or shed, no streak or GPU pressure: decide runs once; the part shows what
+    deciding every tick would (the healthy streak one more a tick). A part that moves is decided on."""
+    calls = counted_decide(monkeypatch)
+    cap = capability("dry-run")
+    parts = dict(snapshot(0, gold_ms=50).parts)
+    ticks = handed_on(cap, parts, 5, 0)
+    assert len(calls) == 1 and [d for d, _ in ticks] == [[]] * 5
+    assert [p.healthy_streak for _, p in ticks] == [1, 2, 3, 4, 5] and cap.state.ticks_since_cut == (1 << 30) + 5
+    assert export.status(ticks[-1][1])["healthy_streak"] == 5
+    parts["latency"] = snapshot(5, gold_ms=60).parts["latency"]  # a moved input
+    handed_on(cap, parts, 2, 5)
+    assert len(calls) == 2
+    parts["gpu"] = gpu_at(0.5)  # another part that moved: decided on; then at rest again
+    handed_on(cap, parts, 3, 7)
+    assert len(calls) == 3 and cap.settled(cap.collect()).healthy_streak == 10
+
+
+def test_an_override_in_force_or_a_streak_or_pressure_decides_every_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted: while something a tick moves is there (a breach streak, a tenant cut whose recovery waits on its
+    cooldown, a shed tier whose escalation or release waits), decide runs each tick although the parts are handed
+    on, and what it decides when the wait is over (the raise, the restore) is decided."""
+    calls = counted_decide(monkeypatch)
+    cap = capability("enforce", FakeLimits())
+    breach = dict(snapshot(0, gold_ms=200).parts)
+    assert [d.action for d, _ in handed_on(cap, breach, 4, 0) for d in d] == ["cut"] and len(calls) == 4
+    ok = dict(snapshot(4, gold_ms=50).parts)
+    ticks = handed_on(cap, ok, 150, 4)  # the cut's cooldown (5 s), then a raise every 10 healthy ticks to baseline
+    actions = [d.action for d, _ in ticks for d in d]
+    assert actions[-1] == "restore" and "raise" in actions
+    restored = next(i for i, (d, _) in enumerate(ticks) if d and d[0].action == "restore")
+    assert len(calls) == 4 + restored + 1  # every tick up to the restore, none after it
+    gpu = dict(ok, gpu=gpu_at(0.5))
+    handed_on(cap, gpu, 1, 154)
+    shed = dict(gpu, gpu=gpu_at(0.95))  # grown past enter: bronze shed; the escalation timer runs each tick
+    n = len(calls)
+    assert [d.action for d, _ in handed_on(cap, shed, 20, 155) for d in d] == ["shed"]
+    assert len(calls) == n + 20
+
+
+def test_ticks_at_rest_decide_as_deciding_every_tick_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same trace (breach, cut, recovery and restore, GPU shedding and its release, server pressure, each phase's
+    parts handed on) through a capability that skips ticks at rest and one made to decide every tick: the same
+    decisions, states and published parts, tick by tick."""
+    from qosagent.admission import policy
+
+    real = policy.at_rest
+    skipping = capability("enforce", FakeLimits())
+    always = capability("enforce", FakeLimits())
+    phases = [
+        (dict(snapshot(0, gold_ms=50).parts), 30),
+        (dict(snapshot(0, gold_ms=200).parts), 25),
+        (dict(snapshot(0, gold_ms=50).parts), 200),
+        (dict(snapshot(0, gold_ms=50, gpu=gpu_at(0.5)).parts), 5),
+        (dict(snapshot(0, gold_ms=50, gpu=gpu_at(0.95)).parts), 80),
+        (dict(snapshot(0, gold_ms=50, gpu=gpu_at(0.5)).parts), 30),
+        (dict(snapshot(0, gold_ms=50, gpu=gpu_at(0.92), servers=vllm_at(0.30)).parts), 30),  # ignored: counted
+        (dict(snapshot(0, gold_ms=50, servers=vllm_at(0.97)).parts), 60),
+        (dict(snapshot(0, gold_ms=50, servers=vllm_at(0.30)).parts), 150),
+        (dict(snapshot(0, gold_ms=100).parts), 30),  # healthy no more, under the SLO: no streak
+    ]
+    rested = 0
+    i = 0
+    for parts, n in phases:
+        for _ in range(n):
+            snap = Snapshot.build(i, 100.0 + i * 0.1, 1.7e9 + i * 0.1, parts)
+            monkeypatch.setattr(policy, "at_rest", real)
+            got = skipping.decide(snap)
+            skipping.apply(got)
+            rested += skipping._rested_from is not None
+            monkeypatch.setattr(policy, "at_rest", lambda *a: False)
+            want = always.decide(snap)
+            always.apply(want)
+            assert got == want and skipping.state == always.state, i
+            assert skipping.settled(skipping.collect()) == always.settled(always.collect()), i
+            i += 1
+    actions = {d[1] for d in always.counts}
+    assert {"cut", "raise", "restore", "shed", "unshed"} <= actions and always.ignored == {(0, "server"): 30}
+    assert rested > 100  # of 640 ticks; the others: a limit in force, a shed, a streak, a moved part
+
+
 def test_dry_run_computes_and_reports_but_writes_nothing() -> None:
     w = FakeLimits()
     cap = capability("dry-run", w)

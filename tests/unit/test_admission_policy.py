@@ -555,3 +555,85 @@ def test_a_tick_at_rest_asks_for_no_idle_tenant() -> None:
         assert asked <= cut
         raised |= {c.tenant for c in out.changes}
     assert raised == cut
+
+
+def test_at_rest_holds_only_where_deciding_again_gives_the_rested_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random traces (latency, GPU memory, servers): after each tick, the same input again at a later time (a tick
+    at rest, seconds or hours on: every cooldown and window over) is decided by decide exactly as rested has it
+    wherever at_rest says so; and at_rest says so on many of them."""
+    seen: list[P.TickInput] = []
+    real = P.decide
+    monkeypatch.setattr(P, "decide", lambda inp, *a: seen.append(inp) or real(inp, *a))
+    rng = random.Random(25)
+    held = checked = 0
+    for policy in (cfg(), cfg(breach_ticks=1, healthy_ticks=1),
+                   cfg(gpu_pressure={"trigger": "level", "escalate_after": "1s"})):
+        loop = Loop(policy)
+        for _ in range(300):
+            observed = rng.choice(({}, {}, {}, gold_over(0.95), gold_over(1.5), {"bronze": SLO["bronze"] * 2}))
+            ratio = rng.choice((None, 0.5, 0.88, 0.95))
+            gpu = P.GpuInput((P.GpuReading(0, ratio, rng.choice((P.MEMORY_EVIDENCE, P.SERVER_EVIDENCE))),))
+            servers = (P.ServerInput(8000, "vllm", True, rng.choice((None, 0.5, 0.9, 0.97)),
+                                     rng.choice((None, 0, 10, 20))),) if rng.random() < 0.3 else ()
+            for _ in range(rng.choice((1, 3, 15, 80))):  # the same input a few ticks on, as at rest
+                out = loop.tick(observed, gpu, servers)
+            inp = seen[-1]
+            for dt in (TICK, 30.0, 1e5):
+                later = P.TickInput(inp.now + dt, inp.tiers, inp.tenants, inp.gpu, inp.runqueue_p99, inp.servers,
+                                    inp.window_s, inp.cpu_held)
+                if P.at_rest(later, inp, policy, out):
+                    held += 1
+                    assert real(later, policy, out.state) == P.rested(out, later)
+                checked += 1
+    assert held > 100, (held, checked)  # 168 of 2,700 with this seed
+
+
+def test_at_rest_is_false_while_a_tick_or_the_clock_could_move_something() -> None:
+    """Each thing a tick at rest must not have, alone: a tenant limited or shed, an escalation the window resets, a
+    breach streak, GPU pressure, a server's queue streak; and a moved input."""
+    loop = Loop(cfg(), sheddable=frozenset())
+    gpu = P.GpuInput((P.GpuReading(0, 0.5, P.MEMORY_EVIDENCE),))
+    seen: list[P.Outcome] = []
+    for _ in range(3):
+        seen.append(loop.tick({}, gpu))
+    out = seen[-1]
+
+    def inp(now: float, **kw: Any) -> P.TickInput:
+        tiers = {t: P.TierInput(t, WEIGHT[t], slo.tier(SLO[t] * 0.5, SLO[t], 0.8, 0.9)) for t in SLO}
+        tenants = {n: P.TenantInput(n, t, TenantLimit(200, 20), admitted_rps=150.0) for n, t in TENANT_TIER.items()}
+        return P.TickInput(now, kw.get("tiers", tiers), tenants, kw.get("gpu", gpu))
+
+    base = inp(loop.now)
+    out = P.decide(base, loop.policy, out.state)
+    later = P.TickInput(base.now + 60, base.tiers, base.tenants, base.gpu)
+    assert P.at_rest(later, base, loop.policy, out)
+    assert P.decide(later, loop.policy, out.state) == P.rested(out, later)
+    s = out.state
+    cases = {
+        "limited": P.TenantState(limit=TenantLimit(50, 5), last_cut=base.now - 100),
+        "shed": P.TenantState(shed=True, shed_to=TenantLimit(0, 0)),
+    }
+    for why, ts in cases.items():
+        st = P.replace(s, tenants={"hobby": ts}, healthy_streak=20)
+        assert not P.at_rest(later, base, loop.policy, P.replace(out, state=st)), why
+        assert P.decide(later, loop.policy, st).changes, why  # the raise or unshed a skip would lose
+    st = P.replace(s, escalation=2, last_change=base.now - 100, healthy_streak=20)
+    assert not P.at_rest(later, base, loop.policy, P.replace(out, state=st))
+    assert P.decide(later, loop.policy, st).state.escalation == 0
+    st = P.replace(s, breach_streak={**s.breach_streak, "gold": 1})
+    assert not P.at_rest(later, base, loop.policy, P.replace(out, state=st))
+    st = P.replace(s, gpu_pressure=True)
+    assert not P.at_rest(later, base, loop.policy, P.replace(out, state=st))
+    assert P.decide(later, loop.policy, st).state.gpu_pressure is False  # memory is below exit: released
+    assert not P.at_rest(later, base, loop.policy, P.replace(out, state=P.replace(s, shed_tiers=1)))
+    srv = (P.ServerInput(8000, "vllm", True, None, 20),)
+    with_srv = P.TickInput(base.now, base.tiers, base.tenants, base.gpu, servers=srv)
+    o = P.decide(with_srv, loop.policy, out.state)
+    assert o.state.servers[8000].queue_streak == 1
+    assert not P.at_rest(P.TickInput(later.now, base.tiers, base.tenants, base.gpu, servers=srv), with_srv,
+                         loop.policy, o)
+    moved = P.TickInput(later.now, base.tiers, base.tenants, P.GpuInput((P.GpuReading(0, 0.95, P.MEMORY_EVIDENCE),)))
+    assert not P.at_rest(moved, base, loop.policy, out)
+    assert P.decide(moved, loop.policy, out.state).state.gpu_pressure  # grown past enter
+    moved = P.TickInput(later.now, inp(0).tiers, base.tenants, base.gpu)  # equal tiers, but not the same: decided
+    assert not P.at_rest(moved, base, loop.policy, out)
