@@ -77,9 +77,6 @@ class Admission(Capability):
         self._tier_slo: dict[str, float] = {}  # the SLO of each tier with tenants (slo.tier_slos), per config
         # The last input, and what it was made of: (config, baseline, the parts it read).
         self._input: tuple[tuple[Any, Any, tuple[Any, ...]], policy.TickInput] | None = None
-        self._rested_from: policy.Outcome | None = None  # the outcome this tick's was rested from (policy.rested)
-        self._reported: tuple[Any, policy.Outcome | None, bool] = (None, None, False)  # _published's cfg, outcome,
-        # and whether it was enforcing
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:
@@ -148,23 +145,14 @@ class Admission(Capability):
             self._tier_slo = tier_slos(cfg)
         # The parts it reads handed on from the tick before (a tick at rest: latency's and quota's are the same
         # objects), the same input at this tick's time.
-        # And where its state moves nothing either (policy.at_rest: nothing cut, shed, pressed, in breach or
-        # escalated), decide's outcome is the last one a tick on (policy.rested), without deciding it again.
         made = (cfg, self.baseline, tuple(snapshot.part(k) for k in INPUT_PARTS))
         last = self._input
-        out = prev = None
         if last is not None and last[0][0] is cfg and last[0][1] is self.baseline and same_parts(last[0][2], made[2]):
             inp = dataclasses.replace(last[1], now=snapshot.monotonic)
-            prev = self.outcome
-            # _input is the input self.outcome was decided on (both are set only once decide has returned).
-            if prev is not None and prev.state is self.state and policy.at_rest(inp, last[1], cfg.admission, prev):
-                out = policy.rested(prev, inp)
         else:
             inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
-        self._rested_from = prev if out is not None else None
-        if out is None:
-            out = policy.decide(inp, cfg.admission, self.state)
         self._input = (made, inp)
+        out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state
         self.outcome = out
         for v in out.gpus:
@@ -217,14 +205,6 @@ class Admission(Capability):
         if out is None:
             return AdmissionPart(**common)  # type: ignore[arg-type]
         state = out.state
-        last, (was_cfg, was_out, was_enforcing) = self._published, self._reported
-        if (last is not None and self._rested_from is not None and was_out is self._rested_from and was_cfg is cfg
-                and was_enforcing == common["enforcing"]):
-            # A tick at rest: of what the outcome shows, only the healthy streak moved (policy.rested).
-            self._reported = (cfg, out, common["enforcing"])
-            return dataclasses.replace(last, healthy_streak=state.healthy_streak, gpu_ignored=dict(self.ignored),
-                                       **common)
-        self._reported = (cfg, out, common["enforcing"])
         gpu = _gpu_line(out, dry_run=not self._enforcing())
         # Only the tenants cut or shed are built anew; the rest are at rest, as reported since the config came.
         moved = {}

@@ -327,42 +327,6 @@ def decide(inp: TickInput, policy: AdmissionConfig, prev: LoopState) -> Outcome:
     return d.outcome()
 
 
-def at_rest(inp: TickInput, last: TickInput, policy: AdmissionConfig, prev: Outcome) -> bool:
-    """Whether decide(inp, policy, prev.state) would decide nothing and move nothing but the two counters a tick
-    advances (rested gives that outcome), where prev is what decide gave for `last` under the same policy: `inp` is
-    `last` at a later time, no tenant is cut or shed, no escalation, breach streak or server state that a tick moves,
-    no GPU pressure nor memory over `enter`. Every clock and cooldown decide reads (window, cooldown, cut_every,
-    escalate_after) is read only where one of those holds, so nothing here depends on the time. Any doubt: False."""
-    s = prev.state
-    if not (inp.tiers is last.tiers and inp.tenants is last.tenants and inp.gpu is last.gpu
-            and inp.servers is last.servers and inp.runqueue_p99 == last.runqueue_p99
-            and inp.window_s == last.window_s and inp.cpu_held == last.cpu_held):
-        return False
-    if s.escalation or s.gpu_pressure or s.shed_tiers or prev.run_pre_cleanup:
-        return False
-    if any(t.limit is not None or t.shed for t in s.tenants.values()):
-        return False
-    if any(n for n in s.breach_streak.values()) or any(v.in_breach or v.breach_streak for v in prev.tiers.values()):
-        return False
-    if s.breach_streak.keys() != prev.tiers.keys() or prev.tiers.keys() != inp.tiers.keys():
-        return False
-    if prev.part.in_breach or prev.part.server_pressure or prev.part.held_for_cpu:
-        return False
-    if any(st.pressed or st.queue_streak for st in s.servers.values()) or _servers(inp, policy, s) != s.servers:
-        return False
-    best = prev.gpu
-    return best is None or best.ratio is None or best.ratio <= policy.gpu_pressure.enter
-
-
-def rested(prev: Outcome, inp: TickInput) -> Outcome:
-    """decide's outcome for a tick at_rest: prev's, with no change, the healthy streak one tick longer (or 0 while a
-    tier is not healthy) and one more tick since the last cut."""
-    healthy = all(t.verdict.healthy for t in inp.tiers.values())
-    s = prev.state
-    state = replace(s, healthy_streak=s.healthy_streak + 1 if healthy else 0, ticks_since_cut=s.ticks_since_cut + 1)
-    return replace(prev, state=state, changes=(), run_pre_cleanup=False)
-
-
 class _Tick:
     """The working state of one decide() call: built from its arguments, dropped when it returns (decide stays pure).
     Each step reads and moves the clocks and streaks the LoopState carries from tick to tick."""
