@@ -26,6 +26,20 @@ def test_outcomes_and_the_failure_text_with_its_continuation_lines() -> None:
     assert failures == {B: "AssertionError: quota unavailable: verifier said EACCES\n  at quota_header"}
 
 
+def test_a_guest_killed_in_its_summary_keeps_the_kernels_and_hosts_lines_out_of_the_failure_text() -> None:
+    cut = OUTPUT[:OUTPUT.index("=" * 24 + " 1 failed")]  # no closing "=" line: the guest died in the summary
+    killed = (cut + "".join(runner._kmsg_lines(["[ 99.1] watchdog: BUG: soft lockup - CPU#1 stuck for 26s!"]))
+              + f"{runner.HOST_MARK}load average 2.00 at start, 9.00 8.00 7.00 at end\n")
+    assert outcomes_of(killed)[1] == {B: "AssertionError: quota unavailable: verifier said EACCES\n  at quota_header"}
+
+
+def test_a_storm_of_kernel_reports_keeps_its_first_and_last_lines() -> None:
+    lines = runner._kmsg_lines([f"line {i}" for i in range(1000)])
+    assert len(lines) == runner.KMSG_HEAD + 1 + runner.KMSG_TAIL
+    assert lines[0] == f"{runner.KMSG_MARK}line 0\n" and lines[-1] == f"{runner.KMSG_MARK}line 999\n"
+    assert f"({1000 - runner.KMSG_HEAD - runner.KMSG_TAIL} lines left out)" in lines[runner.KMSG_HEAD]
+
+
 def test_exactly_the_known_failure_with_its_text_passes() -> None:
     assert judge(*outcomes_of(OUTPUT), KNOWN_B) == []
 

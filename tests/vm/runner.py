@@ -40,6 +40,7 @@ UP_MARK = "qosagent-vm: up"
 # 255) or locks up says why. virtme-ng's own console is quiet and goes to /dev/null.
 KMSG_LEVEL = 5
 KMSG_MARK = "qosagent-kmsg: "
+KMSG_HEAD, KMSG_TAIL = 60, 100  # the first report and the last ones (a panic's trace is ~60 lines)
 HOST_MARK = "qosagent-host: "
 NICE = 15  # the host's CPUs are shared: the VM yields to everything else
 # The guest's first line: its uptime when its command starts. The rest mounts what a systemd host would have.
@@ -252,8 +253,8 @@ def _boot(script: str, kernel: str, accel: str, cpus: int, memory: str, timeout:
         lines: list[str] = []
         up: list[float] = []
         failed = threading.Event()
-        t0 = time.monotonic()
         load, cpu_before = os.getloadavg(), _cpu_seen()
+        t0 = time.monotonic()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=env, text=True, errors="replace", start_new_session=True, cwd=REPO)
 
@@ -308,28 +309,41 @@ def _kmsg(path: Path) -> list[str]:
         text = path.read_text(errors="replace")
     except OSError:
         return []
-    return [f"{KMSG_MARK}{line}\n" for line in text.replace("\r", "").splitlines() if line.strip()]
+    return _kmsg_lines(text.replace("\r", "").splitlines())
 
 
-def _cpu_seen() -> dict[tuple[int, float], tuple[float, str, int]]:
-    """Every host process's CPU seconds so far, by (pid, start time), with its command and nice."""
+def _kmsg_lines(text: list[str]) -> list[str]:
+    """The kernel's lines as the output carries them: marked, at most the first KMSG_HEAD and the last KMSG_TAIL."""
+    lines = [line for line in text if line.strip()]
+    if len(lines) > KMSG_HEAD + KMSG_TAIL:  # a storm of stall reports would push the guest's own end out of a tail
+        lines = lines[:KMSG_HEAD] + [f"({len(lines) - KMSG_HEAD - KMSG_TAIL} lines left out)"] + lines[-KMSG_TAIL:]
+    return [f"{KMSG_MARK}{line}\n" for line in lines]
+
+
+def _cpu_seen() -> dict[tuple[int, float], tuple[float, str, int | None]]:
+    """Every host process's CPU seconds so far, by (pid, start time), with what names it (its executable and first
+    argument, no more: other arguments may hold a secret) and its nice; empty where the scan fails (a diagnostic
+    never costs the run its result)."""
     out = {}
-    for p in psutil.process_iter(["pid", "nice", "cpu_times", "create_time", "cmdline", "name"]):
-        i, t = p.info, p.info["cpu_times"]
-        if t is not None:
-            cmd = " ".join(" ".join(i["cmdline"] or [i["name"] or "?"]).split())
-            out[(i["pid"], i["create_time"] or 0.0)] = (t.user + t.system, cmd[:160], i["nice"])
+    try:
+        for p in psutil.process_iter(["pid", "nice", "cpu_times", "create_time", "cmdline", "name"]):
+            i, t = p.info, p.info["cpu_times"]
+            if t is not None:
+                words = " ".join(i["cmdline"] or [i["name"] or "?"]).split()
+                out[(i["pid"], i["create_time"] or 0.0)] = (t.user + t.system, " ".join(words[:2])[:100], i["nice"])
+    except (psutil.Error, OSError):
+        return {}
     return out
 
 
-def _host(load: tuple[float, float, float], before: dict[tuple[int, float], tuple[float, str, int]],
+def _host(load: tuple[float, float, float], before: dict[tuple[int, float], tuple[float, str, int | None]],
           wall: float) -> list[str]:
     """The host's load over the run and the processes that took most CPU meanwhile, marked: QEMU runs niced, so a
     guest that crawled or timed out may have been starved by something else on the host (one an earlier test left)."""
     after = os.getloadavg()
     out = [f"{HOST_MARK}load average {load[0]:.2f} at start, {after[0]:.2f} {after[1]:.2f} {after[2]:.2f} at end\n"]
     used = sorted(((cpu - before.get(k, (0.0,))[0], cmd, nice) for k, (cpu, cmd, nice) in _cpu_seen().items()),
-                  reverse=True)
+                  key=lambda u: u[0], reverse=True)
     for cpu, cmd, nice in used[:5]:
         out.append(f"{HOST_MARK}{cpu / max(wall, 1.0):.0%} of a CPU, nice {nice}: {cmd}\n")
     return out

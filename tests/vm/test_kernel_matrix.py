@@ -130,7 +130,7 @@ def outcomes_of(output: str) -> tuple[dict[str, str], dict[str, str]]:
         if m:
             current = m.group(2)
             failures[current] = failures.get(current, "") + (m.group(3) or "")
-        elif line.startswith("=") or line.startswith("qosagent-vm:"):
+        elif line.startswith(("=", "qosagent-vm:", runner.KMSG_MARK, runner.HOST_MARK)):
             current = None
         elif current is not None:
             failures[current] += "\n" + line
