@@ -197,7 +197,16 @@ def test_per_tenant_latency_matches_the_client(agent: AgentProc, servers: None) 
     client_ms = {t: {k: [round(v * 1e3, 1) for v in sorted(vs)] for k, vs in by.items()} for t, by in kinds.items()}
     print("latency_quantiles " + json.dumps({"delay": DELAY, "compared": compared, "client_ms": client_ms}))
     for tenant, kind, key, got, truth in compared:
-        if key != "p50" and DELAY > 1:
+        if DELAY == 1:
+            # Natively the p99 of 30 requests is the slowest one and the p95 the next, and on a loaded 2-CPU host the
+            # client itself can be held off a CPU for a few ms after the server's last write, which no server-side
+            # clock sees (CI, 2026-12-02: acme's slowest, 26.9 ms at the client, the rest 20.8-22.0; the agent's p99
+            # 21.9 ms). So the agent may match the client's quantile with its slowest request or without it, at 10 %.
+            values = kinds[tenant][kind]
+            without = exact_quantile(sorted(values)[:-1], float(key[1:]) / 100)
+            assert min(truth, without) * 0.90 <= got <= truth * 1.10, (tenant, kind, key, got, truth, without)
+            continue
+        if key != "p50":
             # Under emulation the p95 and p99 of 30 requests are the two slowest, and a stall of the emulated
             # client sets them where no server-side clock can see: the agent is below the client by up to one such
             # stall (and its bucket's width), above it by no more than the 10 % of native runs.
