@@ -215,6 +215,14 @@ class Capability:
     def apply(self, decisions: list[Decision]) -> None:
         """Write what was decided (nothing in dry-run)."""
 
+    def at_rest(self) -> bool:
+        """After this tick's decide and apply: whether the tick found nothing new that a decision reads (no
+        request timed, no tenant's count moved) and left nothing pending (no limit held, no streak building), so that
+        what it decides next waits on new inputs alone and a slower loop (config rest_interval) would move no
+        decision but in time.
+        A capability that cannot say keeps the loop at `interval`."""
+        return False
+
     def settled(self, part: Any) -> Any:
         """This tick's part as published once decide and apply have run, for metrics and status: the collected
         one, unless the part reports the capability's own decision, which then shows what the audit shows."""

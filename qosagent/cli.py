@@ -149,9 +149,10 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
         if health is not None:
             log.info("health on http://%s:%s/healthz and /readyz", *health.address[:2])
     watchdog_us = os.environ.get("WATCHDOG_USEC", "")
-    if watchdog_us.isdigit() and 3 * cfg.interval * 1e6 > int(watchdog_us):
+    tick = max(cfg.interval, cfg.rest_interval)  # at rest the loop ticks every rest_interval
+    if watchdog_us.isdigit() and 3 * tick * 1e6 > int(watchdog_us):
         # The loop pings once per tick: a unit's WatchdogSec shorter than three ticks would kill a healthy agent.
-        sd_notify(f"WATCHDOG_USEC={int(3 * cfg.interval * 1e6)}")
+        sd_notify(f"WATCHDOG_USEC={int(3 * tick * 1e6)}")
     try:
         agent.start(settle=False)
         agent.run(notify=sd_notify)

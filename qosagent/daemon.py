@@ -27,7 +27,7 @@ from qosagent.configwatch import ConfigWatch
 from qosagent.gpu.backend import DISABLED, SAMPLE_FAILED, GpuBackend, GpuError, GpuState, NoGpu
 from qosagent.gpu.choose import make_backend
 from qosagent.hostfs import HostFS
-from qosagent.schedule import Every
+from qosagent.schedule import Every, Pace
 from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
@@ -103,6 +103,11 @@ class Agent:
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._reload = threading.Event()
+        # Rung by a stop or reload asked for, so that one waits for neither the interval nor the rest between ticks.
+        self._wake = threading.Event()
+        self.pace = Pace(cfg.interval, cfg.rest_interval)
+        self.at_rest = False  # the last tick found nothing new and left nothing pending (Capability.at_rest)
+        self.awake_by: tuple[str, ...] = ()
         self._reload_done = threading.Condition()
         self._reload_result: tuple[int, tuple[bool, str]] = (0, (True, ""))
         self.features: features_mod.Features | None = None
@@ -235,6 +240,10 @@ class Agent:
             decided.extend(decisions)
         self._recover(failed)
         self._restate()
+        # What kept this tick from being quiet, for status: the capabilities not at rest, a decision, a tick error.
+        self.awake_by = tuple(sorted({cap.name for cap in self.capabilities if not cap.at_rest()}
+                                     | ({"decisions"} if decided else set()) | self._tick_degraded))
+        self.at_rest = not self.awake_by
         self.decisions.extend(decided)
         for cap in self.capabilities:
             if cap.name not in failed:
@@ -348,13 +357,15 @@ class Agent:
     # ---- the loop ----------------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
+        self._wake.set()
 
     def request_reload(self, *_: Any) -> None:
         self._reload.set()
+        self._wake.set()
 
     def run(self, notify: Any = None) -> None:
-        """Tick until asked to stop. `notify(state)` receives READY=1 and WATCHDOG=1 for systemd."""
-        interval = self.config.interval
+        """Tick until asked to stop, every `interval`, or every `rest_interval` at rest (schedule.Pace).
+        `notify(state)` receives READY=1 and WATCHDOG=1 for systemd."""
         next_at = time.monotonic()
         self.tick()
         self.ready.set()
@@ -364,14 +375,17 @@ class Agent:
         if notify:
             notify("READY=1")
         while not self._stop.is_set():
-            next_at += interval
+            next_at += self.pace.after(self.latest.monotonic, self.at_rest)
             delay = next_at - time.monotonic()
             if delay < 0:
                 # Overran: skip the missed ticks rather than bursting to catch up.
                 self.stats.tick_overruns += 1
                 next_at = time.monotonic()
-            elif self._stop.wait(delay):
-                break
+            elif self._wake.wait(delay):
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                next_at = time.monotonic()  # a reload asked for: now, and the ticks after it paced from here
             if self._settle_pending:
                 # A tick after ready, not at once: its collection holds the interpreter for ~20 ms, which the
                 # first readiness checks (the status socket, /readyz) would otherwise wait for.
@@ -382,7 +396,7 @@ class Agent:
             if self._reload.is_set():
                 self._reload.clear()
                 result = self.reload()
-                interval = self.config.interval
+                self.pace.again(self.config.interval, self.config.rest_interval)
                 with self._reload_done:
                     self._reload_result = (self._reload_result[0] + 1, result)
                     self._reload_done.notify_all()
@@ -407,6 +421,7 @@ class Agent:
         with self._reload_done:
             seen = self._reload_result[0]
             self._reload.set()
+            self._wake.set()
             if not self._reload_done.wait_for(lambda: self._reload_result[0] != seen, timeout):
                 return False, "the control loop did not answer in time"
             return self._reload_result[1]
@@ -425,12 +440,15 @@ class Agent:
             "time": snap.wall_time,
             "config": self.config_path or config_mod.DEFAULT_SOURCE,
             "interval_s": self.config.interval,
+            "rest_interval_s": self.config.rest_interval,
             "capabilities": {n: v.as_dict() for n, v in self.verdicts.items()},
             "self": {
                 "ticks": self.stats.ticks,
                 "tick_seconds_last": self.stats.tick_seconds_last,
                 "tick_seconds_max": self.stats.tick_seconds_max,
                 "tick_overruns": self.stats.tick_overruns,
+                "resting": self.pace.resting,
+                "awake_by": list(self.awake_by),
                 "reloads_ok": self.stats.reloads_ok,
                 "reloads_failed": self.stats.reloads_failed,
                 "last_reload_error": self.stats.last_reload_error,

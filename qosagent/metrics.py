@@ -85,6 +85,9 @@ FAMILIES: tuple[Family[_Scrape], ...] = (
            one(lambda s: s.agent.stats.tick_seconds_max)),
     Family("qosagent_tick_overruns", "counter", "Ticks that started late because one ran over interval", (),
            one(lambda s: s.agent.stats.tick_overruns)),
+    Family("qosagent_tick_resting", "gauge", "1 while the loop ticks every rest_interval, its ticks having found "
+           "nothing new and left nothing pending; 0 while it ticks every interval", (),
+           one(lambda s: int(s.agent.pace.resting))),
     Family("qosagent_collect_errors", "counter", "Failed reads of a capability's sources (maps, sysfs, NVML) by "
            "capability", ("capability",),
            lambda s: (([n], v) for n, v in sorted(s.agent.stats.collect_errors.items()))),
@@ -236,14 +239,15 @@ def scrape_body(collector: AgentCollector, accept: str | None) -> tuple[bytes, s
 
 
 def agent_health(agent: "Agent") -> tuple[bool, str]:
-    """Healthy while the loop ticks: the last tick is at most 5 intervals (and 2 s) old. Not before the first tick:
-    a start that hangs (compiling, attaching) must fail the startup probe, which is what bounds it."""
+    """Healthy while the loop ticks: the last tick is at most 5 of its periods (interval, or rest_interval at rest)
+    old, and 2 s is always allowed. Not before the first tick: a start that hangs (compiling, attaching) must fail
+    the startup probe, which is what bounds it."""
     import time
 
     if not agent.ready.is_set():
         return False, "starting"
     age = time.monotonic() - agent.latest.monotonic
-    limit = max(5 * agent.config.interval, 2.0)
+    limit = max(5 * agent.pace.period, 2.0)
     if age > limit:
         return False, f"last tick {age:.1f}s ago"
     return True, "ok"

@@ -23,3 +23,36 @@ class Every:
     def again(self) -> None:
         """Due at the next call whatever the period (a reload, hotplug: look again now)."""
         self._last = -math.inf
+
+
+class Pace:
+    """The control loop's wait between ticks: `interval` while anything moves; once the ticks have found nothing new
+    and left nothing pending for `rest` seconds in a row, `rest`, until the first tick that finds something.
+
+    At rest every capability's next decision waits on new inputs alone (Capability.at_rest), so a longer wait moves
+    no decision but in time, by at most `rest`; what a tick costs is then paid a few times a second instead of ten.
+    A `rest` no longer than `interval` never rests."""
+
+    def __init__(self, interval: float, rest: float):
+        self.interval, self.rest = interval, rest
+        self.resting = False
+        self._quiet_since: float | None = None
+
+    @property
+    def period(self) -> float:
+        return self.rest if self.resting else self.interval
+
+    def after(self, now: float, quiet: bool) -> float:
+        """The wait before the next tick, given whether the tick run at `now` was quiet."""
+        if not quiet or self.rest <= self.interval:
+            self._quiet_since, self.resting = None, False
+        elif self._quiet_since is None:
+            self._quiet_since = now
+        else:
+            self.resting = now - self._quiet_since >= self.rest
+        return self.period
+
+    def again(self, interval: float, rest: float) -> None:
+        """New periods (a reload), awake: the reload itself is news."""
+        self.interval, self.rest = interval, rest
+        self._quiet_since, self.resting = None, False

@@ -139,9 +139,11 @@ def render(status: dict[str, Any], top: int = 0, tenant: str | None = None) -> s
     left_out = len(everyone) - len([t for t in shown if t in everyone])
     status = select(status, shown)
     age = time.time() - float(status.get("time", 0))
+    resting = status.get("self", {}).get("resting")
     lines = [
         f"qosagent {status.get('version')}  config {status.get('config')}  tick {status.get('seq')} "
-        f"({age:.1f}s ago)  interval {status.get('interval_s', 0) * 1000:.0f}ms",
+        f"({age:.1f}s ago)  interval {status.get('interval_s', 0) * 1000:.0f}ms"
+        + (f", at rest {status.get('rest_interval_s', 0) * 1000:.0f}ms" if resting else ""),
         "",
         "CAPABILITY   STATE        REASON",
     ]

@@ -170,6 +170,10 @@ class Admission(Capability):
                                       shown=f"{inputs['old']} -> {inputs['new']}"))
         return decisions
 
+    def at_rest(self) -> bool:
+        out = self.outcome
+        return out is not None and not out.changes and not out.run_pre_cleanup and out.state.at_rest
+
     def apply(self, decisions: list[Decision]) -> None:
         out = self.outcome
         if out is None:

@@ -180,6 +180,17 @@ class LoopState:
     servers: Mapping[int, ServerState] = field(default_factory=dict)  # by port
     last_server_cut: float = -math.inf
 
+    @property
+    def at_rest(self) -> bool:
+        """Nothing held, shed or building toward a change: no tenant off its baseline, no tier in a breach streak,
+        no server or GPU pressed, no breach episode still counting its cuts. From here only new inputs move a
+        decision, so ticking slower delays it without changing it; the tick-counted streaks and the recovery that
+        waits on healthy ticks are all idle."""
+        return (self.shed_tiers == 0 and self.escalation == 0 and not self.gpu_pressure
+                and not any(self.breach_streak.values())
+                and not any(s.pressed or s.queue_streak for s in self.servers.values())
+                and not any(s.shed or s.limit is not None for s in self.tenants.values()))
+
 
 @dataclass(frozen=True)
 class Change:

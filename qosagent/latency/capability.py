@@ -73,6 +73,7 @@ class Latency(Capability):
         # The configured tenants' SLOs and their tiers', as of the last start or reload (SloVerdict's).
         self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
         self._published: tuple[tuple[Any, ...], LatencyPart] | None = None  # the last part, and what it was made of
+        self._rested = False  # this tick's collect handed the last part on
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
         self._threads = runq.Threads()
@@ -201,7 +202,8 @@ class Latency(Capability):
         namespaces = self._pods.followed if self._pods is not None else ()
         made = (view.version, cfg, self._slos, self._runq_names, found, unobserved, hooks, namespaces,
                 changes.rows_read)
-        if self._published is not None and self._published[0] == made:
+        self._rested = self._published is not None and self._published[0] == made
+        if self._published is not None and self._rested:
             return self._published[1]  # a tick at rest: nothing in the part would differ, no tenant's row copied
         rq = view.runqueue(self._runq_names) if self.runq else None
         slos, tier_slo = self._slos
@@ -214,6 +216,9 @@ class Latency(Capability):
                            verdict=verdict, rows_read=changes.rows_read)
         self._published = (made, part)
         return part
+
+    def at_rest(self) -> bool:
+        return self._rested
 
     def kernel_maps(self, plan: Plan) -> list[Any]:
         return datapath.map_sizes(self.ctx.config, plan)

@@ -90,6 +90,7 @@ class Quota(Capability):
         self.namespaces = NamespaceEgress(ctx)
         self.beat = Every(heartbeat_every(ctx.config.quota.heartbeat_timeout))
         self.view = reading.Tenants()  # what the tick makes of each tenant, kept between ticks
+        self._rested = False  # this tick's collect handed the last part on
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
         self.table: dict[int, TenantInfo] = {}
@@ -139,8 +140,17 @@ class Quota(Capability):
         d = self.datapath
         assert d is not None
         r = d.read_changed()
+        version = self.view.version
         self.view.update(r, self.table, self.specs, self.overrides, self.fleet, self.ctx.config.quota.heartbeat_timeout)
+        # The packets counted only by reason (passed unchecked: not on a watched port, not IP) move no tenant's row
+        # and no decision: on a host's NIC they never stop, and they do not keep the loop awake.
+        self._rested = self.view.version == version and self.view.still
         return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
+
+    def at_rest(self) -> bool:
+        # Limits held off the baseline (admission's, the fleet's) stay in force only while the heartbeat beats
+        # within quota.heartbeat_timeout: the loop keeps its pace while any is held.
+        return self._rested and not self.overrides and not self.fleet
 
     def _follow(self, starting: bool = False) -> None:
         assert self.datapath is not None

@@ -36,6 +36,12 @@ class Tenants:
         self.version = 0  # moves whenever tenants or the unmatched tenant's counts do: the part is made again
         self.published: tuple[int, QuotaPart] | None = None  # the last part made, and the version it was made at
 
+    @property
+    def still(self) -> bool:
+        """No tenant's row moves with time alone: no rate over the last second above 0, no bucket refilling, no
+        override or fleet share held."""
+        return not self._moving
+
     def counts(self, tid: int) -> tuple[int, int, int, int]:
         return self._rates.current(tid)
 

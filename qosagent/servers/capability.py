@@ -86,6 +86,11 @@ class Servers(Capability):
     def collect(self) -> ServersPart:
         return self.scraper.part()
 
+    def at_rest(self) -> bool:
+        # Its thread reads the servers on servers[].interval whatever the loop's pace; the tick only hands the
+        # latest reading on, and what a reading means for a decision is admission's to say (its own at_rest).
+        return True
+
     # ---- reporting ---------------------------------------------------------------------------------------
     def metrics(self, snapshot: Snapshot, shown: Container[str] = EVERYONE) -> Iterable[Metric]:
         part = snapshot.part(SERVERS)

@@ -31,22 +31,23 @@ COMPILER = ("libLLVM", "libclang", "libbcc")
 class Env:
     def __init__(self, lab: Lab, tmp: Path):
         self.lab, self.tmp = lab, tmp
-        self.ns = lab.netns("srv")
-        lab.veth((self.ns, "vs", "198.18.25.1/24"), (lab.netns("cli"), "vc", "198.18.25.2/24"))
+        self.ns, self.cli = lab.netns("srv"), lab.netns("cli")
+        lab.veth((self.ns, "vs", "198.18.25.1/24"), (self.cli, "vc", "198.18.25.2/24"))
         self.pin_root = f"/sys/fs/bpf/qosagent-test-{lab.tag}"
         self.socket = str(tmp / "status.sock")
         self.config = tmp / "qosagent.yaml"
         self.log = tmp / "agent.log"
         self.write()
 
-    def write(self, latency: bool = False, header_scan_bytes: int | None = None, runq: bool = False) -> None:
+    def write(self, latency: bool = False, header_scan_bytes: int | None = None, runq: bool = False,
+              window: str = "10s") -> None:
         quota: dict = {"enabled": True, "interfaces": ["vs"]}
         if header_scan_bytes is not None:
             quota["header_scan_bytes"] = header_scan_bytes
         self.config.write_text(yaml.safe_dump({
             "interval": "100ms", "state_dir": str(self.tmp), "status": {"socket": self.socket},
             "metrics": {"enabled": False}, "bpf": {"pin_root": self.pin_root},
-            "latency": {"enabled": latency, "ports": [8000], "runqueue": {"enabled": runq}},
+            "latency": {"enabled": latency, "ports": [8000], "runqueue": {"enabled": runq}, "window": window},
             "admission": {"enabled": latency},
             "quota": quota,
             "tenants": [{"name": "gold", "tier": "gold", "match": {"ports": [8000]},
@@ -254,4 +255,47 @@ def test_killed_compile_child_leaves_nothing(env: Env) -> None:
     d = quota_dir(env.pin_root)
     assert not os.path.exists(d) or os.listdir(d) == [], os.listdir(d)
     assert env.builds("latency") == [], env.builds("latency")
+    assert agent.stop() == 0
+
+
+def _resting(agent: AgentProcess, want: bool, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if agent.status()["self"]["resting"] is want:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_an_idle_agent_rests_and_the_first_request_wakes_it(env: Env) -> None:
+    """Quota, latency and admission on, no traffic: every capability says its ticks find nothing new, so the loop
+    ticks every rest_interval (500 ms); the first request ends the rest at the next tick, and the rest comes back
+    once its latency has left the window (2 s here: a window still turning over is news to admission)."""
+    env.write(latency=True, window="2s")
+    env.lab.serve(env.ns, "198.18.25.1", 8000)
+    agent = env.agent()
+    agent.launch()
+    st = agent.wait_ready()
+    assert {k: v[0] for k, v in states(st).items() if k in ("quota", "latency", "admission")} == \
+        {"quota": "active", "latency": "active", "admission": "active"}, st["capabilities"]
+    assert st["rest_interval_s"] == 0.5
+    # Settled: the first second's rates (each window's first turn) moved rows once after ready.
+    assert _resting(agent, True, 10.0), agent.output()
+    time.sleep(1.5)
+    assert _resting(agent, True, 10.0), agent.output()
+    before = agent.status()["self"]["ticks"]
+    resting = []
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        me = agent.status()["self"]
+        resting.append((me["resting"], tuple(me["awake_by"])))
+        time.sleep(0.05)
+    ticks = agent.status()["self"]["ticks"] - before
+    # At rest for 2 s: about four ticks, where the interval would have run twenty.
+    woke = [r for r in resting if r != (True, ())]
+    assert not woke and ticks <= 8, (ticks, woke)
+    load = env.lab.load(env.cli, "198.18.25.1", 8000, "198.18.25.2", threads=1, duration=0.2, requests=1)
+    assert _resting(agent, False, 5.0), "the tick after the request is awake"
+    load.communicate(timeout=30)
+    assert _resting(agent, True, 10.0), agent.status()["self"]["awake_by"]
     assert agent.stop() == 0

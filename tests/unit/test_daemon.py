@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -344,3 +345,67 @@ def test_a_decision_reads_as_its_change() -> None:
     d = Decision("admission", "acme", "shed", None, 0.0, "gpu_memory_pressure", shown="unlimited -> 0/s burst 0")
     assert d.change() == "unlimited -> 0/s burst 0" and d.as_dict()["change"] == d.change()
     assert d.as_dict()["old"] is None  # the JSON keeps the number (none: unlimited) for machines
+
+
+def _until(check: Any, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_loop_rests_while_every_capability_is_at_rest_and_a_reload_or_stop_waits_for_no_rest(scripted,
+                                                                                                  tmp_path) -> None:
+    quiet = {"a": True}
+
+    class Resting(make_cap("a")):  # type: ignore[misc, valid-type]
+        def decide(self, snapshot: Any) -> list[Decision]:
+            return []
+
+        def at_rest(self) -> bool:
+            return quiet["a"]
+
+    scripted(Resting)
+    a = agent(tmp_path, "interval: 20ms\nrest_interval: 1500ms\nlatency: {enabled: false}\n")
+    thread = AgentThread(a)
+    thread.__enter__()
+    try:
+        # Quiet from the first tick: at interval for rest_interval, then at rest.
+        assert _until(lambda: a.pace.resting, 5.0)
+        assert a.status()["self"]["resting"] is True and a.status()["rest_interval_s"] == 1.5
+        seq = a.latest.seq
+        # A reload is acted on at once, not after the rest; the loop is awake after it.
+        began = time.monotonic()
+        assert a.reload_and_wait(timeout=5.0) == (True, "reloaded")
+        assert time.monotonic() - began < 0.75 and a.latest.seq > seq and not a.pace.resting
+        # What a capability finds keeps the loop at interval.
+        quiet["a"] = False
+        ticks = a.stats.ticks
+        assert _until(lambda: a.stats.ticks >= ticks + 5, 1.0), "back at interval"
+        quiet["a"] = True
+        assert _until(lambda: a.pace.resting, 5.0)
+        began = time.monotonic()
+    finally:
+        thread.__exit__()
+    assert time.monotonic() - began < 0.75, "a stop waits for no rest"
+
+
+def test_a_tick_with_a_decision_or_a_capability_that_cannot_say_never_rests(scripted, tmp_path) -> None:
+    class Silent(make_cap("b")):  # type: ignore[misc, valid-type]
+        def decide(self, snapshot: Any) -> list[Decision]:
+            return []
+
+    class Resting(make_cap("a")):  # type: ignore[misc, valid-type]
+        def at_rest(self) -> bool:
+            return True  # but it decides something every tick (make_cap's decide)
+
+    for caps in ((Resting,), (Silent,)):
+        scripted(*caps)
+        a = agent(tmp_path, "interval: 10ms\nrest_interval: 50ms\nlatency: {enabled: false}\n")
+        a.start()
+        for _ in range(20):
+            a.tick()
+            assert not a.at_rest
+        a.stop()
