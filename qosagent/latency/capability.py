@@ -73,7 +73,7 @@ class Latency(Capability):
         # The configured tenants' SLOs and their tiers', as of the last start or reload (SloVerdict's).
         self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
         self._published: tuple[tuple[Any, ...], LatencyPart] | None = None  # the last part, and what it was made of
-        self._rested = False  # this tick's collect handed the last part on
+        self._rested = False  # this tick's collect moved no configured tenant's row or window
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
         self._threads = runq.Threads()
@@ -202,8 +202,10 @@ class Latency(Capability):
         namespaces = self._pods.followed if self._pods is not None else ()
         made = (view.version, cfg, self._slos, self._runq_names, found, unobserved, hooks, namespaces,
                 changes.rows_read)
-        self._rested = self._published is not None and self._published[0] == made
-        if self._published is not None and self._rested:
+        # What no tenant claims (the agent's own reads of a server's metrics on its API port, probes) and the run
+        # queue move no decision, and do not keep the loop awake.
+        self._rested = not view.rows_moved
+        if self._published is not None and self._published[0] == made:
             return self._published[1]  # a tick at rest: nothing in the part would differ, no tenant's row copied
         rq = view.runqueue(self._runq_names) if self.runq else None
         slos, tier_slo = self._slos

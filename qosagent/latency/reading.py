@@ -16,7 +16,7 @@ from qosagent.hist import Histogram, Since
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.model import TenantLatency
 from qosagent.rowmap import RowMap
-from qosagent.tenants import TenantInfo
+from qosagent.tenants import UNMATCHED_ID, TenantInfo
 from qosagent.window import Windows
 
 
@@ -49,6 +49,10 @@ class Tenants:
         self.counted = 0  # connections tracked and requests started, every tenant's (hooks.counted)
         self.egress_unread = 0  # sockops mode: packets the egress learner could not hand to lat_egress (Hooks)
         self.version = 0  # moves whenever tenants, windows, busy or the run queue's windows may have: a part anew
+        # The last update changed a configured tenant's row or window: what decisions read (the unmatched tenant's,
+        # requests on a watched port that no tenant claims such as the agent's own reads of a server's metrics, and
+        # the run queue's are reported only).
+        self.rows_moved = True
 
     def configure(self, current: Mapping[int, TenantInfo], known: Mapping[int, TenantInfo], window_s: float) -> None:
         """The config's tenants (current), and the names of any a reload removed (known); a new window length starts
@@ -78,6 +82,8 @@ class Tenants:
             self._built = {}
         else:
             rebuild = list(set(changes.tenants) | moved | self._windowed)
+        current = self._current
+        self.rows_moved = everything or any(tid in current and tid != UNMATCHED_ID for tid in rebuild)
         for tid in rebuild:
             info = self._current.get(tid) or self._known.get(tid) or TenantInfo(tid, f"id-{tid}", "none", 0, 0.0)
             t = self._built[tid] = tenant(info, w.current(tid), w.base(tid), elapsed)

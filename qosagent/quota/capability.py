@@ -90,7 +90,7 @@ class Quota(Capability):
         self.namespaces = NamespaceEgress(ctx)
         self.beat = Every(heartbeat_every(ctx.config.quota.heartbeat_timeout))
         self.view = reading.Tenants()  # what the tick makes of each tenant, kept between ticks
-        self._rested = False  # this tick's collect handed the last part on
+        self._rested = False  # this tick's collect moved no configured tenant's row
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
         self.table: dict[int, TenantInfo] = {}
@@ -140,11 +140,10 @@ class Quota(Capability):
         d = self.datapath
         assert d is not None
         r = d.read_changed()
-        version = self.view.version
         self.view.update(r, self.table, self.specs, self.overrides, self.fleet, self.ctx.config.quota.heartbeat_timeout)
-        # The packets counted only by reason (passed unchecked: not on a watched port, not IP) move no tenant's row
-        # and no decision: on a host's NIC they never stop, and they do not keep the loop awake.
-        self._rested = self.view.version == version and self.view.still
+        # What no tenant claims (packets counted by reason, which on a host's NIC never stop; unmatched requests on
+        # a watched port) moves no decision, and does not keep the loop awake.
+        self._rested = not self.view.rows_moved and self.view.still
         return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
 
     def at_rest(self) -> bool:

@@ -34,6 +34,10 @@ class Tenants:
         self._seen: tuple[Any, ...] | None = None
         self.tenants: RowMap[str, TenantQuota] = RowMap()  # by name; each part holds its tick's version, shared
         self.version = 0  # moves whenever tenants or the unmatched tenant's counts do: the part is made again
+        # The last update changed a configured tenant's row: what decisions read (the unmatched tenant's counts,
+        # traffic on the watched ports that no tenant claims, such as the agent's own reads of a server's metrics,
+        # are reported only).
+        self.rows_moved = True
         self.published: tuple[int, QuotaPart] | None = None  # the last part made, and the version it was made at
 
     @property
@@ -63,6 +67,7 @@ class Tenants:
             old, self._built, rebuild = self._built, {}, list(table)
         else:
             old, rebuild = self._built, list((set(r.counts) | moved | self._moving) & table.keys())
+        self.rows_moved = everything
         changed = everything or UNMATCHED_ID in r.counts or UNMATCHED_ID in moved
         differ: dict[str, TenantQuota] = {}  # the rows worked out again and not equal to those they replace
         for tid in rebuild:
@@ -80,6 +85,7 @@ class Tenants:
                 self._moving.add(tid)
             else:
                 self._moving.discard(tid)
+        self.rows_moved = self.rows_moved or bool(differ)
         if not changed:
             return
         self.version += 1

@@ -40,17 +40,22 @@ class Env:
         self.write()
 
     def write(self, latency: bool = False, header_scan_bytes: int | None = None, runq: bool = False,
-              window: str = "10s") -> None:
+              window: str = "10s", read_server: bool = False) -> None:
+        """read_server: the agent reads the server's metrics on its API port, as on a vLLM host (gold then matches by
+        its client's address, so the reads are no tenant's)."""
         quota: dict = {"enabled": True, "interfaces": ["vs"]}
         if header_scan_bytes is not None:
             quota["header_scan_bytes"] = header_scan_bytes
+        gold: dict = {"ports": [8000], "cidrs": ["198.18.25.2/32"]} if read_server else {"ports": [8000]}
+        servers = {"servers": [{"port": 8000, "metrics": "http://198.18.25.1:8000/metrics"}]} if read_server else {}
         self.config.write_text(yaml.safe_dump({
+            **servers,
             "interval": "100ms", "state_dir": str(self.tmp), "status": {"socket": self.socket},
             "metrics": {"enabled": False}, "bpf": {"pin_root": self.pin_root},
             "latency": {"enabled": latency, "ports": [8000], "runqueue": {"enabled": runq}, "window": window},
             "admission": {"enabled": latency},
             "quota": quota,
-            "tenants": [{"name": "gold", "tier": "gold", "match": {"ports": [8000]},
+            "tenants": [{"name": "gold", "tier": "gold", "match": gold,
                          "quota": {"rps": 100, "burst": 10}}],
         }))
 
@@ -268,10 +273,12 @@ def _resting(agent: AgentProcess, want: bool, timeout: float) -> bool:
 
 
 def test_an_idle_agent_rests_and_the_first_request_wakes_it(env: Env) -> None:
-    """Quota, latency and admission on, no traffic: every capability says its ticks find nothing new, so the loop
-    ticks every rest_interval (500 ms); the first request ends the rest at the next tick, and the rest comes back
-    once its latency has left the window (2 s here: a window still turning over is news to admission)."""
-    env.write(latency=True, window="2s")
+    """Quota, latency and admission on, no tenant's traffic: every capability says its ticks find nothing new, so
+    the loop ticks every rest_interval (500 ms), though the agent reads the server's metrics on its API port every
+    second (requests no tenant claims, counted by quota and timed by latency as unmatched); the first request of a
+    tenant ends the rest at the next tick, and the rest comes back once its latency has left the window (2 s here:
+    a window still turning over is news to admission)."""
+    env.write(latency=True, window="2s", read_server=True)
     env.lab.serve(env.ns, "198.18.25.1", 8000)
     agent = env.agent()
     agent.launch()
@@ -279,6 +286,7 @@ def test_an_idle_agent_rests_and_the_first_request_wakes_it(env: Env) -> None:
     assert {k: v[0] for k, v in states(st).items() if k in ("quota", "latency", "admission")} == \
         {"quota": "active", "latency": "active", "admission": "active"}, st["capabilities"]
     assert st["rest_interval_s"] == 0.5
+    assert st["servers"]["servers"][0]["port"] == 8000, st["servers"]
     # Settled: the first second's rates (each window's first turn) moved rows once after ready.
     assert _resting(agent, True, 10.0), agent.output()
     time.sleep(1.5)
@@ -294,6 +302,9 @@ def test_an_idle_agent_rests_and_the_first_request_wakes_it(env: Env) -> None:
     # At rest for 2 s: about four ticks, where the interval would have run twenty.
     woke = [r for r in resting if r != (True, ())]
     assert not woke and ticks <= 8, (ticks, woke)
+    # The agent's reads of the server went on meanwhile, and reached it as requests no tenant claims.
+    rows = {t["tenant"]: t for t in agent.status()["latency"]["tenants"]}
+    assert rows["unmatched"]["requests"] >= 2 and rows["gold"]["requests"] == 0, rows
     load = env.lab.load(env.cli, "198.18.25.1", 8000, "198.18.25.2", threads=1, duration=0.2, requests=1)
     assert _resting(agent, False, 5.0), "the tick after the request is awake"
     load.communicate(timeout=30)

@@ -7,7 +7,7 @@ from qosagent.hist import Histogram
 from qosagent.latency import bpfmaps as bm
 from qosagent.latency.reading import Tenants
 from qosagent.rowmap import RowMap
-from qosagent.tenants import TenantInfo
+from qosagent.tenants import UNMATCHED_ID, TenantInfo
 
 TABLE = {i: TenantInfo(i, f"t{i}", "silver", 0, 1.0) for i in range(1, 101)}
 QUIET = bm.Changes({}, None, 0)
@@ -58,3 +58,28 @@ def test_a_tick_that_changes_one_tenant_copies_no_other_tenants_row() -> None:
         assert view.tenants["t3"].requests == i and view.windows["t3"][1].count == i
     assert first["t3"].requests == 0 and all(view.tenants[n] is t for n, t in first.items() if n != "t3")
     assert list(view.tenants) == list(first) and "t3" in view.busy
+
+
+def test_only_a_configured_tenants_row_or_window_moving_is_news_to_a_decision() -> None:
+    """rows_moved (the capability's at_rest): the unmatched tenant's requests (the agent's own reads of a server's
+    metrics on its API port) and the run queue move the version, a new part for metrics, but no decision's input."""
+    table = {**TABLE, UNMATCHED_ID: TenantInfo(UNMATCHED_ID, "unmatched", "none", 0, 0.0)}
+    view = Tenants(1.0)
+    view.configure(table, table, 1.0)
+    view.update(0.0, QUIET, "response")
+    assert view.rows_moved  # the first: every tenant
+    moves = []
+    for i in range(1, 30):  # unmatched requests every 0.5 s, the run queue every tick
+        before = view.version
+        tenants = {UNMATCHED_ID: sent(i // 5)} if i % 5 == 0 else {}
+        view.update(i / 10, bm.Changes(tenants, {bm.RUNQ_SHARED: Histogram.of([1_000] * i)}, 1), "response")
+        moves.append((view.version != before, view.rows_moved))
+    assert all(v for v, _ in moves) and not any(m for _, m in moves)
+    view.update(3.0, bm.Changes({3: sent(1)}, None, 1), "response")
+    assert view.rows_moved
+    # t3's window holds its request: news every tick until it is empty, then quiet.
+    draining = []
+    for i in range(1, 16):
+        view.update(3.0 + i / 10, QUIET, "response")
+        draining.append(view.rows_moved)
+    assert draining[0] and not draining[-1]

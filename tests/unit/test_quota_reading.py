@@ -276,3 +276,25 @@ def test_a_tick_at_rest_reads_no_stats_and_a_counted_packet_is_read_at_the_next_
     count("unmatched", 1)
     assert d.read_changed().stats["unmatched"] == 2 and stats.reads == 5
     assert d.stats(fresh=True)["unmatched"] == 2 and stats.reads == 6
+
+
+def test_only_a_configured_tenants_row_moving_is_news_to_a_decision() -> None:
+    """rows_moved and still (the capability's at_rest): the unmatched tenant's counts and the packets counted by
+    reason make a new part for metrics but move no decision's input; a tenant's count does, and its rate draining
+    over the next second keeps it moving."""
+    view = Tenants()
+    stats = {"unmatched": 0}
+
+    def tick(t: float, counts: dict[int, tuple[int, int, int, int]], st: dict[str, int] = stats) -> bool:
+        r = read(t, counts)
+        view.update(Reading(r.ktime_ns, r.counts, st, r.limits, r.buckets, r.heartbeat_ns, r.rows_read), TABLE,
+                    SPECS, {}, {}, 1.0)
+        return view.rows_moved or not view.still
+
+    assert tick(0.0, {tid: (0, 0, 0, 0) for tid in TABLE})
+    version = view.version
+    assert not any(tick(i / 10, {UNMATCHED_ID: (i, 0, 0, 0)}, {"unmatched": i}) for i in range(1, 20))
+    assert view.version > version  # a new part each of those ticks, for the unmatched tenant's counts
+    assert tick(2.0, {BUSY: (1, 0, 0, 0)})
+    moving = [tick(2.0 + i / 10, {}) for i in range(1, 16)]
+    assert moving[0] and not moving[-1]
