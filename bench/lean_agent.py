@@ -12,7 +12,8 @@ pins (cold), stops it (a clean stop keeps what a restart may reuse), starts it a
 socket's first answer with a tick done, timed from the process's launch (asked every 20 ms); CPU times are read
 from /proc when it is ready (its children's from the kernel's count of every child it waited for: the two compile
 children, and the tools it ran, such as quota planning's `bpftool -j net show`). No
-traffic. Prints a Markdown table for docs/PERFORMANCE.md: the median over rounds of each measure, and after/before.
+tenant's traffic; with `--read-server`, an idle vLLM-like server on the watched port whose metrics the agent reads
+every second there, as on a real inference host (requests no tenant claims). Prints a Markdown table for docs/PERFORMANCE.md: the median over rounds of each measure, and after/before.
 """
 
 from __future__ import annotations
@@ -160,25 +161,53 @@ def import_floor(checkout: str) -> float:
     return time.monotonic() - t0
 
 
-def one(checkout: str, idle: float) -> dict[str, dict[str, float]]:
+# An idle vLLM as the agent meets it (--read-server): its metrics on its API port, nothing running or waiting.
+VLLM = """
+import http.server
+BODY = (b"vllm:num_requests_running 0\\nvllm:num_requests_waiting 0\\nvllm:kv_cache_usage_perc 0.0\\n"
+        b"vllm:generation_tokens_total 0\\n")
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BODY)))
+        self.end_headers()
+        self.wfile.write(BODY)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 8000), H).serve_forever()
+"""
+
+
+def one(checkout: str, idle: float, read_server: bool) -> dict[str, dict[str, float]]:
     ns = f"qosbench-{uuid.uuid4().hex[:8]}"
     pins = f"/sys/fs/bpf/{ns}"
     tmp = Path(tempfile.mkdtemp(prefix="qosbench-", dir="/run"))
+    # With a server read: gold matched by its clients' addresses, so the agent's reads (from 127.0.0.1) are no
+    # tenant's, as docs/servers.md asks where the metrics are on the API port.
+    gold = {"ports": [8000], "cidrs": ["198.18.0.0/15"]} if read_server else {"ports": [8000]}
     (tmp / "qosagent.yaml").write_text(yaml.safe_dump({
         "interval": "100ms", "state_dir": str(tmp), "status": {"socket": str(tmp / "status.sock")},
         "metrics": {"enabled": False}, "bpf": {"pin_root": pins},
         "latency": {"ports": [8000]}, "quota": {"enabled": True, "interfaces": ["lo"]},
         "admission": {"enabled": True, "mode": "dry-run"},
-        "tenants": [{"name": "gold", "tier": "gold", "match": {"ports": [8000]}, "quota": {"rps": 100, "burst": 10}}],
+        "tenants": [{"name": "gold", "tier": "gold", "match": gold, "quota": {"rps": 100, "burst": 10}}],
+        **({"servers": [{"port": 8000, "kind": "vllm"}]} if read_server else {}),
     }))
     subprocess.run(["ip", "netns", "add", ns], check=True)
+    server = None
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        if read_server:
+            server = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", VLLM])
         cold = start(checkout, ns, tmp, (), idle)
         warm = start(checkout, ns, tmp, ("--detach-on-exit",), idle)
         warm["import_s"] = import_floor(checkout)
         return {"cold": cold, "warm": warm}
     finally:
+        if server is not None:
+            server.kill()
+            server.wait()
         subprocess.run(["ip", "netns", "del", ns], check=False)
         shutil.rmtree(pins, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,6 +232,8 @@ def main() -> None:
     ap.add_argument("after")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured per start")
+    ap.add_argument("--read-server", action="store_true",
+                    help="an idle vLLM-like server on the watched port, whose metrics the agent reads every second")
     a = ap.parse_args()
     for checkout in (a.before, a.after):
         # Each checkout's bytecode compiled first, as pip compiles an installed package's (the image, the unit's
@@ -212,7 +243,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
     for r in range(a.rounds):
         for label, checkout in (("before", a.before), ("after", a.after))[:: 1 if r % 2 == 0 else -1]:
-            res = one(os.path.abspath(checkout), a.idle)
+            res = one(os.path.abspath(checkout), a.idle, a.read_server)
             runs[label].append(res)
             print(f"round {r} {label}: " + ", ".join(f"{k} " + " ".join(f"{m}={v:.2f}" for m, v in d.items())
                                                      for k, d in res.items()), file=sys.stderr)

@@ -215,7 +215,7 @@ class Capability:
     def apply(self, decisions: list[Decision]) -> None:
         """Write what was decided (nothing in dry-run)."""
 
-    def at_rest(self) -> bool:
+    def quiet(self) -> bool:
         """After this tick's decide and apply: whether the tick found nothing new that a decision reads (no
         request timed, no tenant's count moved) and left nothing pending (no limit held, no streak building), so that
         what it decides next waits on new inputs alone and a slower loop (config rest_interval) would move no

@@ -106,7 +106,7 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
     """Run the agent in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config). On exit every capability
     rolls back, except that quota's classifier stays enforcing for the next agent (see --detach-on-exit)."""
     from qosagent import logs
-    from qosagent.daemon import Agent
+    from qosagent.daemon import Agent, watchdog_usec
     from qosagent.metrics import MetricsServer, health_server
     from qosagent.status import StatusServer
     from qosagent.weblisten import security
@@ -149,10 +149,10 @@ def run(config_path: str | None, host_root: str, detach_on_exit: bool, metrics_l
         if health is not None:
             log.info("health on http://%s:%s/healthz and /readyz", *health.address[:2])
     watchdog_us = os.environ.get("WATCHDOG_USEC", "")
-    tick = max(cfg.interval, cfg.rest_interval)  # at rest the loop ticks every rest_interval
-    if watchdog_us.isdigit() and 3 * tick * 1e6 > int(watchdog_us):
-        # The loop pings once per tick: a unit's WatchdogSec shorter than three ticks would kill a healthy agent.
-        sd_notify(f"WATCHDOG_USEC={int(3 * tick * 1e6)}")
+    agent.unit_watchdog_us = int(watchdog_us) if watchdog_us.isdigit() else None
+    widened = watchdog_usec(cfg, agent.unit_watchdog_us)
+    if widened:
+        sd_notify(f"WATCHDOG_USEC={widened}")
     try:
         agent.start(settle=False)
         agent.run(notify=sd_notify)

@@ -212,9 +212,10 @@ def _default_tiers() -> dict[str, TierConfig]:
 
 class Config(Section):
     interval: Duration = 0.1
-    # The loop's period once its ticks have found nothing new for this long (schedule.Pace); back to `interval` at
-    # the first tick that finds something. At most `interval`: never at rest.
-    rest_interval: duration_between(0.0, 5.0, "0 and 5s") = 0.5  # type: ignore[valid-type]
+    # The loop's period once its ticks have been quiet for this long (schedule.Pace); back to `interval` at the first
+    # tick that is not. At most `interval`: never resting. At most 1 s: a rate over the last second read in the
+    # second after the loop wakes spans up to 1 s + rest_interval (docs/configuration.md).
+    rest_interval: duration_between(0.0, 1.0, "0 and 1s") = 0.5  # type: ignore[valid-type]
     # Keys marked RESTART are read once at start (a reload that changes one is refused, naming it).
     log_level: Annotated[str, RESTART] = Field(default="info", pattern="^(debug|info|warning|error)$")
     state_dir: Annotated[str, RESTART] = "/run/qosagent"

@@ -28,6 +28,7 @@ from qosagent.gpu.backend import DISABLED, SAMPLE_FAILED, GpuBackend, GpuError, 
 from qosagent.gpu.choose import make_backend
 from qosagent.hostfs import HostFS
 from qosagent.schedule import Every, Pace
+from qosagent.wakepipe import WakePipe
 from qosagent.services import Service
 from qosagent.snapshot import Decision, Snapshot
 
@@ -77,6 +78,16 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
 
+def watchdog_usec(cfg: Config, unit_us: int | None) -> int | None:
+    """The WATCHDOG_USEC to ask systemd for, where the unit's (unit_us) is shorter than three of the loop's longest
+    ticks: it pings once a tick, every rest_interval at rest, and would be killed healthy; None where it is long
+    enough or no unit watches."""
+    if unit_us is None:
+        return None
+    want = int(3 * max(cfg.interval, cfg.rest_interval) * 1e6)
+    return want if want > unit_us else None
+
+
 class Agent:
     def __init__(self, cfg: Config, hostfs: HostFS, config_path: str | None = None, gpu: GpuBackend | None = None):
         self.config = cfg
@@ -101,13 +112,17 @@ class Agent:
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=cfg.status.decisions_kept)
         self.latest: Snapshot = Snapshot.build(0, time.monotonic(), time.time(), {})
         self.ready = threading.Event()
-        self._stop = threading.Event()
-        self._reload = threading.Event()
-        # Rung by a stop or reload asked for, so that one waits for neither the interval nor the rest between ticks.
-        self._wake = threading.Event()
+        # A stop or reload asked for: plain flags and a pipe's ring, which a signal handler may set and ring where it
+        # could not take an Event's lock (qosagent/wakepipe.py); the ring ends the wait between ticks at once.
+        self._stopping = False
+        self._reload_asked = False
+        self._bell = WakePipe()
         self.pace = Pace(cfg.interval, cfg.rest_interval)
-        self.at_rest = False  # the last tick found nothing new and left nothing pending (Capability.at_rest)
+        self.quiet = False  # the last tick found nothing new and left nothing pending (Capability.quiet)
         self.awake_by: tuple[str, ...] = ()
+        # The unit's WatchdogSec (WATCHDOG_USEC), where systemd watches the loop: widened to three of its longest
+        # ticks at start and after a reload that lengthens them (watchdog_usec).
+        self.unit_watchdog_us: int | None = None
         self._reload_done = threading.Condition()
         self._reload_result: tuple[int, tuple[bool, str]] = (0, (True, ""))
         self.features: features_mod.Features | None = None
@@ -241,9 +256,9 @@ class Agent:
         self._recover(failed)
         self._restate()
         # What kept this tick from being quiet, for status: the capabilities not at rest, a decision, a tick error.
-        self.awake_by = tuple(sorted({cap.name for cap in self.capabilities if not cap.at_rest()}
+        self.awake_by = tuple(sorted({cap.name for cap in self.capabilities if not cap.quiet()}
                                      | ({"decisions"} if decided else set()) | self._tick_degraded))
-        self.at_rest = not self.awake_by
+        self.quiet = not self.awake_by
         self.decisions.extend(decided)
         for cap in self.capabilities:
             if cap.name not in failed:
@@ -356,12 +371,12 @@ class Agent:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._stopping = True
+        self._bell.ring()
 
     def request_reload(self, *_: Any) -> None:
-        self._reload.set()
-        self._wake.set()
+        self._reload_asked = True
+        self._bell.ring()
 
     def run(self, notify: Any = None) -> None:
         """Tick until asked to stop, every `interval`, or every `rest_interval` at rest (schedule.Pace).
@@ -374,16 +389,16 @@ class Agent:
                  ", ".join(f"{n}={v.state.value}" for n, v in self.verdicts.items()))
         if notify:
             notify("READY=1")
-        while not self._stop.is_set():
-            next_at += self.pace.after(self.latest.monotonic, self.at_rest)
+        while not self._stopping:
+            next_at += self.pace.after(self.latest.monotonic, self.quiet)
             delay = next_at - time.monotonic()
             if delay < 0:
                 # Overran: skip the missed ticks rather than bursting to catch up.
                 self.stats.tick_overruns += 1
                 next_at = time.monotonic()
-            elif self._wake.wait(delay):
-                self._wake.clear()
-                if self._stop.is_set():
+            elif self._bell.wait(delay):
+                self._bell.clear()
+                if self._stopping:
                     break
                 next_at = time.monotonic()  # a reload asked for: now, and the ticks after it paced from here
             if self._settle_pending:
@@ -392,11 +407,14 @@ class Agent:
                 settle_heap()
                 self._settle_pending = False
             if self._config_changed():
-                self._reload.set()
-            if self._reload.is_set():
-                self._reload.clear()
+                self._reload_asked = True
+            if self._reload_asked:
+                self._reload_asked = False  # before the file is read: a request from now on reloads again
                 result = self.reload()
                 self.pace.again(self.config.interval, self.config.rest_interval)
+                widened = watchdog_usec(self.config, self.unit_watchdog_us)
+                if notify and widened:
+                    notify(f"WATCHDOG_USEC={widened}")
                 with self._reload_done:
                     self._reload_result = (self._reload_result[0] + 1, result)
                     self._reload_done.notify_all()
@@ -420,16 +438,19 @@ class Agent:
         """Ask the loop to reload (it does so between ticks) and wait for its answer."""
         with self._reload_done:
             seen = self._reload_result[0]
-            self._reload.set()
-            self._wake.set()
+            self._reload_asked = True
+            self._bell.ring()
             if not self._reload_done.wait_for(lambda: self._reload_result[0] != seen, timeout):
                 return False, "the control loop did not answer in time"
             return self._reload_result[1]
 
     def install_signal_handlers(self) -> None:
+        """From the main thread, which runs the loop: the handlers set a flag and ring the loop's bell, and the
+        interpreter rings it too, for a signal that reached another thread (WakePipe.ring_on_signals)."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGHUP, self.request_reload)
+        self._bell.ring_on_signals()
 
     # ---- what the status socket serves -------------------------------------------------------------------
     def status(self, decisions: bool = False) -> dict[str, Any]:

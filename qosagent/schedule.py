@@ -29,7 +29,7 @@ class Pace:
     """The control loop's wait between ticks: `interval` while anything moves; once the ticks have found nothing new
     and left nothing pending for `rest` seconds in a row, `rest`, until the first tick that finds something.
 
-    At rest every capability's next decision waits on new inputs alone (Capability.at_rest), so a longer wait moves
+    At rest every capability's next decision waits on new inputs alone (Capability.quiet), so a longer wait moves
     no decision but in time, by at most `rest`; what a tick costs is then paid a few times a second instead of ten.
     A `rest` no longer than `interval` never rests."""
 

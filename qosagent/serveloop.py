@@ -4,10 +4,11 @@ shutdown(): twice a second per server on an idle agent, for nothing."""
 
 from __future__ import annotations
 
-import os
 import selectors
 import socketserver
 import threading
+
+from qosagent.wakepipe import WakePipe
 
 
 class ServeLoop:
@@ -17,7 +18,7 @@ class ServeLoop:
     def __init__(self, server: socketserver.BaseServer, name: str):
         self.server = server
         self._stopping = False
-        self._wake: tuple[int, int] | None = os.pipe()  # stop() writes it: the wait ends at once
+        self._wake: WakePipe | None = WakePipe()  # stop() rings it: the wait ends at once
         self._lock = threading.Lock()  # orders start() and stop(), and one stop() against another
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
@@ -34,7 +35,7 @@ class ServeLoop:
         assert self._wake is not None
         with selectors.DefaultSelector() as waiting:
             waiting.register(self.server, selectors.EVENT_READ)
-            waiting.register(self._wake[0], selectors.EVENT_READ)
+            waiting.register(self._wake, selectors.EVENT_READ)
             while not self._stopping:
                 for key, _ in waiting.select():
                     if key.fileobj is self.server and not self._stopping:
@@ -45,14 +46,13 @@ class ServeLoop:
     def stop(self) -> None:
         """End the loop and wait for it; safe before start() and twice. The server's socket stays the caller's to
         close (server_close). Under the lock: a second stop() meanwhile waits for the first and finds nothing to do,
-        rather than closing the pipe's fds twice (by then, maybe fds someone else opened)."""
+        rather than ringing a pipe already closed (by then, maybe fds someone else opened)."""
         with self._lock:
             self._stopping = True
             if self._wake is None:
                 return
-            os.write(self._wake[1], b"\0")
+            self._wake.ring()
             if self.thread.is_alive():
                 self.thread.join()  # the loop takes no lock: it ends holding none
-            for fd in self._wake:
-                os.close(fd)
+            self._wake.close()
             self._wake = None

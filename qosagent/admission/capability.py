@@ -77,6 +77,7 @@ class Admission(Capability):
         self._tier_slo: dict[str, float] = {}  # the SLO of each tier with tenants (slo.tier_slos), per config
         # The last input, and what it was made of: (config, baseline, the parts it read).
         self._input: tuple[tuple[Any, Any, tuple[Any, ...]], policy.TickInput] | None = None
+        self._steady = False  # this tick's servers' and GPUs' readings were the tick before's
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _writer(self) -> LimitsWriter | None:
@@ -151,6 +152,9 @@ class Admission(Capability):
             inp = dataclasses.replace(last[1], now=snapshot.monotonic)
         else:
             inp = tick_input(snapshot, cfg, self.baseline, self._index, self._tier_slo)
+        # The servers' and GPUs' readings as the tick before's: a reading that moves (a GPU's memory dipping between
+        # two reads, which the growth trigger judges by its lowest) keeps the loop at interval, as tenants' do.
+        self._steady = last is not None and inp.gpu == last[1].gpu and inp.servers == last[1].servers
         self._input = (made, inp)
         out = policy.decide(inp, cfg.admission, self.state)
         self.state = out.state
@@ -170,9 +174,9 @@ class Admission(Capability):
                                       shown=f"{inputs['old']} -> {inputs['new']}"))
         return decisions
 
-    def at_rest(self) -> bool:
+    def quiet(self) -> bool:
         out = self.outcome
-        return out is not None and not out.changes and not out.run_pre_cleanup and out.state.at_rest
+        return self._steady and out is not None and not out.changes and not out.run_pre_cleanup and out.state.quiet
 
     def apply(self, decisions: list[Decision]) -> None:
         out = self.outcome

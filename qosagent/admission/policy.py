@@ -181,7 +181,7 @@ class LoopState:
     last_server_cut: float = -math.inf
 
     @property
-    def at_rest(self) -> bool:
+    def quiet(self) -> bool:
         """Nothing held, shed or building toward a change: no tenant off its baseline, no tier in a breach streak,
         no server or GPU pressed, no breach episode still counting its cuts. From here only new inputs move a
         decision, so ticking slower delays it without changing it; the tick-counted streaks and the recovery that

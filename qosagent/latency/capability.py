@@ -219,7 +219,7 @@ class Latency(Capability):
         self._published = (made, part)
         return part
 
-    def at_rest(self) -> bool:
+    def quiet(self) -> bool:
         return self._rested
 
     def kernel_maps(self, plan: Plan) -> list[Any]:

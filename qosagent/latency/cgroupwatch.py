@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import posixpath
 import select
 import threading
@@ -20,6 +19,7 @@ from qosagent.ebpf.cgrouplinks import CgroupLinks
 from qosagent.ebpf.loader import BpfError
 from qosagent.ebpf.libbpf import ATTACH_CGROUP_INET_EGRESS, ATTACH_CGROUP_INET_INGRESS, ATTACH_CGROUP_SOCK_OPS
 from qosagent.latency import links
+from qosagent.wakepipe import WakePipe
 
 if TYPE_CHECKING:
     from qosagent.ebpf.libbpf import RingBuffer
@@ -62,7 +62,7 @@ class CgroupWatch:
         self._ids: dict[int, str] = {}  # cgroup id -> host path, for those the ingress program is linked to
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._wake: tuple[int, int] | None = None  # a pipe: close() writes it to end the thread's wait
+        self._wake: WakePipe | None = None  # close() rings it to end the thread's wait
 
     def start(self, ports: set[int], pods: Iterable[int] = ()) -> None:
         """Link the learners, then the sock_ops program, on the root; start the thread; link the cgroups of the
@@ -90,7 +90,7 @@ class CgroupWatch:
 
     def _start_watch(self) -> None:
         self._stopping.clear()
-        self._wake = os.pipe()
+        self._wake = WakePipe()
         self._thread = threading.Thread(target=self._watch, name="latency-cgroups", daemon=True)
         self._thread.start()
 
@@ -119,7 +119,8 @@ class CgroupWatch:
         no server starts wakes this thread never (a 200 ms poll woke it five times a second)."""
         assert self._events is not None and self._wake is not None
         waiting = select.poll()
-        waiting.register(self._wake[0], select.POLLIN)
+        bell = self._wake.fileno()
+        waiting.register(bell, select.POLLIN)
         try:
             waiting.register(self._events.epoll_fd(), select.POLLIN)
             polled = False
@@ -130,7 +131,7 @@ class CgroupWatch:
             try:
                 if polled:
                     self._events.poll(FALLBACK_POLL_MS)
-                elif any(fd != self._wake[0] for fd, _ in waiting.poll()):
+                elif any(fd != bell for fd, _ in waiting.poll()):
                     self._events.consume()
             except Exception as e:  # noqa: BLE001 - a failed read must not end the watcher silently
                 self.errors += 1
@@ -224,13 +225,12 @@ class CgroupWatch:
         """Stop the thread, then unlink everything; safe to call twice."""
         self._stopping.set()
         if self._wake is not None:
-            os.write(self._wake[1], b"\0")
+            self._wake.ring()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._wake is not None:
-            for fd in self._wake:
-                os.close(fd)
+            self._wake.close()
             self._wake = None
         with self._lock:
             for cg_links in (self._ingress, self._egress):

@@ -146,7 +146,7 @@ class Quota(Capability):
         self._rested = not self.view.rows_moved and self.view.still
         return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
 
-    def at_rest(self) -> bool:
+    def quiet(self) -> bool:
         # Limits held off the baseline (admission's, the fleet's) stay in force only while the heartbeat beats
         # within quota.heartbeat_timeout: the loop keeps its pace while any is held.
         return self._rested and not self.overrides and not self.fleet

@@ -86,9 +86,9 @@ class Servers(Capability):
     def collect(self) -> ServersPart:
         return self.scraper.part()
 
-    def at_rest(self) -> bool:
+    def quiet(self) -> bool:
         # Its thread reads the servers on servers[].interval whatever the loop's pace; the tick only hands the
-        # latest reading on, and what a reading means for a decision is admission's to say (its own at_rest).
+        # latest reading on, and what a reading means for a decision is admission's to say (its own quiet).
         return True
 
     # ---- reporting ---------------------------------------------------------------------------------------

@@ -436,3 +436,16 @@ def test_pre_cleanup_runs_once_per_pressure_entry_and_not_in_dry_run(tmp_path: P
 
 def test_render_survives_a_broken_status_part() -> None:
     assert Admission.render({"error": "boom"}) == "ADMISSION  boom"
+
+
+def test_quiet_while_nothing_is_held_and_the_servers_and_gpus_read_as_the_tick_before() -> None:
+    """quiet() (what lets the loop rest): a healthy tick with the same readings is quiet; a GPU's memory or a
+    server's KV that moved since the tick before is not, though nothing is decided on it (the growth trigger judges
+    memory by its lowest reading, which a slower loop could miss); a breach streak is not."""
+    cap = capability("enforce", FakeLimits())
+    seen = []
+    for i, (ratio, kv, gold_ms) in enumerate([(0.5, 0.1, 7), (0.5, 0.1, 7), (0.6, 0.1, 7), (0.6, 0.1, 7),
+                                              (0.6, 0.2, 7), (0.6, 0.2, 7), (0.6, 0.2, 200), (0.6, 0.2, 7)]):
+        assert run(cap, 1, gold_ms=gold_ms, gpu=gpu_at(ratio), servers=vllm_at(kv), start=i) == []
+        seen.append(cap.quiet())
+    assert seen == [False, True, False, True, False, True, False, True]

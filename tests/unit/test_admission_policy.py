@@ -557,18 +557,18 @@ def test_a_tick_at_rest_asks_for_no_idle_tenant() -> None:
     assert raised == cut
 
 
-def test_the_loop_state_is_at_rest_only_with_nothing_held_or_building_and_stays_so_however_late_it_ticks() -> None:
-    """LoopState.at_rest lets the daemon tick slower (rest_interval): it must be false from a breach's first tick
+def test_the_loop_state_is_quiet_only_with_nothing_held_or_building_and_stays_so_however_late_it_ticks() -> None:
+    """LoopState.quiet lets the daemon tick slower (rest_interval): it must be false from a breach's first tick
     until its last held limit is restored and the episode over, and from true unchanged inputs change nothing."""
     loop = Loop(cfg(), baseline={"acme": TenantLimit(200, 20), "mid": TenantLimit(200, 20),
                                  "hobby": TenantLimit(200, 20)})
-    assert loop.tick().state.at_rest
+    assert loop.tick().state.quiet
     states = [loop.tick(gold_over()).state for _ in range(3)]
-    assert [s.at_rest for s in states] == [False, False, False] and loop.changes  # a streak, then hobby's cut
+    assert [s.quiet for s in states] == [False, False, False] and loop.changes  # a streak, then hobby's cut
     rested = None
     for i in range(300):
         out = loop.tick()
-        if out.state.at_rest:
+        if out.state.quiet:
             rested = i
             break
     assert rested is not None and loop.limit("hobby") == TenantLimit(200, 20)
@@ -576,4 +576,4 @@ def test_the_loop_state_is_at_rest_only_with_nothing_held_or_building_and_stays_
     for gap in (0.1, 0.5, 5.0, 60.0):
         loop.now += gap
         out = loop.tick()
-        assert not out.changes and out.state.at_rest
+        assert not out.changes and out.state.quiet

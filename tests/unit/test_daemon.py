@@ -356,56 +356,64 @@ def _until(check: Any, timeout: float) -> bool:
     return False
 
 
-def test_the_loop_rests_while_every_capability_is_at_rest_and_a_reload_or_stop_waits_for_no_rest(scripted,
-                                                                                                  tmp_path) -> None:
+def test_the_loop_rests_while_every_capability_is_quiet_and_a_reload_or_stop_waits_for_no_rest(scripted,
+                                                                                                tmp_path) -> None:
     quiet = {"a": True}
 
     class Resting(make_cap("a")):  # type: ignore[misc, valid-type]
         def decide(self, snapshot: Any) -> list[Decision]:
             return []
 
-        def at_rest(self) -> bool:
+        def quiet(self) -> bool:
             return quiet["a"]
 
     scripted(Resting)
-    a = agent(tmp_path, "interval: 20ms\nrest_interval: 1500ms\nlatency: {enabled: false}\n")
+    a = agent(tmp_path, "interval: 20ms\nrest_interval: 1s\nlatency: {enabled: false}\n")
+
+    def fresh_tick() -> Any:
+        """The snapshot of a tick just run: the next one, resting, is rest_interval away."""
+        seq = a.latest.seq
+        assert _until(lambda: a.latest.seq != seq, 5.0)
+        return a.latest
+
     thread = AgentThread(a)
     thread.__enter__()
     try:
-        # Quiet from the first tick: at interval for rest_interval, then at rest.
+        # Quiet from the first tick: at interval for rest_interval, then resting.
         assert _until(lambda: a.pace.resting, 5.0)
-        assert a.status()["self"]["resting"] is True and a.status()["rest_interval_s"] == 1.5
-        seq = a.latest.seq
-        # A reload is acted on at once, not after the rest; the loop is awake after it.
-        began = time.monotonic()
+        assert a.status()["self"]["resting"] is True and a.status()["rest_interval_s"] == 1.0
+        # A reload is answered by a tick of its own at once, not at the next rest tick.
+        last = fresh_tick()
         assert a.reload_and_wait(timeout=5.0) == (True, "reloaded")
-        assert time.monotonic() - began < 0.75 and a.latest.seq > seq and not a.pace.resting
-        # What a capability finds keeps the loop at interval.
+        assert time.monotonic() < last.monotonic + 1.0 and not a.pace.resting
+        # What a capability finds keeps the loop awake from its next tick.
+        assert _until(lambda: a.pace.resting, 5.0)
         quiet["a"] = False
-        ticks = a.stats.ticks
-        assert _until(lambda: a.stats.ticks >= ticks + 5, 1.0), "back at interval"
+        assert _until(lambda: not a.pace.resting, 5.0)
+        assert a.status()["self"]["awake_by"] == ["a"]
         quiet["a"] = True
         assert _until(lambda: a.pace.resting, 5.0)
-        began = time.monotonic()
+        # A stop ends the wait at once: no tick runs after it (one at the end of the rest would).
+        last = fresh_tick()
     finally:
         thread.__exit__()
-    assert time.monotonic() - began < 0.75, "a stop waits for no rest"
+    assert a.latest.seq == last.seq
 
 
-def test_a_tick_with_a_decision_or_a_capability_that_cannot_say_never_rests(scripted, tmp_path) -> None:
+def test_a_tick_with_a_decision_or_a_capability_that_cannot_say_is_never_quiet(scripted, tmp_path) -> None:
     class Silent(make_cap("b")):  # type: ignore[misc, valid-type]
         def decide(self, snapshot: Any) -> list[Decision]:
             return []
 
-    class Resting(make_cap("a")):  # type: ignore[misc, valid-type]
-        def at_rest(self) -> bool:
+    class Deciding(make_cap("a")):  # type: ignore[misc, valid-type]
+        def quiet(self) -> bool:
             return True  # but it decides something every tick (make_cap's decide)
 
-    for caps in ((Resting,), (Silent,)):
+    for caps, awake in (((Deciding,), ["decisions"]), ((Silent,), ["b"]), ((Silent, Deciding), ["b", "decisions"])):
         scripted(*caps)
         a = agent(tmp_path, "interval: 10ms\nrest_interval: 50ms\nlatency: {enabled: false}\n")
         a.start()
         for _ in range(20):
             a.tick()
-            assert not a.at_rest
+            assert not a.quiet and list(a.awake_by) == awake
         a.stop()

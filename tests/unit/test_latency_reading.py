@@ -61,7 +61,7 @@ def test_a_tick_that_changes_one_tenant_copies_no_other_tenants_row() -> None:
 
 
 def test_only_a_configured_tenants_row_or_window_moving_is_news_to_a_decision() -> None:
-    """rows_moved (the capability's at_rest): the unmatched tenant's requests (the agent's own reads of a server's
+    """rows_moved (the capability's quiet): the unmatched tenant's requests (the agent's own reads of a server's
     metrics on its API port) and the run queue move the version, a new part for metrics, but no decision's input."""
     table = {**TABLE, UNMATCHED_ID: TenantInfo(UNMATCHED_ID, "unmatched", "none", 0, 0.0)}
     view = Tenants(1.0)

@@ -279,7 +279,7 @@ def test_a_tick_at_rest_reads_no_stats_and_a_counted_packet_is_read_at_the_next_
 
 
 def test_only_a_configured_tenants_row_moving_is_news_to_a_decision() -> None:
-    """rows_moved and still (the capability's at_rest): the unmatched tenant's counts and the packets counted by
+    """rows_moved and still (the capability's quiet): the unmatched tenant's counts and the packets counted by
     reason make a new part for metrics but move no decision's input; a tenant's count does, and its rate draining
     over the next second keeps it moving."""
     view = Tenants()

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from qosagent import serveloop
+from qosagent import serveloop, wakepipe
 from qosagent.serveloop import ServeLoop
 
 
@@ -87,7 +87,7 @@ def test_start_after_stop_raises_and_serves_nothing(tmp_path) -> None:
 
 
 def test_concurrent_stops_close_the_pipe_once(tmp_path, monkeypatch) -> None:
-    """Eight stop() at once: each of the pipe's fds closed once. The first stop's wake write waits until every
+    """Eight stop() at once: each of the pipe's fds closed once. The first stop's ring waits until every
     caller has entered stop(), so without the lock the others would pass its 'nothing left' check meanwhile."""
     callers = 8
     entered = threading.Semaphore(0)
@@ -105,10 +105,11 @@ def test_concurrent_stops_close_the_pipe_once(tmp_path, monkeypatch) -> None:
 
     server = Server(str(tmp_path / "s.sock"), Echo)
     loop = ServeLoop(server, "test")
-    wake = loop._wake
+    assert loop._wake is not None
+    wake = list(loop._wake._fds)
     loop.start()
-    monkeypatch.setattr(serveloop.os, "write", write)
-    monkeypatch.setattr(serveloop.os, "close", close)
+    monkeypatch.setattr(wakepipe.os, "write", write)
+    monkeypatch.setattr(wakepipe.os, "close", close)
     barrier = threading.Barrier(callers)
     errors: list[BaseException] = []
 
@@ -130,6 +131,6 @@ def test_concurrent_stops_close_the_pipe_once(tmp_path, monkeypatch) -> None:
         t.join(10.0)
     monkeypatch.undo()
     server.server_close()
-    assert errors == [] and wake is not None
+    assert errors == []
     assert sorted(closed) == sorted(wake)  # each once
     assert not loop.thread.is_alive()
