@@ -11,9 +11,10 @@ pins (cold), stops it (a clean stop keeps what a restart may reuse), starts it a
 --detach-on-exit. Both checkouts' bytecode is compiled first, as an installed package's is. Ready is the status
 socket's first answer with a tick done, timed from the process's launch (asked every 20 ms); CPU times are read
 from /proc when it is ready (its children's from the kernel's count of every child it waited for: the two compile
-children, and the tools it ran, such as quota planning's `bpftool -j net show`). No
-tenant's traffic; with `--read-server`, an idle vLLM-like server on the watched port whose metrics the agent reads
-every second there, as on a real inference host (requests no tenant claims). Prints a Markdown table for docs/PERFORMANCE.md: the median over rounds of each measure, and after/before.
+children, and the tools it ran, such as quota planning's `bpftool -j net show`). No tenant's traffic; with
+`--read-server`, an idle vLLM-like server on the watched port whose metrics the agent reads every second there, as
+on a real inference host (requests no tenant claims). Prints a Markdown table for docs/PERFORMANCE.md: the median
+over rounds of each measure, and after/before.
 """
 
 from __future__ import annotations
