@@ -28,6 +28,9 @@ from qosagent.servers.config import ServerConfig
 
 # The name traffic gets when it is on a watched port but matches no tenant.
 UNMATCHED = "unmatched"
+# The tier of the unmatched traffic in status and metrics; no configured tier may take the name, or that traffic (the
+# agent's own reads of a server's metrics, probes) would count in its SLO verdict.
+UNMATCHED_TIER = "none"
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")]
 
@@ -314,6 +317,9 @@ def _cross_checks(cfg: Config) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     seen: dict[str, int] = {}
     port_owner: dict[int, str] = {}
+    if UNMATCHED_TIER in cfg.tiers:
+        problems.append((f"tiers.{UNMATCHED_TIER}", f"{UNMATCHED_TIER!r} is reserved: the tier of the traffic that "
+                                                    "matches no tenant"))
     for i, t in enumerate(cfg.tenants):
         here = f"tenants[{i}]"
         if t.name == UNMATCHED:

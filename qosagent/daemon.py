@@ -80,7 +80,7 @@ def settle_heap() -> None:
 
 def watchdog_usec(cfg: Config, unit_us: int | None) -> int | None:
     """The WATCHDOG_USEC to ask systemd for, where the unit's (unit_us) is shorter than three of the loop's longest
-    ticks: it pings once a tick, every rest_interval at rest, and would be killed healthy; None where it is long
+    ticks: it pings once a tick, every rest_interval while resting, and would be killed healthy; None where it is long
     enough or no unit watches."""
     if unit_us is None:
         return None
@@ -255,7 +255,7 @@ class Agent:
             decided.extend(decisions)
         self._recover(failed)
         self._restate()
-        # What kept this tick from being quiet, for status: the capabilities not at rest, a decision, a tick error.
+        # What kept this tick from being quiet, for status: the capabilities not quiet, a decision, a tick error.
         self.awake_by = tuple(sorted({cap.name for cap in self.capabilities if not cap.quiet()}
                                      | ({"decisions"} if decided else set()) | self._tick_degraded))
         self.quiet = not self.awake_by
@@ -379,7 +379,7 @@ class Agent:
         self._bell.ring()
 
     def run(self, notify: Any = None) -> None:
-        """Tick until asked to stop, every `interval`, or every `rest_interval` at rest (schedule.Pace).
+        """Tick until asked to stop, every `interval`, or every `rest_interval` while resting (schedule.Pace).
         `notify(state)` receives READY=1 and WATCHDOG=1 for systemd."""
         next_at = time.monotonic()
         self.tick()

@@ -239,9 +239,9 @@ def scrape_body(collector: AgentCollector, accept: str | None) -> tuple[bytes, s
 
 
 def agent_health(agent: "Agent") -> tuple[bool, str]:
-    """Healthy while the loop ticks: the last tick is at most 5 of its periods (interval, or rest_interval at rest)
-    old, and 2 s is always allowed. Not before the first tick: a start that hangs (compiling, attaching) must fail
-    the startup probe, which is what bounds it."""
+    """Healthy while the loop ticks: the last tick is at most 5 of its periods (interval, or rest_interval while
+    resting) old, and 2 s is always allowed. Not before the first tick: a start that hangs (compiling, attaching)
+    must fail the startup probe, which is what bounds it."""
     import time
 
     if not agent.ready.is_set():

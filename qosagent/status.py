@@ -143,7 +143,7 @@ def render(status: dict[str, Any], top: int = 0, tenant: str | None = None) -> s
     lines = [
         f"qosagent {status.get('version')}  config {status.get('config')}  tick {status.get('seq')} "
         f"({age:.1f}s ago)  interval {status.get('interval_s', 0) * 1000:.0f}ms"
-        + (f", at rest {status.get('rest_interval_s', 0) * 1000:.0f}ms" if resting else ""),
+        + (f", resting {status.get('rest_interval_s', 0) * 1000:.0f}ms" if resting else ""),
         "",
         "CAPABILITY   STATE        REASON",
     ]

@@ -10,7 +10,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
-from qosagent.config import UNMATCHED, Config, QuotaSpec, TenantConfig
+from qosagent.config import UNMATCHED, UNMATCHED_TIER, Config, QuotaSpec, TenantConfig
 
 UNMATCHED_ID = 0
 # What the quota capability offers in AgentContext.services: a LimitsWriter (admission's) and a FleetWriter (fleet's).
@@ -37,7 +37,7 @@ class TenantInfo:
 
 def tenant_table(cfg: Config) -> dict[int, TenantInfo]:
     """id -> tenant, with the unmatched pseudo-tenant; raises ValueError on a (vanishingly rare) id collision."""
-    table = {UNMATCHED_ID: TenantInfo(UNMATCHED_ID, UNMATCHED, "none", 0, 0.0)}
+    table = {UNMATCHED_ID: TenantInfo(UNMATCHED_ID, UNMATCHED, UNMATCHED_TIER, 0, 0.0)}
     for t in cfg.tenants:
         tid = tenant_id(t.name)
         if tid in table:

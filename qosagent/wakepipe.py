@@ -32,12 +32,12 @@ class WakePipe:
         return self._fds[0]
 
     def ring(self) -> None:
-        if not self._fds:
-            return
         try:
             os.write(self._fds[1], b"\0")
         except BlockingIOError:
             pass  # the pipe is full of rings nobody cleared yet: rung already
+        except IndexError:
+            pass  # closed
 
     def ring_on_signals(self) -> int:
         """Rung by the interpreter itself at every signal with a Python handler (signal.set_wakeup_fd; from the main
@@ -47,8 +47,9 @@ class WakePipe:
 
     def wait(self, timeout: float | None) -> bool:
         """Until rung or `timeout` seconds (None: no limit); whether it was rung. The ring stays until clear()."""
-        readable, _, _ = select.select([self._fds[0]], [], [], timeout)
-        return bool(readable)
+        waiting = select.poll()
+        waiting.register(self._fds[0], select.POLLIN)
+        return bool(waiting.poll(None if timeout is None else max(0, round(timeout * 1000))))
 
     def clear(self) -> None:
         try:

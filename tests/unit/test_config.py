@@ -64,6 +64,8 @@ def test_embedded_default_observes_only() -> None:
         ("tenants: [{name: a, tier: gold, match: {}}]", "tenants[0].match", "at least one"),
         ("tenants: [{name: Bad Name, tier: gold, match: {ports: [1]}}]", "tenants[0].name", "pattern"),
         ("tenants: [{name: unmatched, tier: gold, match: {ports: [1]}}]", "tenants[0].name", "reserved"),
+        ("tiers: {none: {slo_p99: 1s, weight: 1}}", "tiers.none", "reserved"),
+        ("rest_interval: 2s", "rest_interval", "between 0 and 1s"),
         ("tenants: [{name: a, tier: gold, match: {ports: [1]}}, {name: a, tier: gold, match: {ports: [2]}}]",
          "tenants[1].name", "duplicate"),
         ("tenants: [{name: a, tier: gold, match: {ports: [1]}}, {name: b, tier: gold, match: {ports: [1]}}]",

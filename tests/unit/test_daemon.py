@@ -13,7 +13,7 @@ import pytest
 
 from testkit.agent import AgentThread
 
-from qosagent import capabilities, config
+from qosagent import capabilities, config, daemon
 from qosagent.capability import Capability, CapabilityError, Change, State, Verdict
 from qosagent.daemon import Agent
 from qosagent.gpu.backend import NoGpu
@@ -417,3 +417,24 @@ def test_a_tick_with_a_decision_or_a_capability_that_cannot_say_is_never_quiet(s
             a.tick()
             assert not a.quiet and list(a.awake_by) == awake
         a.stop()
+
+
+def test_the_watchdog_is_widened_to_three_of_the_longest_ticks_and_again_after_a_reload(scripted, tmp_path) -> None:
+    """The loop pings systemd once a tick, every rest_interval while resting: a unit's WatchdogSec under three of
+    those would kill a healthy agent; a reload that lengthens the ticks asks again."""
+    assert daemon.watchdog_usec(config.parse({"interval": "100ms", "rest_interval": "500ms"}, "t"), 1_000_000) \
+        == 1_500_000
+    assert daemon.watchdog_usec(config.parse({"interval": "100ms"}, "t"), 30_000_000) is None
+    assert daemon.watchdog_usec(config.parse({}, "t"), None) is None  # no unit watches
+    scripted(make_cap("a"))
+    a = agent(tmp_path, "rest_interval: 100ms\nlatency: {enabled: false}\n")
+    a.unit_watchdog_us = 1_000_000
+    sent: list[str] = []
+    thread = AgentThread(a, notify=sent.append)
+    thread.__enter__()
+    try:
+        (tmp_path / "cfg.yaml").write_text("rest_interval: 1s\nlatency: {enabled: false}\n")
+        assert a.reload_and_wait(timeout=5.0) == (True, "reloaded")
+        assert _until(lambda: "WATCHDOG_USEC=3000000" in sent, 5.0), sent
+    finally:
+        thread.__exit__()
