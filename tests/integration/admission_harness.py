@@ -183,7 +183,7 @@ class Agent(AgentProcess):
             return {}
 
     def decisions(self, target: str, *actions: str) -> list[dict[str, Any]]:
-        return [d for d in self.status().get("decisions", []) if d["capability"] == "admission"
+        return [d for d in self.status(decisions=True).get("decisions", []) if d["capability"] == "admission"
                 and d["target"] == target and (not actions or d["action"] in actions)]
 
     def close(self) -> None:

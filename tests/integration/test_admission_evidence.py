@@ -114,7 +114,7 @@ def test_a_server_reading_overrides_gpu_memory_in_the_kernel(bpf: None, tmp_path
         gold_reqs = results(gold, tmp_path / "gold-full.json")
         results(flood, tmp_path / "flood.json")
         assert gold_reqs and all(ok for _, _, ok in gold_reqs)
-        cuts = [d for d in agent.status()["decisions"] if d["capability"] == "admission"]
+        cuts = [d for d in agent.status(decisions=True)["decisions"] if d["capability"] == "admission"]
         assert cuts[0]["target"] == "bronze-app" and {d["reason"] for d in cuts} == {"server_pressure"}, cuts
         assert all(d["new"] >= 50 for d in cuts if d["target"] == "gold-app"), cuts
         g_override = kernel_limits(agent, *TENANTS)["gold-app"]["override"]

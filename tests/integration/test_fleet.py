@@ -22,6 +22,7 @@ from tests.integration.netlab import sh
 pytestmark = pytest.mark.privileged
 
 QUOTA = 60.0
+BURST = 12  # fleet-wide, split among the nodes like the rate
 M = minimum(QUOTA, 3)
 
 
@@ -31,7 +32,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
     require(os.geteuid() == 0, "needs root (netns, BPF)")
     require(shutil.which("etcd") is not None, "needs etcd (Debian's etcd-server: QOSAGENT_SETUP_TEST=1 make setup)")
-    f = Fleet(tmp_path_factory.mktemp("fleet"), nodes=3, quota=QUOTA, burst=12)
+    f = Fleet(tmp_path_factory.mktemp("fleet"), nodes=3, quota=QUOTA, burst=BURST)
     try:
         f.start_allocator("alloc-a")
         f.start_allocator("alloc-b")
@@ -106,8 +107,11 @@ def test_the_leader_killed_a_standby_takes_over_without_the_fleet_exceeding_its_
             took = True
             break
     assert took, f"no takeover\n{f.logs()}"
-    # The slack: the safe shares of the nodes between leases (QUOTA/3 each) never add up past the quota.
-    assert worst <= 1.1 * QUOTA, worst
+    # The slack: the safe shares of the nodes between leases (QUOTA/3 each) never add up past the quota. In any second
+    # the nodes' buckets admit at most the rate and their bursts, which add up to the fleet's (CI, 2026-12-02: 66.8 a
+    # second in the takeover, within 60 + 12, above the 66 this bound was once); a node keeping its old lease's share
+    # beside the others' safe ones would be 98.
+    assert worst <= QUOTA + BURST, worst
     assert f.allocator_metrics(standby)["qosagent_allocator_leader_changes_total"] >= 1
     f.start_allocator(old)  # back as the standby
     f.wait("node-2 and node-3 busy again", lambda: _converged_on(f, ["node-2", "node-3"]), timeout=30)

@@ -90,7 +90,7 @@ def test_gold_ttft_under_a_bronze_flood_without_and_with_the_agent(bpf: None, tm
         t_end = t_ready + REACTION_S + TREATMENT_S
         time.sleep(max(0.0, t_end - time.monotonic()))
         limits = kernel_limits(agent, "gold-app", "bronze-app")
-        cuts = sorted((d for d in agent.status()["decisions"] if d["capability"] == "admission" and
+        cuts = sorted((d for d in agent.status(decisions=True)["decisions"] if d["capability"] == "admission" and
                        d["action"] == "cut"), key=lambda d: d["inputs"]["tick"])
         reading = agent.status()["servers"]["servers"][0]
         for p in (flood, gold):
