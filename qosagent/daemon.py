@@ -118,7 +118,8 @@ class Agent:
         self._reload_asked = False
         self._bell = WakePipe()
         self.pace = Pace(cfg.interval, cfg.rest_interval)
-        self.quiet = False  # the last tick found nothing new and left nothing pending (Capability.quiet)
+        # What kept the last tick from being quiet (Capability.quiet): the capabilities not quiet, a decision, a
+        # tick error; none, a quiet tick.
         self.awake_by: tuple[str, ...] = ()
         # The unit's WatchdogSec (WATCHDOG_USEC), where systemd watches the loop: widened to three of its longest
         # ticks at start and after a reload that lengthens them (watchdog_usec).
@@ -255,10 +256,8 @@ class Agent:
             decided.extend(decisions)
         self._recover(failed)
         self._restate()
-        # What kept this tick from being quiet, for status: the capabilities not quiet, a decision, a tick error.
         self.awake_by = tuple(sorted({cap.name for cap in self.capabilities if not cap.quiet()}
                                      | ({"decisions"} if decided else set()) | self._tick_degraded))
-        self.quiet = not self.awake_by
         self.decisions.extend(decided)
         for cap in self.capabilities:
             if cap.name not in failed:
@@ -370,6 +369,11 @@ class Agent:
         return False, why
 
     # ---- the loop ----------------------------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        """The last tick found nothing new and left nothing pending."""
+        return not self.awake_by
+
     def request_stop(self, *_: Any) -> None:
         self._stopping = True
         self._bell.ring()

@@ -175,8 +175,9 @@ class Admission(Capability):
         return decisions
 
     def quiet(self) -> bool:
-        out = self.outcome
-        return self._steady and out is not None and not out.changes and not out.run_pre_cleanup and out.state.quiet
+        # A change made this tick keeps the loop awake as every decision does (the daemon's); a pre-cleanup run
+        # comes with GPU pressure, which LoopState.quiet counts.
+        return self._steady and self.outcome is not None and self.outcome.state.quiet
 
     def apply(self, decisions: list[Decision]) -> None:
         out = self.outcome

@@ -73,7 +73,6 @@ class Latency(Capability):
         # The configured tenants' SLOs and their tiers', as of the last start or reload (SloVerdict's).
         self._slos: tuple[dict[str, float], dict[str, float]] = ({}, {})
         self._published: tuple[tuple[Any, ...], LatencyPart] | None = None  # the last part, and what it was made of
-        self._rested = False  # this tick's collect moved no configured tenant's row or window
         # Re-listing the serving processes' threads (run-queue) and pruning the links of cgroups gone (sockops).
         self._refresh = Every(RUNQ_REFRESH_S)
         self._threads = runq.Threads()
@@ -202,9 +201,6 @@ class Latency(Capability):
         namespaces = self._pods.followed if self._pods is not None else ()
         made = (view.version, cfg, self._slos, self._runq_names, found, unobserved, hooks, namespaces,
                 changes.rows_read)
-        # What no tenant claims (the agent's own reads of a server's metrics on its API port, probes) and the run
-        # queue move no decision, and do not keep the loop awake.
-        self._rested = not view.rows_moved
         if self._published is not None and self._published[0] == made:
             return self._published[1]  # a tick at rest: nothing in the part would differ, no tenant's row copied
         rq = view.runqueue(self._runq_names) if self.runq else None
@@ -220,7 +216,9 @@ class Latency(Capability):
         return part
 
     def quiet(self) -> bool:
-        return self._rested
+        # What no tenant claims (the agent's own reads of a server's metrics on its API port, probes) and the run
+        # queue move no decision, and do not keep the loop awake.
+        return not self._view.rows_moved
 
     def kernel_maps(self, plan: Plan) -> list[Any]:
         return datapath.map_sizes(self.ctx.config, plan)

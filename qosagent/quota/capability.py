@@ -90,7 +90,6 @@ class Quota(Capability):
         self.namespaces = NamespaceEgress(ctx)
         self.beat = Every(heartbeat_every(ctx.config.quota.heartbeat_timeout))
         self.view = reading.Tenants()  # what the tick makes of each tenant, kept between ticks
-        self._rested = False  # this tick's collect moved no configured tenant's row
         # What each tick needs from the config, worked out once per start or reload rather than every 100 ms.
         self.specs: dict[str, Any] = {}
         self.table: dict[int, TenantInfo] = {}
@@ -141,15 +140,13 @@ class Quota(Capability):
         assert d is not None
         r = d.read_changed()
         self.view.update(r, self.table, self.specs, self.overrides, self.fleet, self.ctx.config.quota.heartbeat_timeout)
-        # What no tenant claims (packets counted by reason, which on a host's NIC never stop; unmatched requests on
-        # a watched port) moves no decision, and does not keep the loop awake.
-        self._rested = not self.view.rows_moved and self.view.still
         return reading.part(r, self.view, tuple(self.attached), d.path, tuple(self.others), self.namespaces.shown)
 
     def quiet(self) -> bool:
-        # Limits held off the baseline (admission's, the fleet's) stay in force only while the heartbeat beats
-        # within quota.heartbeat_timeout: the loop keeps its pace while any is held.
-        return self._rested and not self.overrides and not self.fleet
+        # What no tenant claims (packets counted by reason, which on a host's NIC never stop; unmatched requests on
+        # a watched port) moves no decision. A held override or fleet share keeps a tenant moving (`still`): it stays
+        # in force only while the heartbeat beats within quota.heartbeat_timeout, so the loop keeps its pace.
+        return not self.view.rows_moved and self.view.still
 
     def _follow(self, starting: bool = False) -> None:
         assert self.datapath is not None

@@ -67,7 +67,6 @@ class Tenants:
             old, self._built, rebuild = self._built, {}, list(table)
         else:
             old, rebuild = self._built, list((set(r.counts) | moved | self._moving) & table.keys())
-        self.rows_moved = everything
         changed = everything or UNMATCHED_ID in r.counts or UNMATCHED_ID in moved
         differ: dict[str, TenantQuota] = {}  # the rows worked out again and not equal to those they replace
         for tid in rebuild:
@@ -85,7 +84,7 @@ class Tenants:
                 self._moving.add(tid)
             else:
                 self._moving.discard(tid)
-        self.rows_moved = self.rows_moved or bool(differ)
+        self.rows_moved = everything or bool(differ)
         if not changed:
             return
         self.version += 1
