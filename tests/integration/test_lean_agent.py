@@ -20,6 +20,7 @@ import yaml
 from qosagent.ebpf.libbpf import map_create, obj_get, obj_pin
 from qosagent.ebpf.pins import quota_dir
 from tests.conftest import require
+from tests.integration.latency_helpers import until
 from tests.integration.netlab import Lab
 from testkit.agent import READY_S, AgentProcess, agent_argv, agent_env
 
@@ -264,12 +265,7 @@ def test_killed_compile_child_leaves_nothing(env: Env) -> None:
 
 
 def _resting(agent: AgentProcess, want: bool, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if agent.status()["self"]["resting"] is want:
-            return True
-        time.sleep(0.02)
-    return False
+    return until(lambda: agent.status()["self"]["resting"], lambda r: r is want, timeout) is want
 
 
 def test_an_idle_agent_rests_and_the_first_request_wakes_it(env: Env) -> None:
